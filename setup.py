@@ -1,0 +1,49 @@
+"""Packaging for kfac: K-FAC for current TensorFlow (2.16-2.21)."""
+
+from setuptools import find_packages, setup
+
+# TensorFlow is deliberately NOT in install_requires. "tensorflow" and
+# "tensorflow-cpu" (and e.g. "tensorflow-macos", "tf-nightly") are different
+# distributions providing the same `tensorflow` module; depending on one of
+# them would install a second TensorFlow beside the one the user already has.
+# Pick one with an extra, as with the old kfac 0.2.x:
+#   pip install kfac[tensorflow]      # or
+#   pip install kfac[tensorflow_cpu]
+REQUIRED = [
+    "numpy",
+    "absl-py",
+    "tensorflow-probability>=0.24",
+]
+
+EXTRAS = {
+    "tensorflow": ["tensorflow>=2.16"],
+    "tensorflow_cpu": ["tensorflow-cpu>=2.16"],
+    "tests": ["pytest", "scikit-learn"],
+    "examples": ["scikit-learn", "matplotlib"],
+}
+
+setup(
+    name="kfac",
+    version="0.3.0.dev0",
+    description=(
+        "K-FAC (Kronecker-Factored Approximate Curvature) optimizer for "
+        "TensorFlow 2.16+, API-compatible with the TF1 kfac 0.2.x library."
+    ),
+    license="Apache 2.0",
+    packages=find_packages(include=["kfac", "kfac.*"]),
+    python_requires=">=3.10",
+    install_requires=REQUIRED,
+    extras_require=EXTRAS,
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Science/Research",
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    keywords="tensorflow optimizer kfac second-order natural-gradient",
+)
