@@ -29,7 +29,7 @@ setup(
         "K-FAC (Kronecker-Factored Approximate Curvature) optimizer for "
         "TensorFlow 2.16+, API-compatible with the TF1 kfac 0.2.x library."
     ),
-    license="Apache 2.0",
+    license="Apache-2.0",
     packages=find_packages(include=["kfac", "kfac.*"]),
     python_requires=">=3.10",
     install_requires=REQUIRED,
@@ -37,7 +37,6 @@ setup(
     classifiers=[
         "Development Status :: 3 - Alpha",
         "Intended Audience :: Science/Research",
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
