@@ -1,0 +1,274 @@
+r"""Milliseconds per training step on the deep autoencoder of the K-FAC paper.
+
+Model: 784-1000-500-250-30-250-500-1000-784, tanh (linear code layer),
+sigmoid cross-entropy reconstruction loss, batch 256 by default.
+
+Compared side by side in one process:
+  sgd_momentum    tf.compat.v1.train.MomentumOptimizer, TF1 Session
+  kfac_session    kfac.PeriodicInvCovUpdateKfacOpt(invert_every=10), Session
+  kfac_tf_function  the same K-FAC optimizer, TF2 tf.function train step
+
+Steps are timed in blocks of `invert_every` consecutive steps, so that every
+block holds exactly one K-FAC inverse update and the amortised inversion cost
+is counted; ms/step is the median over blocks of (block time / block length).
+The configurations run in interleaved rounds (rotating order) so that machine
+noise hits all of them alike; warm-up blocks are not timed.
+
+Results go to stdout and to bench_results/ (markdown table and a PNG).
+
+  python examples/benchmarks/autoencoder_step_time.py --rounds=10
+"""
+
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import autoencoder_model as model
+import datasets
+
+FLAGS = flags.FLAGS
+
+ALL_CONFIGS = ("sgd_momentum", "kfac_session", "kfac_tf_function")
+
+flags.DEFINE_integer("batch_size", 256, "Mini-batch size.")
+flags.DEFINE_integer("invert_every", 10, "K-FAC inverse period; also the "
+                     "length of a timed block.")
+flags.DEFINE_integer("rounds", 8, "Interleaved rounds; each times "
+                     "--blocks_per_round blocks of every configuration.")
+flags.DEFINE_integer("blocks_per_round", 2, "Timed blocks per configuration "
+                     "and round.")
+flags.DEFINE_integer("warmup_blocks", 2, "Untimed blocks per configuration "
+                     "before the first round.")
+flags.DEFINE_enum("data", "auto", ["auto", "random", "fashion_mnist"],
+                  "Fashion-MNIST images when present ('auto'), else random "
+                  "binary images.")
+flags.DEFINE_list("configs", list(ALL_CONFIGS), "Which configurations.")
+flags.DEFINE_integer("seed", 0, "Seed.")
+flags.DEFINE_string("output_dir", "bench_results", "Where to write results.")
+
+
+def load_batches(num_batches, batch_size, seed):
+  rng = np.random.RandomState(seed)
+  images = None
+  if FLAGS.data != "random":
+    images = datasets.load_fashion_mnist_images(num_batches * batch_size)
+    if images is None and FLAGS.data == "fashion_mnist":
+      raise app.UsageError("Fashion-MNIST not found; run `make data`.")
+  if images is None or len(images) < num_batches * batch_size:
+    name = "random binary images"
+    images = (rng.uniform(size=(num_batches * batch_size, 784)) < 0.3)
+    images = images.astype(np.float32)
+  else:
+    name = "Fashion-MNIST"
+  return name, images.reshape(num_batches, batch_size, 784)
+
+
+def kfac_kwargs():
+  return dict(invert_every=FLAGS.invert_every, cov_update_every=1,
+              learning_rate=1e-3, damping=1e-1, momentum=0.9,
+              cov_ema_decay=0.95, momentum_type="regular")
+
+
+class SessionRunner(object):
+  """A TF1 graph + Session; step() runs one training step."""
+
+  def __init__(self, kind, params_np, batches):
+    self.batches = batches
+    self.graph = tf.Graph()
+    with self.graph.as_default():
+      tf.compat.v1.set_random_seed(FLAGS.seed)
+      self.x = tf.compat.v1.placeholder(tf.float32, [None, 784])
+      variables = model.make_variables(params_np)
+      var_list = model.flat_variables(variables)
+      global_step = tf.compat.v1.train.get_or_create_global_step()
+      if kind == "kfac":
+        import kfac
+        lc = kfac.LayerCollection()
+        logits = model.forward(self.x, variables, layer_collection=lc)
+        model.register_loss(lc, self.x, logits)
+        opt = kfac.PeriodicInvCovUpdateKfacOpt(layer_collection=lc,
+                                               **kfac_kwargs())
+      else:
+        logits = model.forward(self.x, variables)
+        opt = tf.compat.v1.train.MomentumOptimizer(1e-3, 0.9)
+      self.loss = model.reconstruction_loss(self.x, logits)
+      self.train_op = opt.minimize(self.loss, var_list=var_list,
+                                   global_step=global_step)
+      init = tf.compat.v1.global_variables_initializer()
+    self.graph.finalize()
+    self.sess = tf.compat.v1.Session(graph=self.graph)
+    self.sess.run(init)
+
+  def step(self, i):
+    self.sess.run(self.train_op, {self.x: self.batches[i % len(self.batches)]})
+
+  def loss_value(self):
+    return float(self.sess.run(self.loss, {self.x: self.batches[0]}))
+
+  def close(self):
+    self.sess.close()
+
+
+class TF2KfacRunner(object):
+  """K-FAC in a TF2 tf.function step: registration inside the trace."""
+
+  def __init__(self, params_np, batches):
+    import kfac
+    tf.random.set_seed(FLAGS.seed)
+    self.batches = [tf.constant(b) for b in batches]
+    self.variables = model.make_variables(params_np, name="tf2")
+    var_list = model.flat_variables(self.variables)
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(**kfac_kwargs())
+
+    @tf.function
+    def train_step(x):
+      lc = kfac.LayerCollection()
+      logits = model.forward(x, self.variables, layer_collection=lc)
+      model.register_loss(lc, x, logits)
+      loss = model.reconstruction_loss(x, logits)
+      opt.minimize(loss, var_list=var_list, layer_collection=lc)
+      return loss
+
+    self.train_step = train_step
+
+  def step(self, i):
+    self.train_step(self.batches[i % len(self.batches)])
+
+  def loss_value(self):
+    logits = model.forward(self.batches[0], self.variables)
+    return float(model.reconstruction_loss(self.batches[0], logits))
+
+  def close(self):
+    pass
+
+
+def make_runner(name, params_np, batches):
+  if name == "sgd_momentum":
+    return SessionRunner("sgd", params_np, batches)
+  if name == "kfac_session":
+    return SessionRunner("kfac", params_np, batches)
+  if name == "kfac_tf_function":
+    return TF2KfacRunner(params_np, batches)
+  raise app.UsageError("unknown configuration %r (known: %s)" %
+                       (name, ", ".join(ALL_CONFIGS)))
+
+
+def time_block(runner, start_step, length):
+  start = time.perf_counter()
+  for i in range(start_step, start_step + length):
+    runner.step(i)
+  return (time.perf_counter() - start) / length
+
+
+def write_plot(path, names, medians, spreads, title):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.5, 3.6))
+  y = np.arange(len(names))
+  ax.barh(y, medians, xerr=spreads, color=["#888888", "#1f77b4", "#ff7f0e",
+                                           "#2ca02c"][:len(names)],
+          capsize=3)
+  ax.set_yticks(y)
+  ax.set_yticklabels(names)
+  ax.invert_yaxis()
+  ax.set_xlabel("ms per step (median; bars: interquartile range)")
+  ax.set_title(title, fontsize=9)
+  right = np.add(medians, spreads[1])
+  for yi, m, r in zip(y, medians, right):
+    ax.text(r, yi, "  %.1f" % m, va="center", fontsize=8)
+  ax.set_xlim(0, 1.15 * max(right))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  sizes = model.mirrored_sizes(model.FULL_MNIST_ENCODER)
+  data_name, batches = load_batches(8, FLAGS.batch_size, FLAGS.seed)
+  params_np = model.init_params(sizes, FLAGS.seed)
+  block = FLAGS.invert_every
+  print("model %s, batch %d, data: %s, TF %s, %d CPUs" % (
+      "-".join(str(s) for s in sizes), FLAGS.batch_size, data_name,
+      tf.__version__, os.cpu_count()), flush=True)
+
+  runners = {}
+  next_step = {}
+  for name in FLAGS.configs:
+    start = time.perf_counter()
+    runners[name] = make_runner(name, params_np, batches)
+    # Warm-up (graph building, first-run and tracing costs): not timed.
+    for _ in range(FLAGS.warmup_blocks):
+      time_block(runners[name], 0, block)
+    next_step[name] = FLAGS.warmup_blocks * block
+    print("%-17s ready in %.1fs (warm-up included)" % (
+        name, time.perf_counter() - start), flush=True)
+
+  times = {name: [] for name in runners}
+  names = list(runners)
+  for r in range(FLAGS.rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for name in order:
+      for _ in range(FLAGS.blocks_per_round):
+        times[name].append(time_block(runners[name], next_step[name], block))
+        next_step[name] += block
+    print("round %d/%d: %s" % (r + 1, FLAGS.rounds, "  ".join(
+        "%s %.1f ms" % (n, 1e3 * np.median(times[n])) for n in names)),
+          flush=True)
+
+  ms = {n: 1e3 * np.array(times[n]) for n in names}
+  medians = [float(np.median(ms[n])) for n in names]
+  q25 = [float(np.percentile(ms[n], 25)) for n in names]
+  q75 = [float(np.percentile(ms[n], 75)) for n in names]
+  base = ms["sgd_momentum"] if "sgd_momentum" in ms else None
+  base_median = float(np.median(base)) if base is not None else None
+
+  lines = [
+      "Deep autoencoder %s, batch %d, %s; TF %s, Python %s, %d CPUs (%s)." % (
+          "-".join(str(s) for s in sizes), FLAGS.batch_size, data_name,
+          tf.__version__, platform.python_version(), os.cpu_count(),
+          platform.machine()),
+      "ms/step: median over %d blocks of %d steps (each block holds one "
+      "K-FAC inverse update), interleaved rounds, warm-up excluded." % (
+          FLAGS.rounds * FLAGS.blocks_per_round, block),
+      "",
+      "| optimizer | ms/step (median) | IQR | ratio to SGD |",
+      "|---|---:|---:|---:|",
+  ]
+  for n, m, lo, hi in zip(names, medians, q25, q75):
+    ratio = "%.2fx" % (m / base_median) if base_median else "-"
+    lines.append("| %s | %.1f | %.1f-%.1f | %s |" % (n, m, lo, hi, ratio))
+  losses = ", ".join("%s %.1f" % (n, runners[n].loss_value()) for n in names)
+  lines += ["", "Loss on the first batch after the run (sanity): %s." %
+            losses]
+  table = "\n".join(lines)
+  print()
+  print(table)
+
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  md_path = os.path.join(FLAGS.output_dir, "autoencoder_step_time.md")
+  png_path = os.path.join(FLAGS.output_dir, "autoencoder_step_time.png")
+  with open(md_path, "w") as f:
+    f.write(table + "\n")
+  write_plot(png_path, names, medians,
+             [np.subtract(medians, q25), np.subtract(q75, medians)],
+             "Deep autoencoder, batch %d, TF %s, %d CPUs" % (
+                 FLAGS.batch_size, tf.__version__, os.cpu_count()))
+  print("\nwrote %s and %s" % (md_path, png_path))
+  for runner in runners.values():
+    runner.close()
+
+
+if __name__ == "__main__":
+  app.run(main)
