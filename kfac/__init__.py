@@ -1,0 +1,29 @@
+"""K-FAC (Kronecker-factored approximate curvature) for TensorFlow 2.16+.
+
+Keeps the public interface of the TensorFlow K-FAC library (kfac 0.2.x,
+formerly tf.contrib.kfac) and runs in TF1-style Session graphs and inside
+TF2 tf.function training steps.
+"""
+
+from kfac.python.ops import estimator
+from kfac.python.ops import fisher_blocks
+from kfac.python.ops import fisher_factors
+from kfac.python.ops import layer_collection
+from kfac.python.ops import loss_functions
+from kfac.python.ops import optimizer
+from kfac.python.ops import periodic_inv_cov_update_kfac_opt
+from kfac.python.ops import placement
+from kfac.python.ops import utils
+
+LayerCollection = layer_collection.LayerCollection
+KfacOptimizer = optimizer.KfacOptimizer
+PeriodicInvCovUpdateKfacOpt = (
+    periodic_inv_cov_update_kfac_opt.PeriodicInvCovUpdateKfacOpt)
+
+__version__ = "0.3.0.dev0"
+
+__all__ = [
+    "LayerCollection", "KfacOptimizer", "PeriodicInvCovUpdateKfacOpt",
+    "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
+    "loss_functions", "optimizer", "placement", "utils",
+]

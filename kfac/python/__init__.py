@@ -1,0 +1,1 @@
+"""Contrib-style layout: kfac.python.ops holds the core."""

@@ -1,0 +1,1 @@
+"""The K-FAC core: graph-building ops usable in TF1 graphs and tf.function."""

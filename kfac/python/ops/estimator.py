@@ -1,0 +1,321 @@
+"""The Fisher estimator: statistics, update ops and preconditioning (layer 6).
+
+`FisherEstimator` turns a finalized `LayerCollection` into factors fed by
+the gradient sources of an estimation mode, creates (once, in a
+`StateStore`) the variables holding their moving averages and inverses, and
+builds the ops that update them. It multiplies vectors by the damped
+approximate Fisher / GGN, its powers and its Cholesky factors.
+
+Works in any graph: a TF1 `tf.Graph` under a Session, or a `tf.function`
+trace (build a new estimator per trace with the same `state_store`).
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import estimation_modes
+from kfac.python.ops import state
+from kfac.python.ops import utils
+
+
+class FisherEstimator:
+  """Estimates and applies a block-diagonal approximation of the Fisher."""
+
+  def __init__(self,
+               variables,
+               cov_ema_decay,
+               damping,
+               layer_collection,
+               exps=(-1,),
+               estimation_mode="gradients",
+               colocate_gradients_with_ops=True,
+               name="FisherEstimator",
+               compute_cholesky=False,
+               compute_cholesky_inverse=False,
+               compute_params_stats=False,
+               batch_size=None,
+               state_store=None):
+    """Creates the estimator.
+
+    Args:
+      variables: the variables to estimate the Fisher for; must equal the
+        variables registered in `layer_collection` (a callable returning
+        them is accepted too).
+      cov_ema_decay: decay of the statistics' moving averages.
+      damping: float, tensor or variable; lambda * I is (approximately)
+        added to the estimated matrix.
+      layer_collection: the model's `LayerCollection`.
+      exps: the matrix powers the estimator must apply (1 is always
+        available).
+      estimation_mode: "gradients", "empirical", "curvature_prop",
+        "curvature_prop_GGN", "exact" or "exact_GGN" (estimation_modes.py).
+      colocate_gradients_with_ops: kept for compatibility; TensorFlow 2's
+        gradients always colocate.
+      name: prefix of the state variables.
+      compute_cholesky: make `multiply_cholesky` available.
+      compute_cholesky_inverse: make `multiply_cholesky_inverse` available.
+      compute_params_stats: also compute the first-order analogue of the
+        statistics (the gradient of each source w.r.t. the variables, divided
+        by batch_size), available as `params_stats`.
+      batch_size: per-replica batch size; required with compute_params_stats.
+      state_store: where variables live (default: a new `StateStore`);
+        pass the same store when rebuilding the estimator in a new trace.
+
+    Raises:
+      ValueError: for an unknown mode, a missing batch_size, no registered
+        losses, or variables that do not match the registrations.
+    """
+    estimation_modes.check_mode(estimation_mode)
+    if compute_params_stats and batch_size is None:
+      raise ValueError("Batch size needs to be passed in when "
+                       "compute_params_stats is True.")
+    if callable(variables) and not isinstance(variables, tf.Variable):
+      variables = variables()
+    self._variables = list(variables)
+    self._cov_ema_decay = cov_ema_decay
+    self._damping = damping
+    self._damping_func = damping_lib.as_damping_func(damping)
+    self._layers = layer_collection
+    self._exps = tuple(exps)
+    self._estimation_mode = estimation_mode
+    self._colocate_gradients_with_ops = colocate_gradients_with_ops
+    self._name = name
+    self._compute_cholesky = compute_cholesky
+    self._compute_cholesky_inverse = compute_cholesky_inverse
+    self._compute_params_stats = compute_params_stats
+    self._batch_size = batch_size
+    self._store = state_store or state.StateStore(name)
+    self._params_stats = None
+
+    if not layer_collection.is_finalized:
+      layer_collection.finalize()
+    layer_collection.check_registration(self._variables)
+    self._setup()
+
+  # ---------------------------------------------------------------- set-up
+  def _setup(self):
+    blocks = self._layers.get_blocks()
+    sources = estimation_modes.make_sources(self._estimation_mode, self._layers)
+    xs, spans = [], []
+    for block in blocks:
+      tensors = list(block.tensors_to_compute_grads())
+      spans.append((len(xs), len(xs) + len(tensors)))
+      xs.extend(tensors)
+    n_block_xs = len(xs)
+    if self._compute_params_stats:
+      xs.extend(self._variables)
+    grads = estimation_modes.gradients_of_sources(sources, xs)
+    weights = [s.weight for s in sources]
+    if all(w == 1.0 for w in weights):
+      weights = None
+
+    for block, (start, stop) in zip(blocks, spans):
+      grads_list = [tuple(g[start:stop]) for g in grads]
+      block.instantiate_factors(grads_list, self._damping_func, weights)
+    for factor in self._layers.get_factors():
+      factor.attach_state_store(self._store)
+    for block in blocks:
+      for exp in self._exps:
+        if exp != 1:
+          block.register_matpower(exp)
+      if self._compute_cholesky:
+        block.register_cholesky()
+      if self._compute_cholesky_inverse:
+        block.register_cholesky_inverse()
+
+    if self._compute_params_stats:
+      self._params_stats = self._make_params_stats(
+          [g[n_block_xs:] for g in grads], [s.weight for s in sources])
+
+  def _make_params_stats(self, var_grads, weights):
+    stats = []
+    for i, var in enumerate(self._variables):
+      total = None
+      for grads, w in zip(var_grads, weights):
+        term = grads[i] * tf.cast(w, grads[i].dtype)
+        total = term if total is None else total + term
+      stats.append(total / tf.cast(self._batch_size, total.dtype))
+    return stats
+
+  # ---------------------------------------------------------- properties
+  @property
+  def variables(self):
+    return self._variables
+
+  @property
+  def damping(self):
+    return self._damping
+
+  @property
+  def blocks(self):
+    return self._layers.get_blocks()
+
+  @property
+  def factors(self):
+    return self._layers.get_factors()
+
+  @property
+  def name(self):
+    return self._name
+
+  @property
+  def layers(self):
+    return self._layers
+
+  @property
+  def estimation_mode(self):
+    return self._estimation_mode
+
+  @property
+  def mat_type(self):
+    return estimation_modes.MAT_TYPES[self._estimation_mode]
+
+  @property
+  def params_stats(self):
+    if not self._compute_params_stats:
+      raise ValueError("params_stats needs compute_params_stats=True.")
+    return self._params_stats
+
+  @property
+  def state_store(self):
+    return self._store
+
+  # -------------------------------------------------------- products
+  def _apply(self, fn, vecs_and_vars):
+    """Applies fn(block, vector) blockwise; returns [(result, var)] in the
+    order of `vecs_and_vars`."""
+    by_ref = {}
+    for vec, var in vecs_and_vars:
+      if vec is None:
+        raise ValueError("No vector (gradient) for variable %s." %
+                         utils.variable_name(var))
+      by_ref[var.ref()] = tf.convert_to_tensor(vec)
+    results = {}
+    for params, block in self._layers.blocks_and_params():
+      seq = utils.ensure_sequence(params)
+      present = [v.ref() in by_ref for v in seq]
+      if not any(present):
+        continue
+      if not all(present):
+        missing = [utils.variable_name(v) for v, p in zip(seq, present) if not p]
+        raise ValueError("Variables %s are registered in one layer with %s "
+                         "but have no vector." %
+                         (", ".join(missing), _names(seq)))
+      vec = tuple(by_ref[v.ref()] for v in seq)
+      out = fn(block, vec if isinstance(params, (list, tuple)) else vec[0])
+      for v, r in zip(seq, utils.ensure_sequence(out)):
+        results[v.ref()] = r
+    unknown = [utils.variable_name(var) for _, var in vecs_and_vars
+               if var.ref() not in results]
+    if unknown:
+      raise ValueError("Variables %s are not registered with the "
+                       "LayerCollection of this estimator." %
+                       ", ".join(unknown))
+    return [(results[var.ref()], var) for _, var in vecs_and_vars]
+
+  def multiply_inverse(self, vecs_and_vars):
+    return self._apply(lambda b, v: b.multiply_inverse(v), vecs_and_vars)
+
+  def multiply(self, vecs_and_vars):
+    return self._apply(lambda b, v: b.multiply(v), vecs_and_vars)
+
+  def multiply_matpower(self, exp, vecs_and_vars):
+    return self._apply(lambda b, v: b.multiply_matpower(v, exp), vecs_and_vars)
+
+  def multiply_cholesky(self, vecs_and_vars, transpose=False):
+    return self._apply(lambda b, v: b.multiply_cholesky(v, transpose),
+                       vecs_and_vars)
+
+  def multiply_cholesky_inverse(self, vecs_and_vars, transpose=False):
+    return self._apply(lambda b, v: b.multiply_cholesky_inverse(v, transpose),
+                       vecs_and_vars)
+
+  # ---------------------------------------------------------- update ops
+  def _scope(self, scope):
+    return tf.name_scope(scope or self._name)
+
+  def _cov_variable_thunks(self):
+    return [f.instantiate_cov_variables for f in self.factors]
+
+  def _inv_variable_thunks(self):
+    return [f.instantiate_inv_variables for f in self.factors]
+
+  def _cov_update_thunks(self, scope=None):
+    def make(factor):
+      def thunk():
+        with self._scope(scope):
+          return factor.make_covariance_update_op(self._cov_ema_decay)
+      return thunk
+    return [make(f) for f in self.factors]
+
+  def _inv_update_thunks(self, scope=None):
+    def make(factor):
+      def thunk():
+        with self._scope(scope):
+          return tf.group(*factor.make_inverse_update_ops())
+      return thunk
+    return [make(f) for f in self.factors]
+
+  def create_ops_and_vars_thunks(self, scope=None):
+    """Thunks that make variables and update ops, one per factor.
+
+    Returns:
+      (cov_variable_thunks, cov_update_thunks, inv_variable_thunks,
+       inv_update_thunks).
+    """
+    return (self._cov_variable_thunks(), self._cov_update_thunks(scope),
+            self._inv_variable_thunks(), self._inv_update_thunks(scope))
+
+  def make_vars_and_create_op_thunks(self, scope=None):
+    """Makes all variables now and returns the update ops and thunks.
+
+    Returns:
+      (cov_update_ops, cov_update_op, inv_update_ops, inv_update_op,
+       cov_update_thunks, inv_update_thunks); each thunk builds the update op
+      of one factor.
+    """
+    (cov_var_thunks, cov_update_thunks, inv_var_thunks,
+     inv_update_thunks) = self.create_ops_and_vars_thunks(scope)
+    for thunk in cov_var_thunks + inv_var_thunks:
+      thunk()
+    cov_update_ops = [t() for t in cov_update_thunks]
+    inv_update_ops = [t() for t in inv_update_thunks]
+    with self._scope(scope):
+      cov_update_op = tf.group(*cov_update_ops, name="cov_update_op")
+      inv_update_op = tf.group(*inv_update_ops, name="inv_update_op")
+    return (cov_update_ops, cov_update_op, inv_update_ops, inv_update_op,
+            cov_update_thunks, inv_update_thunks)
+
+  def instantiate_variables(self):
+    for factor in self.factors:
+      factor.instantiate_cov_variables()
+      factor.instantiate_inv_variables()
+
+  def get_cov_vars(self):
+    self.instantiate_variables()
+    return [f.get_cov_var() for f in self.factors]
+
+  def get_inv_vars(self):
+    self.instantiate_variables()
+    out = []
+    for f in self.factors:
+      out.extend(getattr(f, "_vars", {}).values())
+    return out
+
+
+def _names(variables):
+  return ", ".join(utils.variable_name(v) for v in variables)
+
+
+def make_fisher_estimator(placement_strategy=None, **kwargs):
+  """Creates a FisherEstimator with a device placement strategy.
+
+  Args:
+    placement_strategy: None (ops placed with their inputs), "round_robin"
+      (kwargs cov_devices / inv_devices) or "replica_round_robin".
+    **kwargs: FisherEstimator arguments, plus the strategy's.
+  """
+  if placement_strategy is None:
+    return FisherEstimator(**kwargs)
+  from kfac.python.ops import placement  # pylint: disable=g-import-not-at-top
+  return placement.estimator_class(placement_strategy)(**kwargs)

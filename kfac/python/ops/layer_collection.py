@@ -1,0 +1,597 @@
+"""The registry of layers and losses that K-FAC approximates (layer 5).
+
+A `LayerCollection` records, for one model, which parameters belong to which
+layer (with the layer's inputs and outputs), which approximation each layer
+uses, and which losses (predictive distributions) the model is trained on.
+It holds symbolic tensors of one graph; in a TF2 program build a fresh one
+inside every trace of the training step (its state lives elsewhere, see
+state.py). Variables are never used as dict keys: they are keyed by `ref()`.
+"""
+
+import collections
+import contextlib
+import math
+import threading
+
+import tensorflow as tf
+
+from kfac.python.ops import fisher_blocks as fb
+from kfac.python.ops import loss_functions as lf
+from kfac.python.ops import utils
+
+# Approximation names.
+APPROX_KRONECKER_NAME = "kron"
+APPROX_KRONECKER_IN_DIAG_NAME = "kron_in_diag"
+APPROX_KRONECKER_OUT_DIAG_NAME = "kron_out_diag"
+APPROX_KRONECKER_BOTH_DIAG_NAME = "kron_both_diag"
+APPROX_DIAGONAL_NAME = "diagonal"
+APPROX_FULL_NAME = "full"
+APPROX_KRONECKER_INDEP_NAME = "kron_indep"
+APPROX_KRONECKER_INDEP_IN_DIAG_NAME = "kron_indep_in_diag"
+APPROX_KRONECKER_INDEP_OUT_DIAG_NAME = "kron_indep_out_diag"
+APPROX_KRONECKER_INDEP_BOTH_DIAG_NAME = "kron_indep_both_diag"
+APPROX_KRONECKER_SERIES_1_NAME = "kron_series_1"
+APPROX_KRONECKER_SERIES_2_NAME = "kron_series_2"
+APPROX_KRONECKER_SUA_NAME = "kron_sua"
+APPROX_EKFAC_NAME = "ekfac"
+APPROX_KRONECKER_REDUCE_NAME = "kron_reduce"
+
+_FULLY_CONNECTED_APPROX_TO_BLOCK = {
+    APPROX_KRONECKER_NAME: lambda lc, bias: fb.FullyConnectedKFACBasicFB(
+        lc, has_bias=bias),
+    APPROX_KRONECKER_IN_DIAG_NAME: lambda lc, bias: fb.FullyConnectedKFACBasicFB(
+        lc, has_bias=bias, diagonal_approx_for_input=True),
+    APPROX_KRONECKER_OUT_DIAG_NAME:
+        lambda lc, bias: fb.FullyConnectedKFACBasicFB(
+            lc, has_bias=bias, diagonal_approx_for_output=True),
+    APPROX_KRONECKER_BOTH_DIAG_NAME:
+        lambda lc, bias: fb.FullyConnectedKFACBasicFB(
+            lc, has_bias=bias, diagonal_approx_for_input=True,
+            diagonal_approx_for_output=True),
+    APPROX_DIAGONAL_NAME: lambda lc, bias: fb.FullyConnectedDiagonalFB(
+        lc, has_bias=bias),
+}
+
+_GENERIC_APPROX_TO_BLOCK = {
+    APPROX_FULL_NAME: fb.NaiveFullFB,
+    APPROX_DIAGONAL_NAME: fb.NaiveDiagonalFB,
+}
+
+# Layer kinds whose default approximation can be changed. Kinds whose
+# registration functions are not part of this version keep their documented
+# defaults here so the setters accept them, but nothing uses them yet.
+_DEFAULT_APPROXIMATIONS = {
+    "generic": APPROX_DIAGONAL_NAME,
+    "fully_connected": APPROX_KRONECKER_NAME,
+    "conv2d": APPROX_KRONECKER_NAME,
+    "fully_connected_multi": APPROX_KRONECKER_INDEP_NAME,
+    "conv2d_multi": APPROX_KRONECKER_INDEP_NAME,
+    "scale_and_shift": APPROX_FULL_NAME,
+}
+
+
+class _VariableScopeSentinel:
+
+  def __repr__(self):
+    return "VARIABLE_SCOPE"
+
+
+# Default of every `reuse` argument: take the reuse flag of the current
+# tf.compat.v1 variable scope (False outside any reusing scope).
+VARIABLE_SCOPE = _VariableScopeSentinel()
+
+_default_collections = threading.local()
+
+
+def _stack():
+  if not hasattr(_default_collections, "stack"):
+    _default_collections.stack = []
+  return _default_collections.stack
+
+
+def get_default_layer_collection():
+  """The innermost LayerCollection made default by `as_default()`."""
+  stack = _stack()
+  if not stack:
+    raise ValueError("No default LayerCollection: use `with "
+                     "layer_collection.as_default():` or "
+                     "set_default_layer_collection(...).")
+  return stack[-1]
+
+
+def set_default_layer_collection(layer_collection):
+  """Makes `layer_collection` the default (None clears the default)."""
+  stack = _stack()
+  del stack[:]
+  if layer_collection is not None:
+    stack.append(layer_collection)
+
+
+def _resolve_reuse(reuse):
+  if reuse is VARIABLE_SCOPE:
+    scope_reuse = tf.compat.v1.get_variable_scope().reuse
+    return bool(scope_reuse)  # AUTO_REUSE counts as reuse
+  return bool(reuse)
+
+
+def _describe(params):
+  return ", ".join(utils.variable_name(v) for v in utils.ensure_sequence(params))
+
+
+class LayerCollection:
+  """Registry of layers (parameters and their approximations) and losses."""
+
+  def __init__(self, graph=None, name="LayerCollection"):
+    self._graph = graph
+    self._name = name
+    self._blocks = collections.OrderedDict()  # params key -> block
+    self._block_params = collections.OrderedDict()  # params key -> params
+    self._var_owner = {}  # var.ref() -> params key
+    self._factors = collections.OrderedDict()  # factor key -> factor
+    self._factor_names = set()
+    self._block_names = set()
+    self._loss_dict = collections.OrderedDict()  # name -> [(loss, coeff)]
+    self._linked = collections.OrderedDict()  # frozenset(refs) -> approx
+    self._linked_params = collections.OrderedDict()  # same key -> params
+    self._defaults = dict(_DEFAULT_APPROXIMATIONS)
+    self._finalized = False
+
+  @property
+  def name(self):
+    return self._name
+
+  @property
+  def graph(self):
+    return self._graph
+
+  # ------------------------------------------------------------ defaults
+  def _set_default(self, kind, approx, valid):
+    if approx not in valid:
+      raise ValueError("Unknown %s approximation %r; expected one of %s." %
+                       (kind, approx, sorted(valid)))
+    self._defaults[kind] = approx
+
+  def set_default_generic_approximation(self, value):
+    self._set_default("generic", value, _GENERIC_APPROX_TO_BLOCK)
+
+  def set_default_fully_connected_approximation(self, value):
+    self._set_default("fully_connected", value,
+                      _FULLY_CONNECTED_APPROX_TO_BLOCK)
+
+  @property
+  def default_generic_approximation(self):
+    return self._defaults["generic"]
+
+  @property
+  def default_fully_connected_approximation(self):
+    return self._defaults["fully_connected"]
+
+  # ------------------------------------------------------------ defaults
+  @contextlib.contextmanager
+  def as_default(self):
+    stack = _stack()
+    stack.append(self)
+    try:
+      yield self
+    finally:
+      stack.pop()
+
+  # ------------------------------------------------------------ queries
+  def get_blocks(self):
+    return list(self._blocks.values())
+
+  @property
+  def fisher_blocks(self):
+    """Blocks keyed by the hashable key of their parameters."""
+    return collections.OrderedDict(self._blocks)
+
+  def get_factors(self):
+    return list(self._factors.values())
+
+  def blocks_and_params(self):
+    return [(self._block_params[k], b) for k, b in self._blocks.items()]
+
+  @property
+  def registered_variables(self):
+    out = []
+    for params in self._block_params.values():
+      out.extend(utils.ensure_sequence(params))
+    return tuple(out)
+
+  @property
+  def linked_parameters(self):
+    return {k: (self._linked_params[k], a) for k, a in self._linked.items()}
+
+  @property
+  def losses(self):
+    return [loss for towers in self._loss_dict.values() for loss, _ in towers]
+
+  @property
+  def towers_by_loss(self):
+    return [tuple(loss for loss, _ in towers)
+            for towers in self._loss_dict.values()]
+
+  def losses_with_coeffs(self):
+    return [(loss, coeff) for towers in self._loss_dict.values()
+            for loss, coeff in towers]
+
+  @property
+  def loss_names(self):
+    return list(self._loss_dict)
+
+  # ------------------------------------------------------------ factors
+  def make_or_get_factor(self, cls, args, name=None):
+    """Returns the factor `cls(*args)`, sharing one instance per distinct
+    (cls, args) in this collection."""
+    key = (cls, utils.hashable_key(tuple(args)))
+    try:
+      factor = self._factors.get(key)
+    except TypeError as e:
+      raise TypeError("Arguments of factor %s must be hashable (tensors and "
+                      "variables are fine): %s" % (cls.__name__, e))
+    if factor is None:
+      factor = cls(*args)
+      factor.set_name(self._unique(name or cls.__name__, self._factor_names))
+      self._factors[key] = factor
+    return factor
+
+  @staticmethod
+  def _unique(base, used):
+    name, i = base, 1
+    while name in used:
+      name = "%s_%d" % (base, i)
+      i += 1
+    used.add(name)
+    return name
+
+  # ------------------------------------------------------------ blocks
+  def _check_not_finalized(self):
+    if self._finalized:
+      raise ValueError("LayerCollection %s is finalized (an estimator was "
+                       "built on it); register everything before creating "
+                       "the optimizer." % self._name)
+
+  def _params_key(self, params):
+    for p in utils.ensure_sequence(params):
+      if not isinstance(p, tf.Variable):
+        raise TypeError("Registered parameters must be tf.Variables, got %r."
+                        % (p,))
+    return utils.hashable_key(utils.ensure_sequence(params))
+
+  def register_block(self, layer_key, fisher_block, reuse=VARIABLE_SCOPE):
+    """Registers `fisher_block` for the parameters `layer_key`.
+
+    With reuse, registering the same parameters again returns the existing
+    block (to which the caller adds a tower). Without it, that is an error,
+    and so is a parameter tuple overlapping an already registered one.
+    """
+    self._check_not_finalized()
+    key = self._params_key(layer_key)
+    if key in self._blocks:
+      if _resolve_reuse(reuse):
+        existing = self._blocks[key]
+        if type(existing) is not type(fisher_block):
+          raise ValueError(
+              "Variable(s) %s were registered as %s and now as %s; a reused "
+              "registration must use the same approximation." %
+              (_describe(layer_key), type(existing).__name__,
+               type(fisher_block).__name__))
+        return existing
+      raise ValueError(
+          "Variable(s) %s already registered. Pass reuse=True (or register "
+          "inside a reusing variable scope) to add a tower." %
+          _describe(layer_key))
+    for var in utils.ensure_sequence(layer_key):
+      if var.ref() in self._var_owner:
+        raise ValueError(
+            "Variable %s is already registered as part of (%s); a variable "
+            "can belong to one layer only." %
+            (utils.variable_name(var),
+             _describe(self._block_params[self._var_owner[var.ref()]])))
+    self._check_linked(layer_key)
+    base = utils.variable_name(utils.ensure_sequence(layer_key)[0])
+    fisher_block.set_name(self._unique(base, self._block_names))
+    self._blocks[key] = fisher_block
+    self._block_params[key] = layer_key
+    for var in utils.ensure_sequence(layer_key):
+      self._var_owner[var.ref()] = key
+    return fisher_block
+
+  def _check_linked(self, params):
+    refs = frozenset(utils.hashable_key(utils.ensure_sequence(params)))
+    for linked in self._linked:
+      if linked & refs and linked != refs:
+        raise ValueError(
+            "Parameters (%s) overlap the linked parameter group (%s) but are "
+            "not equal to it; register the whole group together." %
+            (_describe(params), _describe(self._linked_params[linked])))
+
+  def _linked_approx(self, params):
+    refs = frozenset(utils.hashable_key(utils.ensure_sequence(params)))
+    return self._linked.get(refs)
+
+  def _resolve_approx(self, params, approx, kind, table):
+    if approx is None:
+      approx = self._linked_approx(params) or self._defaults[kind]
+    if approx not in table:
+      raise ValueError(
+          "Unknown approximation %r for %s layer (%s); expected one of %s." %
+          (approx, kind.replace("_", " "), _describe(params), sorted(table)))
+    return approx
+
+  def register_fully_connected(self, params, inputs, outputs, approx=None,
+                               dense_inputs=True, reuse=VARIABLE_SCOPE):
+    """Registers a dense layer outputs = inputs @ W (+ b).
+
+    Args:
+      params: W of shape [in, out], or a tuple (W, b) with b of shape [out].
+      inputs: Tensor [batch, in], the layer inputs.
+      outputs: Tensor [batch, out], the pre-activations.
+      approx: one of kron, kron_in_diag, kron_out_diag, kron_both_diag,
+        diagonal (default: the collection's fully-connected default).
+      dense_inputs: False registers an embedding lookup with integer ids.
+      reuse: True adds a tower to an existing registration of `params`.
+    """
+    if not dense_inputs:
+      raise NotImplementedError(
+          "register_fully_connected(dense_inputs=False) (embedding lookups) "
+          "is not available in this version of kfac.")
+    self._check_dense_shapes(params, inputs, outputs)
+    approx = self._resolve_approx(params, approx, "fully_connected",
+                                  _FULLY_CONNECTED_APPROX_TO_BLOCK)
+    has_bias = isinstance(params, (list, tuple))
+    block = _FULLY_CONNECTED_APPROX_TO_BLOCK[approx](self, has_bias)
+    block = self.register_block(params, block, reuse=reuse)
+    block.register_additional_tower(inputs, outputs)
+    self._block_params_set(block, params)
+    return block
+
+  @staticmethod
+  def _block_params_set(block, params):
+    if block.params is None:
+      block._params = params  # pylint: disable=protected-access
+
+  @staticmethod
+  def _check_dense_shapes(params, inputs, outputs):
+    seq = utils.ensure_sequence(params)
+    if len(seq) not in (1, 2):
+      raise ValueError("Dense layer params must be W or (W, b), got %d "
+                       "variables (%s)." % (len(seq), _describe(params)))
+    w = seq[0]
+    if w.shape.rank != 2:
+      raise ValueError("Dense layer weight %s must have rank 2 [in, out], got "
+                       "shape %s." % (utils.variable_name(w), w.shape))
+    if len(seq) == 2 and (seq[1].shape.rank != 1 or
+                          seq[1].shape[0] != w.shape[1]):
+      raise ValueError("Bias %s must have shape [%s] to match weight %s, got "
+                       "%s." % (utils.variable_name(seq[1]), w.shape[1],
+                                utils.variable_name(w), seq[1].shape))
+    if inputs.shape.rank != 2 or inputs.shape[-1] != w.shape[0]:
+      raise ValueError("Inputs of the layer with weight %s must have shape "
+                       "[batch, %s], got %s." %
+                       (utils.variable_name(w), w.shape[0], inputs.shape))
+    if outputs.shape.rank != 2 or outputs.shape[-1] != w.shape[1]:
+      raise ValueError("Outputs of the layer with weight %s must have shape "
+                       "[batch, %s], got %s." %
+                       (utils.variable_name(w), w.shape[1], outputs.shape))
+
+  def register_generic(self, params, batch_size, approx=None,
+                       reuse=VARIABLE_SCOPE):
+    """Registers arbitrary parameters with a full or diagonal block of the
+    Fisher of their flattened gradient (batch_size: examples per tower)."""
+    approx = self._resolve_approx(params, approx, "generic",
+                                  _GENERIC_APPROX_TO_BLOCK)
+    block = _GENERIC_APPROX_TO_BLOCK[approx](self, params)
+    block = self.register_block(params, block, reuse=reuse)
+    block.register_additional_tower(batch_size)
+    return block
+
+  def define_linked_parameters(self, params, approximation=None):
+    """Declares `params` one group: registrations must cover the whole group,
+    and `approximation` (if given) is used when one is not passed."""
+    self._check_not_finalized()
+    params = utils.ensure_sequence(params)
+    refs = frozenset(utils.hashable_key(params))
+    for other in self._linked:
+      if other & refs and other != refs:
+        raise ValueError("Linked group (%s) overlaps the group (%s)." %
+                         (_describe(params), _describe(
+                             self._linked_params[other])))
+    self._linked[refs] = approximation
+    self._linked_params[refs] = params if len(params) > 1 else params[0]
+
+  def check_registration(self, variables):
+    """Raises ValueError unless `variables` and the registered variables are
+    the same set, naming the ones that differ."""
+    wanted = collections.OrderedDict(
+        (v.ref(), v) for v in utils.ensure_sequence(variables))
+    registered = collections.OrderedDict(
+        (v.ref(), v) for v in self.registered_variables)
+    missing = [v for r, v in wanted.items() if r not in registered]
+    extra = [v for r, v in registered.items() if r not in wanted]
+    problems = []
+    if missing:
+      problems.append(
+          "not registered with the LayerCollection: %s (register their layers, "
+          "e.g. register_fully_connected or register_generic)" %
+          ", ".join(utils.variable_name(v) for v in missing))
+    if extra:
+      problems.append(
+          "registered but not in the list of variables to optimize: %s" %
+          ", ".join(utils.variable_name(v) for v in extra))
+    if problems:
+      raise ValueError("Variables " + "; ".join(problems) + ".")
+
+  def auto_register_layers(self, var_list=None, batch_size=None):
+    """Registers every variable of `var_list` that is not registered yet as
+    a generic layer (with the default generic approximation). Pattern
+    matching of dense/conv layers in the graph is not done by this version.
+    """
+    if var_list is None:
+      raise ValueError("auto_register_layers needs var_list.")
+    todo = [v for v in var_list if v.ref() not in self._var_owner]
+    if todo and batch_size is None:
+      raise ValueError("auto_register_layers needs batch_size to register "
+                       "%s generically." % ", ".join(
+                           utils.variable_name(v) for v in todo))
+    for v in todo:
+      self.register_generic(v, batch_size)
+
+  def finalize(self):
+    if not self._loss_dict:
+      raise ValueError("No losses registered with LayerCollection %s: "
+                       "register the model's predictive distribution, e.g. "
+                       "register_softmax_cross_entropy_loss(logits)." %
+                       self._name)
+    if not self._blocks:
+      raise ValueError("No layers registered with LayerCollection %s." %
+                       self._name)
+    self._finalized = True
+
+  @property
+  def is_finalized(self):
+    return self._finalized
+
+  # ------------------------------------------------------------ losses
+  def _register_loss(self, loss, base_name, name, coeff, reuse):
+    self._check_not_finalized()
+    if name is None:
+      name = self._unique(base_name, set(self._loss_dict))
+    if name in self._loss_dict:
+      if not _resolve_reuse(reuse):
+        raise ValueError(
+            "A loss named %r is already registered. Pass reuse=True to add "
+            "a tower to it, or use another name." % name)
+      self._loss_dict[name].append((loss, coeff))
+    else:
+      self._loss_dict[name] = [(loss, coeff)]
+    return loss
+
+  @staticmethod
+  def _check_coeff(coeff):
+    if utils.is_python_number(coeff) and coeff < 0:
+      raise ValueError("Loss coeff must be non-negative, got %s." % coeff)
+
+  def register_categorical_predictive_distribution(
+      self, logits, seed=None, targets=None, name=None, coeff=1.0,
+      reuse=VARIABLE_SCOPE):
+    """Categorical over the last axis of `logits`. `targets` are integer
+    labels, or one-hot rows (same shape as logits)."""
+    self._check_coeff(coeff)
+    if targets is not None and targets.shape.rank == logits.shape.rank:
+      loss = lf.OnehotCategoricalLogitsNegativeLogProbLoss(logits, targets,
+                                                           seed)
+    else:
+      if targets is not None and targets.shape.rank != logits.shape.rank - 1:
+        raise ValueError("Targets of shape %s do not fit logits of shape %s "
+                         "(expected integer labels of shape %s or one-hot "
+                         "rows)." % (targets.shape, logits.shape,
+                                     logits.shape[:-1]))
+      loss = lf.CategoricalLogitsNegativeLogProbLoss(logits, targets, seed)
+    return self._register_loss(loss, "categorical_predictive_distribution",
+                               name, coeff, reuse)
+
+  def register_softmax_cross_entropy_loss(self, logits, seed=None,
+                                          targets=None, name=None, coeff=1.0,
+                                          reuse=VARIABLE_SCOPE):
+    """Softmax cross-entropy: the categorical predictive distribution."""
+    return self.register_categorical_predictive_distribution(
+        logits, seed=seed, targets=targets, name=name, coeff=coeff,
+        reuse=reuse)
+
+  def register_normal_predictive_distribution(self, mean, var=0.5, seed=None,
+                                              targets=None, name=None,
+                                              coeff=1.0,
+                                              reuse=VARIABLE_SCOPE):
+    """Gaussian with mean `mean` and fixed variance `var`."""
+    self._check_coeff(coeff)
+    if utils.is_python_number(var) and var <= 0:
+      raise ValueError("var must be positive, got %s." % var)
+    self._check_targets_like(targets, mean)
+    loss = lf.NormalMeanNegativeLogProbLoss(mean, var, targets, seed)
+    return self._register_loss(loss, "normal_predictive_distribution", name,
+                               coeff, reuse)
+
+  def register_squared_error_loss(self, prediction, seed=None, targets=None,
+                                  name=None, coeff=1.0,
+                                  reuse=VARIABLE_SCOPE):
+    """||t - y||^2 summed over outputs (a Gaussian with variance 0.5, whose
+    Fisher 2 I is the Hessian of the squared error). If your loss is
+    0.5 ||t - y||^2, pass coeff=0.5."""
+    return self.register_normal_predictive_distribution(
+        prediction, var=0.5, seed=seed, targets=targets, name=name,
+        coeff=coeff, reuse=reuse)
+
+  def register_multi_bernoulli_predictive_distribution(
+      self, logits, seed=None, targets=None, name=None, coeff=1.0,
+      reuse=VARIABLE_SCOPE):
+    """Independent Bernoullis with `logits` (targets in [0, 1])."""
+    self._check_coeff(coeff)
+    self._check_targets_like(targets, logits)
+    loss = lf.MultiBernoulliNegativeLogProbLoss(logits, targets, seed)
+    return self._register_loss(loss, "multi_bernoulli_predictive_distribution",
+                               name, coeff, reuse)
+
+  def register_sigmoid_cross_entropy_loss(self, logits, seed=None,
+                                          targets=None, name=None, coeff=1.0,
+                                          reuse=VARIABLE_SCOPE):
+    """Sigmoid cross-entropy: the multi-Bernoulli predictive distribution."""
+    return self.register_multi_bernoulli_predictive_distribution(
+        logits, seed=seed, targets=targets, name=name, coeff=coeff,
+        reuse=reuse)
+
+  def register_normal_mean_variance_predictive_distribution(
+      self, mean, variance, seed=None, targets=None, name=None, coeff=1.0,
+      reuse=VARIABLE_SCOPE):
+    """Gaussian with learned mean and variance (both network outputs)."""
+    self._check_coeff(coeff)
+    self._check_targets_like(targets, mean)
+    loss = lf.NormalMeanVarianceNegativeLogProbLoss(mean, variance, targets,
+                                                    seed)
+    return self._register_loss(loss, "normal_mean_variance", name, coeff,
+                               reuse)
+
+  @staticmethod
+  def _check_targets_like(targets, prediction):
+    if targets is not None and not targets.shape.is_compatible_with(
+        prediction.shape):
+      raise ValueError("Targets of shape %s do not match predictions of "
+                       "shape %s." % (targets.shape, prediction.shape))
+
+  # ------------------------------------------------------------ evaluation
+  def eval_losses(self, target_mode="data", coeff_mode="regular"):
+    """The registered losses (one entry per loss tower), each summed over
+    its batch.
+
+    target_mode: "data" (the registered targets) or "sample" (targets drawn
+    from the model). coeff_mode: "regular" (times coeff), "sqrt" (times
+    sqrt(coeff)) or "off".
+    """
+    if target_mode not in ("data", "sample"):
+      raise ValueError("Unknown target_mode %r; expected 'data' or 'sample'."
+                       % (target_mode,))
+    if coeff_mode not in ("regular", "sqrt", "off"):
+      raise ValueError("Unknown coeff_mode %r; expected 'regular', 'sqrt' or "
+                       "'off'." % (coeff_mode,))
+    out = []
+    for loss, coeff in self.losses_with_coeffs():
+      value = loss.evaluate() if target_mode == "data" else (
+          loss.evaluate_on_sample())
+      if coeff_mode == "regular":
+        value = value * tf.cast(coeff, value.dtype)
+      elif coeff_mode == "sqrt":
+        value = value * tf.sqrt(tf.cast(coeff, value.dtype))
+      out.append(value)
+    return out
+
+  def total_loss(self, coeff_mode="regular"):
+    return tf.add_n(self.eval_losses("data", coeff_mode))
+
+  def total_sampled_loss(self, coeff_mode="regular"):
+    return tf.add_n(self.eval_losses("sample", coeff_mode))
+
+
+def sqrt_coeff(coeff, dtype):
+  if utils.is_python_number(coeff):
+    return tf.constant(math.sqrt(coeff), dtype)
+  return tf.sqrt(tf.cast(coeff, dtype))

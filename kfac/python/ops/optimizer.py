@@ -1,0 +1,424 @@
+"""The K-FAC optimizer (layer 7).
+
+`KfacOptimizer` is a `tf.compat.v1.train.Optimizer`: in a TF1 graph it is
+used exactly like the old library's (`minimize` / `compute_gradients` /
+`apply_gradients`, plus the estimator's update ops). In a TF2 program,
+create it once without a layer collection and pass a fresh collection,
+built during the trace, to `minimize(..., layer_collection=lc)` inside a
+`tf.function`; all state lives in the optimizer's `StateStore` and is found
+again on every retrace (see docs/tf2.md).
+
+Update rules, with g the gradient, F^-1 the damped approximate inverse
+Fisher (damping * precon_damping_mult + l2_reg on the diagonal), mu the
+momentum, eta the learning rate and v the velocity:
+
+* "regular": p = F^-1 g (then norm constraint), v <- mu v + p, step = v.
+* "adam":    v <- mu v + g, p = F^-1 v (then norm constraint), step = p.
+
+then step += weight_decay_coeff * w with use_weight_decay (decoupled weight
+decay) and w <- w - eta * step. The norm constraint scales p by
+min(1, sqrt(C / (eta^2 <g', p>))) where g' is the vector p came from, so the
+approximate squared Fisher norm of the update is at most C.
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import estimator as est_lib
+from kfac.python.ops import state
+from kfac.python.ops import utils
+
+_MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")
+
+# Arguments of the adaptive machinery (quadratic model, damping adaptation)
+# and their inert defaults. This version does not implement that machinery,
+# so any other value is rejected rather than silently ignored.
+_ADAPTIVE_DEFAULTS = {
+    "qmodel_update_rescale": None,
+    "adapt_damping": False,
+    "prev_train_batch": None,
+    "loss": None,
+    "loss_fn": None,
+    "train_batch": None,
+    "damping_adaptation_decay": 0.95,
+    "damping_adaptation_interval": 5,
+    "damping_decrease_rho_threshold": 0.75,
+    "damping_increase_rho_threshold": 0.25,
+}
+
+
+class KfacOptimizer(tf.compat.v1.train.Optimizer):
+  """The K-FAC optimizer."""
+
+  def __init__(self,
+               learning_rate,
+               damping,
+               layer_collection=None,
+               cov_ema_decay=0.95,
+               var_list=None,
+               momentum=0.9,
+               momentum_type="adam",
+               use_weight_decay=False,
+               weight_decay_coeff=0.1,
+               qmodel_update_rescale=None,
+               norm_constraint=None,
+               name="KFAC",
+               estimation_mode="gradients",
+               colocate_gradients_with_ops=True,
+               batch_size=None,
+               placement_strategy=None,
+               compute_params_stats=False,
+               adapt_damping=False,
+               update_damping_immediately=True,
+               is_chief=True,
+               prev_train_batch=None,
+               loss=None,
+               loss_fn=None,
+               min_damping=1e-8,
+               l2_reg=0.0,
+               damping_adaptation_decay=0.95,
+               damping_adaptation_interval=5,
+               damping_decrease_rho_threshold=0.75,
+               damping_increase_rho_threshold=0.25,
+               precon_damping_mult=1.0,
+               use_passed_loss=True,
+               train_batch=None,
+               print_logs=False,
+               dtype="float32",
+               **placement_kwargs):
+    """Creates the optimizer; see the module docstring for the update rule.
+
+    `layer_collection` may be None in TF2 programs, where a collection is
+    passed to `minimize` / `apply_gradients` on every trace instead.
+    """
+    super().__init__(use_locking=False, name=name)
+    given = dict(qmodel_update_rescale=qmodel_update_rescale,
+                 adapt_damping=adapt_damping,
+                 prev_train_batch=prev_train_batch, loss=loss,
+                 loss_fn=loss_fn, train_batch=train_batch,
+                 damping_adaptation_decay=damping_adaptation_decay,
+                 damping_adaptation_interval=damping_adaptation_interval,
+                 damping_decrease_rho_threshold=damping_decrease_rho_threshold,
+                 damping_increase_rho_threshold=damping_increase_rho_threshold)
+    for key, default in _ADAPTIVE_DEFAULTS.items():
+      if given[key] is not default and given[key] != default:
+        raise ValueError(
+            "%s=%r needs the adaptive K-FAC machinery (quadratic model / "
+            "damping adaptation), which this version of kfac does not "
+            "provide; leave it at %r." % (key, given[key], default))
+    if momentum_type not in _MOMENTUM_TYPES:
+      raise ValueError("Unknown momentum_type %r; expected one of %s." %
+                       (momentum_type, ", ".join(_MOMENTUM_TYPES)))
+    if momentum_type.startswith("qmodel"):
+      raise ValueError("momentum_type=%r (learning rate and momentum from the "
+                       "quadratic model) is not provided by this version of "
+                       "kfac; use 'regular' or 'adam'." % momentum_type)
+    if learning_rate is None:
+      raise ValueError("learning_rate is required with momentum_type=%r." %
+                       momentum_type)
+    if damping is None:
+      raise ValueError("damping is required.")
+    if momentum is None:
+      raise ValueError("momentum is required with momentum_type=%r." %
+                       momentum_type)
+    if norm_constraint is not None and utils.is_python_number(
+        norm_constraint) and norm_constraint <= 0:
+      raise ValueError("norm_constraint must be positive, got %s." %
+                       norm_constraint)
+    if placement_strategy is None and placement_kwargs:
+      raise ValueError("Unexpected arguments %s (placement arguments need "
+                       "placement_strategy='round_robin')." %
+                       sorted(placement_kwargs))
+
+    self._learning_rate = learning_rate
+    self._damping = damping
+    self._layers = None
+    self._cov_ema_decay = cov_ema_decay
+    self._var_list = None if var_list is None else list(var_list)
+    self._momentum = momentum
+    self._momentum_type = momentum_type
+    self._use_weight_decay = use_weight_decay
+    self._weight_decay_coeff = weight_decay_coeff
+    self._norm_constraint = norm_constraint
+    self._estimation_mode = estimation_mode
+    self._colocate_gradients_with_ops = colocate_gradients_with_ops
+    self._batch_size = batch_size
+    self._placement_strategy = placement_strategy
+    self._placement_kwargs = placement_kwargs
+    self._compute_params_stats = compute_params_stats
+    self._update_damping_immediately = update_damping_immediately
+    self._is_chief = is_chief
+    self._min_damping = min_damping
+    self._l2_reg = l2_reg
+    self._precon_damping_mult = precon_damping_mult
+    self._use_passed_loss = use_passed_loss
+    self._print_logs = print_logs
+    self._dtype = tf.as_dtype(dtype)
+    self._store = state.StateStore(name)
+    self._var_keys = {}
+    self._estimator = None
+    self._exps = (-1,)
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+
+  # ------------------------------------------------------------ set-up
+  def set_layer_collection(self, layer_collection):
+    """Uses `layer_collection` from now on (a TF2 program calls this, through
+    minimize(..., layer_collection=lc), on every trace). The estimator is
+    rebuilt on the new collection; its state is kept."""
+    if layer_collection is self._layers and self._estimator is not None:
+      return
+    self._layers = layer_collection
+    var_list = self._var_list
+    if var_list is None:
+      if not layer_collection.is_finalized:
+        layer_collection.finalize()
+      var_list = list(layer_collection.registered_variables)
+    self._estimator = est_lib.make_fisher_estimator(
+        placement_strategy=self._placement_strategy,
+        variables=var_list,
+        cov_ema_decay=self._cov_ema_decay,
+        damping=damping_lib.DampingFunc(self._precon_damping,
+                                        ("optimizer", self.get_name())),
+        layer_collection=layer_collection,
+        exps=self._exps,
+        estimation_mode=self._estimation_mode,
+        colocate_gradients_with_ops=self._colocate_gradients_with_ops,
+        name=self.get_name(),
+        compute_params_stats=self._compute_params_stats,
+        batch_size=self._batch_size,
+        state_store=self._store,
+        **self._placement_kwargs)
+
+  def _precon_damping(self):
+    damping = self._read(self._damping)
+    if self._precon_damping_mult != 1.0:
+      damping = damping * self._precon_damping_mult
+    if self._l2_reg:
+      damping = damping + self._l2_reg
+    return damping
+
+  @staticmethod
+  def _read(value):
+    return value() if callable(value) and not isinstance(
+        value, tf.Variable) else value
+
+  def _require_estimator(self):
+    if self._estimator is None:
+      raise ValueError(
+          "KfacOptimizer has no LayerCollection: pass layer_collection=... "
+          "to the constructor (TF1 graphs) or to minimize()/"
+          "apply_gradients() inside the tf.function (TF2).")
+    return self._estimator
+
+  @staticmethod
+  def _check_graph_mode(what):
+    if tf.executing_eagerly():
+      raise RuntimeError(
+          "KfacOptimizer.%s builds graph ops: call it inside a tf.function "
+          "(TF2) or while building a tf.Graph for a Session (TF1)." % what)
+
+  # ------------------------------------------------------------ properties
+  @property
+  def estimator(self):
+    return self._require_estimator()
+
+  @property
+  def layers(self):
+    return self._layers
+
+  @property
+  def registered_variables(self):
+    return self._require_estimator().variables
+
+  @property
+  def variables(self):
+    return self.registered_variables
+
+  @property
+  def factors(self):
+    return self._require_estimator().factors
+
+  @property
+  def mat_type(self):
+    return self._require_estimator().mat_type
+
+  @property
+  def params_stats(self):
+    return self._require_estimator().params_stats
+
+  @property
+  def damping(self):
+    return tf.convert_to_tensor(self._read(self._damping), self._dtype)
+
+  @property
+  def learning_rate(self):
+    return tf.convert_to_tensor(self._read(self._learning_rate), self._dtype)
+
+  @property
+  def momentum(self):
+    return tf.convert_to_tensor(self._read(self._momentum), self._dtype)
+
+  @property
+  def counter(self):
+    return self._store.get_or_create("counter", [], tf.int64)
+
+  @property
+  def state_store(self):
+    """Every variable the optimizer owns (for tf.train.Checkpoint)."""
+    return self._store
+
+  def make_vars_and_create_op_thunks(self):
+    """See FisherEstimator.make_vars_and_create_op_thunks."""
+    return self._require_estimator().make_vars_and_create_op_thunks(
+        scope=self.get_name())
+
+  def create_ops_and_vars_thunks(self):
+    """See FisherEstimator.create_ops_and_vars_thunks."""
+    return self._require_estimator().create_ops_and_vars_thunks(
+        scope=self.get_name())
+
+  def get_cov_vars(self):
+    return self._require_estimator().get_cov_vars()
+
+  def get_inv_vars(self):
+    return self._require_estimator().get_inv_vars()
+
+  def check_var_list(self, var_list):
+    """Raises ValueError unless var_list equals the registered variables."""
+    self._require_estimator()
+    self._layers.check_registration(var_list)
+
+  # ------------------------------------------------------------ gradients
+  def compute_gradients(self, loss, var_list=None,
+                        gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
+                        aggregation_method=None,
+                        colocate_gradients_with_ops=True, grad_loss=None,
+                        layer_collection=None):
+    """Gradients of `loss` w.r.t. var_list (default: registered variables)."""
+    del gate_gradients, colocate_gradients_with_ops
+    self._check_graph_mode("compute_gradients")
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+    if var_list is None:
+      var_list = self._var_list or list(self.registered_variables)
+    var_list = list(var_list)
+    if callable(loss):
+      with tf.GradientTape() as tape:
+        loss_value = loss()
+      grads = tape.gradient(loss_value, var_list, output_gradients=grad_loss)
+    else:
+      grads = tf.gradients(loss, var_list, grad_ys=grad_loss,
+                           aggregation_method=aggregation_method)
+    return list(zip(grads, var_list))
+
+  def minimize(self, loss, global_step=None, var_list=None,
+               gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
+               aggregation_method=None, colocate_gradients_with_ops=True,
+               name=None, grad_loss=None, layer_collection=None):
+    """compute_gradients + apply_gradients; returns the training op."""
+    grads_and_vars = self.compute_gradients(
+        loss, var_list=var_list, gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+        grad_loss=grad_loss, layer_collection=layer_collection)
+    return self.apply_gradients(grads_and_vars, global_step=global_step,
+                                name=name)
+
+  # ------------------------------------------------------------ updates
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None,
+                      layer_collection=None):
+    """Applies one K-FAC step with the current factors/inverses."""
+    self._check_graph_mode("apply_gradients")
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+    grads_and_vars = self._prepare(grads_and_vars)
+    with tf.name_scope(name or self.get_name()):
+      step_op = self._apply_steps(grads_and_vars)
+      return self._finish(step_op, global_step)
+
+  def _prepare(self, grads_and_vars):
+    est = self._require_estimator()
+    grads_and_vars = list(grads_and_vars)
+    none = [utils.variable_name(v) for g, v in grads_and_vars if g is None]
+    if none:
+      raise ValueError("No gradient for variables %s: they do not affect the "
+                       "loss." % ", ".join(none))
+    self._layers.check_registration([v for _, v in grads_and_vars])
+    del est
+    return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
+
+  def _apply_steps(self, grads_and_vars):
+    steps_and_vars = self._compute_update_steps(grads_and_vars)
+    lr = tf.cast(self._read(self._learning_rate), self._dtype)
+    updates = []
+    for step, var in steps_and_vars:
+      updates.append(var.assign_sub(tf.cast(lr, var.dtype) * step))
+    return tf.group(*updates)
+
+  def _finish(self, step_op, global_step):
+    with tf.control_dependencies([step_op]):
+      incs = [self.counter.assign_add(1)]
+      if global_step is not None:
+        incs.append(global_step.assign_add(1))
+      return tf.group(*incs)
+
+  def _compute_update_steps(self, grads_and_vars):
+    est = self._require_estimator()
+    if self._momentum_type == "regular":
+      precon = est.multiply_inverse(grads_and_vars)
+      if self._norm_constraint is not None:
+        precon = self._clip_updates(grads_and_vars, precon)
+      steps = self._update_velocities(precon, self._momentum)
+    else:  # adam
+      velocities = self._update_velocities(grads_and_vars, self._momentum)
+      steps = est.multiply_inverse(velocities)
+      if self._norm_constraint is not None:
+        steps = self._clip_updates(velocities, steps)
+    if self._use_weight_decay:
+      coeff = self._read(self._weight_decay_coeff)
+      steps = [(s + tf.cast(coeff, v.dtype) * v, v) for s, v in steps]
+    return steps
+
+  def _var_key(self, var):
+    key = self._var_keys.get(var.ref())
+    if key is None:
+      used = set(self._var_keys.values())
+      base = "velocity/" + utils.variable_name(var)
+      key, i = base, 1
+      while key in used:
+        key = "%s_%d" % (base, i)
+        i += 1
+      self._var_keys[var.ref()] = key
+    return key
+
+  def _velocity(self, var):
+    return self._store.get_or_create(self._var_key(var), var.shape,
+                                     var.dtype.base_dtype)
+
+  def _update_velocities(self, vecs_and_vars, decay):
+    """v <- decay * v + vec for each variable; returns the new velocities."""
+    out = []
+    for vec, var in vecs_and_vars:
+      velocity = self._velocity(var)
+      new = tf.cast(self._read(decay), velocity.dtype) * velocity + vec
+      with tf.control_dependencies([velocity.assign(new)]):
+        out.append((tf.identity(new), var))
+    return out
+
+  def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
+    terms = [tf.cast(tf.reduce_sum(v * p), self._dtype)
+             for (v, _), (p, _) in zip(vecs_and_vars, precon_and_vars)]
+    return tf.add_n(terms)
+
+  def _clip_updates(self, vecs_and_vars, precon_and_vars):
+    """Scales the preconditioned vectors so that lr^2 <v, F^-1 v> <= C."""
+    lr = tf.cast(self._read(self._learning_rate), self._dtype)
+    sq_norm = self._squared_fisher_norm(vecs_and_vars, precon_and_vars)
+    bound = tf.cast(self._read(self._norm_constraint), self._dtype)
+    sq_update = lr * lr * sq_norm
+    coeff = tf.where(sq_update > 0,
+                     tf.minimum(1.0, tf.sqrt(bound / tf.maximum(sq_update,
+                                                                1e-30))),
+                     tf.ones_like(sq_update))
+    return [(p * tf.cast(coeff, p.dtype), v) for p, v in precon_and_vars]

@@ -1,0 +1,87 @@
+"""K-FAC with the statistic and inverse updates inside `minimize`.
+
+`PeriodicInvCovUpdateKfacOpt` builds one training op that, at step t
+(the optimizer's `counter`):
+1. during the first `num_burnin_steps` steps only updates the statistics
+   (no parameter update, no inverses);
+2. otherwise updates the statistics when t % cov_update_every == 0,
+3. recomputes the inverses when (t - num_burnin_steps) % invert_every == 0
+   (so the first real step already uses fresh inverses),
+4. applies the K-FAC step, and increments the counter (and global_step).
+All of it is one `session.run` / one `tf.function` call per step; the
+inverse work is amortised over `invert_every` steps.
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops import optimizer
+
+
+def _cond_op(pred, make_op):
+  """Runs the op built by make_op() only when `pred` holds."""
+  def run():
+    with tf.control_dependencies([make_op()]):
+      return tf.constant(True)
+  return tf.cond(pred, run, lambda: tf.constant(False))
+
+
+class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
+  """KfacOptimizer that updates statistics and inverses periodically."""
+
+  def __init__(self, invert_every=10, cov_update_every=1, num_burnin_steps=0,
+               **kfac_kwargs):
+    for arg, value, low in (("invert_every", invert_every, 1),
+                            ("cov_update_every", cov_update_every, 1),
+                            ("num_burnin_steps", num_burnin_steps, 0)):
+      if int(value) != value or value < low:
+        raise ValueError("%s must be an integer >= %d, got %r." %
+                         (arg, low, value))
+    self._invert_every = int(invert_every)
+    self._cov_update_every = int(cov_update_every)
+    self._num_burnin_steps = int(num_burnin_steps)
+    super().__init__(**kfac_kwargs)
+
+  @property
+  def invert_every(self):
+    return self._invert_every
+
+  @property
+  def cov_update_every(self):
+    return self._cov_update_every
+
+  @property
+  def num_burnin_steps(self):
+    return self._num_burnin_steps
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None,
+                      layer_collection=None):
+    self._check_graph_mode("apply_gradients")
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+    grads_and_vars = self._prepare(grads_and_vars)
+    est = self._require_estimator()
+    est.instantiate_variables()
+    (_, cov_thunks, _, inv_thunks) = est.create_ops_and_vars_thunks(
+        scope=self.get_name())
+
+    with tf.name_scope(name or self.get_name()):
+      counter = tf.convert_to_tensor(self.counter)
+      burnin = tf.constant(self._num_burnin_steps, tf.int64)
+      in_burnin = counter < burnin
+      do_cov = tf.logical_or(
+          in_burnin, tf.equal(counter % self._cov_update_every, 0))
+      cov_done = _cond_op(do_cov,
+                          lambda: tf.group(*[t() for t in cov_thunks]))
+      with tf.control_dependencies([cov_done]):
+        do_inv = tf.logical_and(
+            tf.logical_not(in_burnin),
+            tf.equal((counter - burnin) % self._invert_every, 0))
+        inv_done = _cond_op(do_inv,
+                            lambda: tf.group(*[t() for t in inv_thunks]))
+      with tf.control_dependencies([inv_done]):
+        if self._num_burnin_steps > 0:
+          stepped = _cond_op(tf.logical_not(in_burnin),
+                             lambda: self._apply_steps(grads_and_vars))
+        else:
+          stepped = self._apply_steps(grads_and_vars)
+      return self._finish(stepped, global_step)

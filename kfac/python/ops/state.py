@@ -1,0 +1,65 @@
+"""Where K-FAC keeps its state: variables created once, found again by name.
+
+A `tf.function` may trace a training step several times, and in TF2 the
+LayerCollection and the blocks and factors built from it are rebuilt on every
+trace. The state they use (factor statistics, inverses, velocities, counters)
+must not be: it lives in a `StateStore`, keyed by stable names that the layer
+collection derives from the registered parameters in registration order.
+Variables are created under `tf.init_scope()`, i.e. eagerly in a TF2 program
+and in the current graph under a TF1 Session, never inside a trace.
+"""
+
+import tensorflow as tf
+
+
+class StateStore(tf.Module):
+  """A name -> variable map whose variables are created outside any trace.
+
+  It is a `tf.Module`, so `tf.train.Checkpoint(store=...)` saves everything.
+  """
+
+  def __init__(self, name="kfac_state"):
+    super().__init__(name=name)
+    self._store_vars = {}
+
+  def get_or_create(self, key, shape, dtype, initial_value=0.0):
+    """Returns the variable `key`, creating it (filled with `initial_value`)
+    the first time. A second request must agree on shape and dtype."""
+    shape = tf.TensorShape(shape)
+    dtype = tf.as_dtype(dtype)
+    var = self._store_vars.get(key)
+    if var is not None:
+      if var.dtype.base_dtype != dtype or not var.shape.is_compatible_with(
+          shape):
+        raise ValueError(
+            "K-FAC state %r exists with shape %s and dtype %s but is now "
+            "requested with shape %s and dtype %s. Did the registered layers "
+            "change between traces?" % (key, var.shape, var.dtype.name, shape,
+                                        dtype.name))
+      return var
+    if not shape.is_fully_defined():
+      raise ValueError("K-FAC state %r needs a fully defined shape, got %s." %
+                       (key, shape))
+    with tf.init_scope():
+      var = tf.Variable(
+          tf.fill(shape.as_list(), tf.cast(initial_value, dtype)),
+          trainable=False,
+          name=_sanitize(self.name + "/" + key))
+    self._store_vars[key] = var
+    return var
+
+  def get(self, key):
+    return self._store_vars[key]
+
+  def __contains__(self, key):
+    return key in self._store_vars
+
+  @property
+  def variables_by_name(self):
+    return dict(self._store_vars)
+
+
+def _sanitize(name):
+  allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                "0123456789._-/")
+  return "".join(c if c in allowed else "_" for c in name)

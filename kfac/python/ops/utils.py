@@ -1,0 +1,109 @@
+"""Tensor plumbing shared by every layer of the package (layer 1)."""
+
+import numbers
+
+import tensorflow as tf
+
+
+def is_tensor_or_variable(x):
+  return isinstance(x, (tf.Tensor, tf.Variable)) or tf.is_tensor(x)
+
+
+def ensure_sequence(obj):
+  """Wraps a single object into a tuple; lists and tuples pass through."""
+  if isinstance(obj, (list, tuple)):
+    return tuple(obj)
+  return (obj,)
+
+
+def hashable_key(obj):
+  """A hashable stand-in for tensors/variables (which are unhashable in TF2).
+
+  Tensors and variables map to `.ref()`; lists and tuples are mapped
+  recursively; everything else must be hashable already.
+  """
+  if isinstance(obj, (list, tuple)):
+    return tuple(hashable_key(o) for o in obj)
+  if isinstance(obj, tf.Variable) or tf.is_tensor(obj):
+    return obj.ref()
+  return obj
+
+
+def variable_name(var):
+  """A readable name of a variable without the ':0' suffix."""
+  name = getattr(var, "name", None) or "var"
+  return name.split(":")[0]
+
+
+def append_homog(tensor):
+  """Appends a column of ones to a [batch, n] tensor (bias input)."""
+  ones = tf.ones_like(tensor[:, :1])
+  return tf.concat([tensor, ones], axis=1)
+
+
+def tensors_to_column(tensors):
+  """Flattens a tensor or a sequence of tensors into one [n, 1] column."""
+  if isinstance(tensors, (list, tuple)):
+    return tf.concat([tf.reshape(t, [-1, 1]) for t in tensors], axis=0)
+  return tf.reshape(tensors, [-1, 1])
+
+
+def column_to_tensors(tensors_template, colvec):
+  """Inverse of `tensors_to_column`, shaped like `tensors_template`."""
+  if isinstance(tensors_template, (list, tuple)):
+    offset = 0
+    out = []
+    for t in tensors_template:
+      size = t.shape.num_elements()
+      if size is None:
+        raise ValueError("column_to_tensors needs static shapes; got %s "
+                         "with shape %s." % (getattr(t, "name", t), t.shape))
+      out.append(tf.reshape(colvec[offset:offset + size], tf.shape(t)))
+      offset += size
+    return tuple(out)
+  return tf.reshape(colvec, tf.shape(tensors_template))
+
+
+def mat_to_params(mat, params_template):
+  """Splits a [in(+1), out] weight matrix back into (W, b) or W."""
+  if isinstance(params_template, (list, tuple)):
+    w, b = params_template
+    return (tf.reshape(mat[:-1], tf.shape(w)), tf.reshape(mat[-1], tf.shape(b)))
+  return tf.reshape(mat, tf.shape(params_template))
+
+
+def params_to_mat(params):
+  """Stacks (W [in,out], b [out]) into one [in+1, out] matrix; W alone as is."""
+  if isinstance(params, (list, tuple)):
+    w, b = params
+    w = tf.reshape(w, [-1, tf.shape(w)[-1]])
+    return tf.concat([w, b[tf.newaxis, :]], axis=0)
+  return tf.reshape(params, [-1, tf.shape(params)[-1]])
+
+
+def inner_product(list1, list2):
+  """Sum over the list of elementwise products of matching tensors."""
+  terms = [tf.reduce_sum(a * b) for a, b in zip(list1, list2)]
+  return tf.add_n(terms) if terms else tf.constant(0.0)
+
+
+def batch_size(tensor):
+  """Dynamic first dimension of a tensor, as an int32 scalar."""
+  return tf.shape(tensor)[0]
+
+
+def is_python_number(x):
+  return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def scalar_identity(value):
+  """A stable identity of a damping-like value: numbers by value, tensors
+  and variables by object identity (so two different tensors never share
+  cached inverses)."""
+  if is_python_number(value):
+    return ("const", float(value))
+  return ("obj", hashable_key(value))
+
+
+def zeros_like_if_none(grads, like):
+  return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
