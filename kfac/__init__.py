@@ -13,10 +13,12 @@ from kfac.python.ops import loss_functions
 from kfac.python.ops import optimizer
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt
 from kfac.python.ops import placement
+from kfac.python.ops import state
 from kfac.python.ops import utils
 
 LayerCollection = layer_collection.LayerCollection
 KfacOptimizer = optimizer.KfacOptimizer
+StateStore = state.StateStore
 PeriodicInvCovUpdateKfacOpt = (
     periodic_inv_cov_update_kfac_opt.PeriodicInvCovUpdateKfacOpt)
 
@@ -25,5 +27,5 @@ __version__ = "0.3.0.dev0"
 __all__ = [
     "LayerCollection", "KfacOptimizer", "PeriodicInvCovUpdateKfacOpt",
     "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
-    "loss_functions", "optimizer", "placement", "utils",
+    "loss_functions", "optimizer", "placement", "state", "utils", "StateStore",
 ]

@@ -43,7 +43,7 @@ def compute_pi_adjusted_damping(left_trace_ratio, right_trace_ratio, damping):
   before any statistics were collected) pi falls back to 1.
   """
   dtype = left_trace_ratio.dtype
-  damping = tf.cast(damping, dtype)
+  damping = utils.cast(damping, dtype)
   ok = tf.logical_and(left_trace_ratio > 0, right_trace_ratio > 0)
   safe_left = tf.where(ok, left_trace_ratio, tf.ones_like(left_trace_ratio))
   safe_right = tf.where(ok, right_trace_ratio, tf.ones_like(right_trace_ratio))

@@ -132,9 +132,9 @@ class FisherEstimator:
     for i, var in enumerate(self._variables):
       total = None
       for grads, w in zip(var_grads, weights):
-        term = grads[i] * tf.cast(w, grads[i].dtype)
+        term = grads[i] * utils.cast(w, grads[i].dtype)
         total = term if total is None else total + term
-      stats.append(total / tf.cast(self._batch_size, total.dtype))
+      stats.append(total / utils.cast(self._batch_size, total.dtype))
     return stats
 
   # ---------------------------------------------------------- properties

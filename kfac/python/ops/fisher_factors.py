@@ -52,7 +52,7 @@ def _concat_towers(towers, has_bias=False):
 def _weighted_sum(terms, weights):
   total = None
   for term, w in zip(terms, weights):
-    term = term if w == 1.0 else term * tf.cast(w, term.dtype)
+    term = term if w == 1.0 else term * utils.cast(w, term.dtype)
     total = term if total is None else total + term
   return total
 
@@ -119,7 +119,7 @@ class FisherFactor(abc.ABC):
   def make_covariance_update_op(self, ema_decay):
     """Folds the current statistic into the zero-debiased moving average."""
     self.instantiate_cov_variables()
-    decay = tf.cast(ema_decay, self._dtype)
+    decay = utils.cast(ema_decay, self._dtype)
     new_cov = tf.cast(self._compute_new_cov(), self._dtype)
     old_cov = tf.convert_to_tensor(self._cov)
     old_weight = tf.convert_to_tensor(self._cov_weight)
@@ -245,7 +245,7 @@ class DenseSquareFactor(FisherFactor):
         value = linalg.damped_cholesky(cov, damping)
       else:
         value = linalg.damped_cholesky_inverse(cov, damping)
-      ops.append(var.assign(tf.cast(value, self._dtype)))
+      ops.append(var.assign(utils.cast(value, self._dtype)))
     return ops
 
   def get_matpower(self, exp, damping_func):
@@ -444,7 +444,7 @@ class _ParamsGradsMixin:
     return [utils.tensors_to_column(g) for g in self._grads]
 
   def _batch(self):
-    return tf.cast(self._batch_size, self._grads_dtype)
+    return utils.cast(self._batch_size, self._grads_dtype)
 
 
 class NaiveFullFactor(_ParamsGradsMixin, DenseSquareFactor):

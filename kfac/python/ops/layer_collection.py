@@ -578,9 +578,9 @@ class LayerCollection:
       value = loss.evaluate() if target_mode == "data" else (
           loss.evaluate_on_sample())
       if coeff_mode == "regular":
-        value = value * tf.cast(coeff, value.dtype)
+        value = value * utils.cast(coeff, value.dtype)
       elif coeff_mode == "sqrt":
-        value = value * tf.sqrt(tf.cast(coeff, value.dtype))
+        value = value * tf.sqrt(utils.cast(coeff, value.dtype))
       out.append(value)
     return out
 
@@ -594,4 +594,4 @@ class LayerCollection:
 def sqrt_coeff(coeff, dtype):
   if utils.is_python_number(coeff):
     return tf.constant(math.sqrt(coeff), dtype)
-  return tf.sqrt(tf.cast(coeff, dtype))
+  return tf.sqrt(utils.cast(coeff, dtype))

@@ -13,6 +13,8 @@ error on a non positive-definite input instead of returning NaNs, so a
 
 import tensorflow as tf
 
+from kfac.python.ops import utils
+
 
 def symmetrize(mat):
   return 0.5 * (mat + tf.linalg.matrix_transpose(mat))
@@ -21,7 +23,7 @@ def symmetrize(mat):
 def add_to_diagonal(mat, value):
   """mat + value * I for a square matrix (value a scalar)."""
   diag = tf.linalg.diag_part(mat)
-  value = tf.cast(value, mat.dtype)
+  value = utils.cast(value, mat.dtype)
   return tf.linalg.set_diag(mat, diag + value)
 
 
@@ -37,20 +39,20 @@ def _float32_is_unsafe(mat, damping):
   n = tf.cast(tf.shape(mat)[-1], mat.dtype)
   eps = tf.constant(1.1920929e-07, mat.dtype)  # float32 machine epsilon
   scale = tf.reduce_sum(tf.abs(tf.linalg.diag_part(mat)))
-  return tf.cast(damping, mat.dtype) <= 10.0 * n * eps * scale
+  return utils.cast(damping, mat.dtype) <= 10.0 * n * eps * scale
 
 
 def _with_float64_fallback(fn, mat, damping):
   """Runs fn(mat, damping) in mat's dtype, or in float64 when that is unsafe."""
   if mat.dtype == tf.float64:
-    return fn(mat, tf.cast(damping, tf.float64))
+    return fn(mat, utils.cast(damping, tf.float64))
 
   def in_float64():
-    out = fn(tf.cast(mat, tf.float64), tf.cast(damping, tf.float64))
+    out = fn(tf.cast(mat, tf.float64), utils.cast(damping, tf.float64))
     return tf.cast(out, mat.dtype)
 
   def in_native():
-    return fn(mat, tf.cast(damping, mat.dtype))
+    return fn(mat, utils.cast(damping, mat.dtype))
 
   return tf.cond(_float32_is_unsafe(mat, damping), in_float64, in_native)
 
@@ -93,8 +95,8 @@ def matpower_from_eigh(evals, evecs, exp, damping, clip_negative=True):
   """
   if clip_negative:
     evals = tf.maximum(evals, 0.0)
-  shifted = evals + tf.cast(damping, evals.dtype)
-  powered = tf.pow(shifted, tf.cast(exp, evals.dtype))
+  shifted = evals + utils.cast(damping, evals.dtype)
+  powered = tf.pow(shifted, utils.cast(exp, evals.dtype))
   return tf.matmul(evecs * powered[tf.newaxis, :], evecs, transpose_b=True)
 
 
@@ -110,12 +112,12 @@ def damped_matpower(mat, exp, damping):
 
 def diagonal_matpower(diag, exp, damping):
   """Elementwise (diag + damping)^exp: the power of a damped diagonal matrix."""
-  shifted = diag + tf.cast(damping, diag.dtype)
+  shifted = diag + utils.cast(damping, diag.dtype)
   if exp == 1:
     return shifted
   if exp == -1:
     return 1.0 / shifted
-  return tf.pow(shifted, tf.cast(exp, diag.dtype))
+  return tf.pow(shifted, utils.cast(exp, diag.dtype))
 
 
 def kronecker_product(mat1, mat2):

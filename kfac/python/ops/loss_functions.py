@@ -25,6 +25,8 @@ import abc
 
 import numpy as np
 import tensorflow as tf
+
+from kfac.python.ops import utils
 import tensorflow_probability as tfp
 
 tfd = tfp.distributions
@@ -345,12 +347,12 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
   @property
   def dist(self):
-    scale = tf.sqrt(tf.cast(self._var, self._mean.dtype))
+    scale = tf.sqrt(utils.cast(self._var, self._mean.dtype))
     return tfd.Normal(loc=self._mean, scale=scale)
 
   @property
   def _inv_var(self):
-    return 1.0 / tf.cast(self._var, self._mean.dtype)
+    return 1.0 / utils.cast(self._var, self._mean.dtype)
 
   def _multiply_fisher(self, vectors):
     return (self._inv_var * vectors[0],)

@@ -350,10 +350,10 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
 
   def _apply_steps(self, grads_and_vars):
     steps_and_vars = self._compute_update_steps(grads_and_vars)
-    lr = tf.cast(self._read(self._learning_rate), self._dtype)
+    lr = self._read(self._learning_rate)
     updates = []
     for step, var in steps_and_vars:
-      updates.append(var.assign_sub(tf.cast(lr, var.dtype) * step))
+      updates.append(var.assign_sub(utils.cast(lr, var.dtype) * step))
     return tf.group(*updates)
 
   def _finish(self, step_op, global_step):
@@ -377,7 +377,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         steps = self._clip_updates(velocities, steps)
     if self._use_weight_decay:
       coeff = self._read(self._weight_decay_coeff)
-      steps = [(s + tf.cast(coeff, v.dtype) * v, v) for s, v in steps]
+      steps = [(s + utils.cast(coeff, v.dtype) * v, v) for s, v in steps]
     return steps
 
   def _var_key(self, var):
@@ -401,24 +401,24 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     out = []
     for vec, var in vecs_and_vars:
       velocity = self._velocity(var)
-      new = tf.cast(self._read(decay), velocity.dtype) * velocity + vec
+      new = utils.cast(self._read(decay), velocity.dtype) * velocity + vec
       with tf.control_dependencies([velocity.assign(new)]):
         out.append((tf.identity(new), var))
     return out
 
   def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
-    terms = [tf.cast(tf.reduce_sum(v * p), self._dtype)
+    terms = [tf.cast(tf.reduce_sum(v * p), tf.float64)
              for (v, _), (p, _) in zip(vecs_and_vars, precon_and_vars)]
     return tf.add_n(terms)
 
   def _clip_updates(self, vecs_and_vars, precon_and_vars):
     """Scales the preconditioned vectors so that lr^2 <v, F^-1 v> <= C."""
-    lr = tf.cast(self._read(self._learning_rate), self._dtype)
+    lr = utils.cast(self._read(self._learning_rate), tf.float64)
     sq_norm = self._squared_fisher_norm(vecs_and_vars, precon_and_vars)
-    bound = tf.cast(self._read(self._norm_constraint), self._dtype)
+    bound = utils.cast(self._read(self._norm_constraint), tf.float64)
     sq_update = lr * lr * sq_norm
     coeff = tf.where(sq_update > 0,
                      tf.minimum(1.0, tf.sqrt(bound / tf.maximum(sq_update,
                                                                 1e-30))),
                      tf.ones_like(sq_update))
-    return [(p * tf.cast(coeff, p.dtype), v) for p, v in precon_and_vars]
+    return [(p * utils.cast(coeff, p.dtype), v) for p, v in precon_and_vars]

@@ -107,3 +107,11 @@ def scalar_identity(value):
 
 def zeros_like_if_none(grads, like):
   return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
+
+
+def cast(value, dtype):
+  """tf.cast that keeps full precision for Python numbers (tf.cast would
+  round them through float32 first)."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return tf.constant(value, dtype)
+  return tf.cast(value, dtype)

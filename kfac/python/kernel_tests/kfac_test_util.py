@@ -1,0 +1,60 @@
+"""Tiny models registered with kfac, shared by the tests."""
+
+import numpy as np
+import tensorflow as tf
+
+import kfac
+from kfac.python.kernel_tests import reference as ref
+
+SIZES = (3, 4, 3)  # input 3, hidden 4 (tanh), 3 outputs
+
+
+def data(n, seed=0, sizes=SIZES):
+  rng = np.random.RandomState(seed)
+  x = rng.randn(n, sizes[0])
+  labels = rng.randint(0, sizes[-1], n)
+  return x, labels
+
+
+def register_mlp(variables, x, lc, approx=None, generic=None, batch_size=None):
+  """Builds the tanh MLP on `variables` ([W0, b0, W1, b1]) and registers its
+  layers: dense with `approx`, or generic with `generic` ("full"/"diagonal").
+  Returns the logits."""
+  record = []
+  logits = ref.mlp_forward(variables, x, record=record)
+  for params, inputs, outputs in record:
+    if generic:
+      lc.register_generic(params, batch_size, approx=generic)
+    else:
+      lc.register_fully_connected(params, inputs, outputs, approx=approx)
+  return logits
+
+
+def layer_slices(sizes=SIZES, bias=True):
+  """Flat-parameter index ranges of each layer, in ref.flat order."""
+  out, start = [], 0
+  for i in range(len(sizes) - 1):
+    size = sizes[i] * sizes[i + 1] + (sizes[i + 1] if bias else 0)
+    out.append(slice(start, start + size))
+    start += size
+  return out
+
+
+def categorical_loss(lc, logits, labels):
+  lc.register_softmax_cross_entropy_loss(logits, targets=tf.constant(labels))
+
+
+def new_store():
+  """State that outlives tf.function traces (create it outside the trace)."""
+  return kfac.state.StateStore("test_state")
+
+
+def estimator_stages(store, lc, variables, mode, damping=1e-2, exps=(-1,),
+                     decay=0.5, **kwargs):
+  """Makes an estimator; returns (estimator, [cov op, inverse op])."""
+  est = kfac.estimator.FisherEstimator(
+      variables=variables, cov_ema_decay=decay, damping=damping,
+      layer_collection=lc, exps=exps, estimation_mode=mode,
+      state_store=store, **kwargs)
+  (_, cov_op, _, inv_op, _, _) = est.make_vars_and_create_op_thunks()
+  return est, [cov_op, inv_op]
