@@ -95,7 +95,8 @@ def per_example_jacobians(forward, inits, x):
     with tf.GradientTape() as tape:
       out = forward(variables, x[n:n + 1])
       out = tf.reshape(out, [-1])
-    parts = tape.jacobian(out, variables)
+    parts = tape.jacobian(out, variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
     jacs.append(np.concatenate(
         [np.reshape(p.numpy(), [out.shape[0], -1]) for p in parts], axis=1))
   return np.stack(jacs)
