@@ -417,8 +417,10 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     sq_norm = self._squared_fisher_norm(vecs_and_vars, precon_and_vars)
     bound = utils.cast(self._read(self._norm_constraint), tf.float64)
     sq_update = lr * lr * sq_norm
-    coeff = tf.where(sq_update > 0,
-                     tf.minimum(1.0, tf.sqrt(bound / tf.maximum(sq_update,
-                                                                1e-30))),
-                     tf.ones_like(sq_update))
-    return [(p * utils.cast(coeff, p.dtype), v) for p, v in precon_and_vars]
+    one = tf.ones_like(sq_update)
+    positive = sq_update > 0
+    coeff = tf.where(
+        positive,
+        tf.minimum(one, tf.sqrt(bound / tf.where(positive, sq_update, one))),
+        one)
+    return [(p * tf.cast(coeff, p.dtype), v) for p, v in precon_and_vars]

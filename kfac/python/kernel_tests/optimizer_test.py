@@ -1,0 +1,328 @@
+"""Optimizer update rules against hand-computed steps, and the two worlds.
+
+The hand-computed problem: one parameter vector w in R^2, prediction
+y = x . w for one example, squared error (t - y)^2 registered as a generic
+"full" block in the empirical mode with cov_ema_decay = 0 and invert_every
+= 1, so the preconditioner at each step is exactly (g g^T + lambda I)^-1
+with g = -2 (t - y) x the gradient of the loss.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac
+from kfac.python.kernel_tests import kfac_test_util as util
+from kfac.python.kernel_tests import reference as ref
+
+WORLDS = ref.WORLDS
+X = np.array([[1.5, -0.5]])
+T = np.array([[0.7]])
+W0 = np.array([[0.2], [-0.3]])
+
+
+def train(world, inits, model_fn, opt_fn, steps, feed=None):
+  """Runs `steps` training steps in a TF1 Session or a TF2 tf.function.
+
+  model_fn(variables, lc, inputs) -> loss registers the model; opt_fn(lc)
+  makes the optimizer (lc is None in TF2). Returns [(loss, [values])]: the
+  loss before each step and the variables after it. `feed` optionally gives
+  per-step inputs (numpy); otherwise inputs are None.
+  """
+  feed = feed or [None] * steps
+  history = []
+  if world == "graph":
+    with tf.Graph().as_default():
+      vs = [tf.Variable(v) for v in inits]
+      inputs = None
+      if feed[0] is not None:
+        inputs = tf.compat.v1.placeholder(tf.as_dtype(feed[0].dtype),
+                                          [None] + list(feed[0].shape[1:]))
+      lc = kfac.LayerCollection()
+      loss = model_fn(vs, lc, inputs)
+      opt = opt_fn(lc)
+      train_op = opt.minimize(loss, var_list=vs)
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for f in feed:
+          fd = {inputs: f} if inputs is not None else None
+          value, _ = sess.run([loss, train_op], fd)
+          history.append((value, sess.run(vs)))
+    return history
+  vs = [tf.Variable(v) for v in inits]
+  opt = opt_fn(None)
+
+  @tf.function
+  def step(inputs):
+    lc = kfac.LayerCollection()
+    loss = model_fn(vs, lc, inputs)
+    opt.minimize(loss, var_list=vs, layer_collection=lc)
+    return loss
+
+  for f in feed:
+    value = step(f)
+    history.append((value.numpy(), [v.numpy() for v in vs]))
+  return history
+
+
+def two_param_model(vs, lc, inputs):
+  del inputs
+  (w,) = vs
+  y = tf.matmul(tf.constant(X), w)
+  lc.register_generic(w, 1, approx="full")
+  lc.register_squared_error_loss(y, targets=tf.constant(T))
+  return tf.reduce_sum(tf.square(tf.constant(T) - y))
+
+
+def make_opt(**kwargs):
+  base = dict(learning_rate=0.3, damping=0.05, momentum=0.5,
+              cov_ema_decay=0.0, estimation_mode="empirical", invert_every=1)
+  base.update(kwargs)
+  return lambda lc: kfac.PeriodicInvCovUpdateKfacOpt(layer_collection=lc,
+                                                     **base)
+
+
+def hand_steps(momentum_type, steps, lr=0.3, damping=0.05, mu=0.5,
+               norm_constraint=None, wd=None, l2_reg=0.0):
+  w = W0[:, 0].copy()
+  v = np.zeros(2)
+  x = X[0]
+  out = []
+  for _ in range(steps):
+    g = -2.0 * (T[0, 0] - x @ w) * x
+    inv = np.linalg.inv(np.outer(g, g) + (damping + l2_reg) * np.eye(2))
+    if momentum_type == "regular":
+      p = inv @ g
+      if norm_constraint is not None:
+        p *= min(1.0, np.sqrt(norm_constraint / (lr**2 * g @ p)))
+      v = mu * v + p
+      step = v
+    else:
+      v = mu * v + g
+      step = inv @ v
+      if norm_constraint is not None:
+        step *= min(1.0, np.sqrt(norm_constraint / (lr**2 * v @ step)))
+    if wd is not None:
+      step = step + wd * w
+    w = w - lr * step
+    out.append(w.copy())
+  return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("momentum_type", ["regular", "adam"])
+def test_momentum_types_reproduce_hand_computed_steps(world, momentum_type):
+  hist = train(world, [W0], two_param_model,
+               make_opt(momentum_type=momentum_type), 4)
+  want = hand_steps(momentum_type, 4)
+  for (_, (w,)), expected in zip(hist, want):
+    np.testing.assert_allclose(w[:, 0], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("momentum_type", ["regular", "adam"])
+def test_norm_constraint_reproduces_hand_computed_steps(world, momentum_type):
+  hist = train(world, [W0], two_param_model,
+               make_opt(momentum_type=momentum_type, norm_constraint=1e-3),
+               4)
+  want = hand_steps(momentum_type, 4, norm_constraint=1e-3)
+  unclipped = hand_steps(momentum_type, 4)
+  assert np.abs(want[0] - unclipped[0]).max() > 1e-3  # the clip is active
+  for (_, (w,)), expected in zip(hist, want):
+    np.testing.assert_allclose(w[:, 0], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_weight_decay_and_l2_reg_reproduce_hand_computed_steps(world):
+  hist = train(world, [W0], two_param_model,
+               make_opt(momentum_type="regular", use_weight_decay=True,
+                        weight_decay_coeff=0.1, l2_reg=0.2), 3)
+  want = hand_steps("regular", 3, wd=0.1, l2_reg=0.2)
+  for (_, (w,)), expected in zip(hist, want):
+    np.testing.assert_allclose(w[:, 0], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_periodic_schedule_burnin_cov_and_inverse_steps(world):
+  """invert_every=3, cov_update_every=2, num_burnin_steps=2, decay 0.5.
+
+  Step t (counter before the step): statistics update when t < 2 or t even;
+  inverses when t >= 2 and (t - 2) % 3 == 0; parameters move when t >= 2.
+  """
+  steps = 9
+  model = two_param_model
+
+  def opt_fn(lc):
+    return kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=3, cov_update_every=2, num_burnin_steps=2,
+        learning_rate=0.1, damping=0.05, momentum=0.0, cov_ema_decay=0.5,
+        estimation_mode="empirical", layer_collection=lc)
+
+  if world == "graph":
+    # Read state between steps through extra fetches.
+    with tf.Graph().as_default():
+      (w,) = vs = [tf.Variable(W0)]
+      lc = kfac.LayerCollection()
+      loss = model(vs, lc, None)
+      opt = opt_fn(lc)
+      train_op = opt.minimize(loss, var_list=vs)
+      factor = opt.factors[0]
+      inv = opt.get_inv_vars()[0]
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        states = []
+        for _ in range(steps):
+          sess.run(train_op)
+          states.append(sess.run([opt.counter, factor._cov_weight, inv, w]))
+  else:
+    (w,) = vs = [tf.Variable(W0)]
+    opt = opt_fn(None)
+
+    @tf.function
+    def step():
+      lc = kfac.LayerCollection()
+      opt.minimize(model(vs, lc, None), var_list=vs, layer_collection=lc)
+
+    states = []
+    for _ in range(steps):
+      step()
+      factor = opt.factors[0]
+      states.append([opt.counter.numpy(), factor._cov_weight.numpy(),
+                     opt.get_inv_vars()[0].numpy(), w.numpy()])
+
+  cov_steps = [t for t in range(steps) if t < 2 or t % 2 == 0]
+  inv_steps = [t for t in range(steps) if t >= 2 and (t - 2) % 3 == 0]
+  prev_inv, prev_w = np.zeros((2, 2)), W0
+  for t, (counter, weight, inv, w_val) in enumerate(states):
+    assert counter == t + 1
+    n_cov = len([s for s in cov_steps if s <= t])
+    np.testing.assert_allclose(weight, 1 - 0.5**n_cov, rtol=1e-12)
+    assert (np.abs(inv - prev_inv).max() > 0) == (t in inv_steps), t
+    assert (np.abs(w_val - prev_w).max() > 0) == (t >= 2), t
+    prev_inv, prev_w = inv, w_val
+
+
+def mlp_model(vs, lc, inputs):
+  x, labels = inputs if inputs is not None else (None, None)
+  logits = util.register_mlp(vs, tf.cast(x, vs[0].dtype), lc)
+  lc.register_softmax_cross_entropy_loss(logits, targets=labels)
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits))
+
+
+@pytest.mark.parametrize("mode", ["exact", "empirical"])
+@pytest.mark.parametrize("momentum_type", ["regular", "adam"])
+def test_tf1_session_and_tf2_function_train_identically(mode, momentum_type):
+  inits = ref.mlp_inits((5, 8, 6, 3), seed=90, dtype=np.float32)
+  rng = np.random.RandomState(91)
+  batches = [(rng.randn(16, 5).astype(np.float32),
+              rng.randint(0, 3, 16).astype(np.int32)) for _ in range(6)]
+
+  def model(vs, lc, inputs):
+    return mlp_model(vs, lc, inputs)
+
+  opt_fn = lambda lc: kfac.PeriodicInvCovUpdateKfacOpt(
+      invert_every=2, learning_rate=0.05, damping=0.01, momentum=0.9,
+      momentum_type=momentum_type, estimation_mode=mode, cov_ema_decay=0.9,
+      layer_collection=lc)
+
+  graph_hist = _train_with_pairs("graph", inits, model, opt_fn, batches)
+  fn_hist = _train_with_pairs("function", inits, model, opt_fn, batches)
+  graph_losses = [h[0] for h in graph_hist]
+  assert graph_losses[-1] < graph_losses[0]  # it trains
+  np.testing.assert_allclose([h[0] for h in fn_hist], graph_losses,
+                             rtol=2e-5, atol=1e-6)
+  for (_, gv), (_, fv) in zip(graph_hist, fn_hist):
+    for a, b in zip(gv, fv):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _train_with_pairs(world, inits, model, opt_fn, batches):
+  """train() with (x, labels) batches fed through placeholders/arguments."""
+  if world == "graph":
+    hist = []
+    with tf.Graph().as_default():
+      vs = [tf.Variable(v) for v in inits]
+      x = tf.compat.v1.placeholder(tf.float32, [None, batches[0][0].shape[1]])
+      y = tf.compat.v1.placeholder(tf.int32, [None])
+      lc = kfac.LayerCollection()
+      loss = model(vs, lc, (x, y))
+      opt = opt_fn(lc)
+      train_op = opt.minimize(loss, var_list=vs)
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for bx, by in batches:
+          value, _ = sess.run([loss, train_op], {x: bx, y: by})
+          hist.append((value, sess.run(vs)))
+    return hist
+  vs = [tf.Variable(v) for v in inits]
+  opt = opt_fn(None)
+
+  @tf.function
+  def step(bx, by):
+    lc = kfac.LayerCollection()
+    loss = model(vs, lc, (bx, by))
+    opt.minimize(loss, var_list=vs, layer_collection=lc)
+    return loss
+
+  return [(step(bx, by).numpy(), [v.numpy() for v in vs])
+          for bx, by in batches]
+
+
+def test_retracing_finds_the_same_state():
+  """New batch sizes retrace the step; no state is created twice and the
+  counter and statistics carry on."""
+  inits = ref.mlp_inits((5, 8, 3), seed=95, dtype=np.float32)
+  vs = [tf.Variable(v) for v in inits]
+  opt = kfac.PeriodicInvCovUpdateKfacOpt(
+      invert_every=1, learning_rate=0.05, damping=0.01, momentum=0.9,
+      estimation_mode="empirical")
+  traces = []
+
+  @tf.function
+  def step(bx, by):
+    traces.append(1)
+    lc = kfac.LayerCollection()
+    loss = mlp_model(vs, lc, (bx, by))
+    opt.minimize(loss, var_list=vs, layer_collection=lc)
+    return loss
+
+  rng = np.random.RandomState(96)
+  sizes = [8, 8, 5, 5, 8, 3]
+  for n in sizes:
+    step(rng.randn(n, 5).astype(np.float32),
+         rng.randint(0, 3, n).astype(np.int32))
+    if n == 8 and len(traces) <= 2:
+      names = sorted(opt.state_store.variables_by_name)
+  assert len(traces) >= 3  # really retraced
+  assert sorted(opt.state_store.variables_by_name) == names
+  assert opt.counter.numpy() == len(sizes)
+  weight = opt.factors[0]._cov_weight.numpy()
+  np.testing.assert_allclose(weight, 1 - 0.95**len(sizes), rtol=1e-6)
+
+
+def test_manual_cov_and_inverse_ops_match_the_periodic_optimizer():
+  """KfacOptimizer + the estimator's update ops (the old TF1 recipe) takes
+  the same first step as PeriodicInvCovUpdateKfacOpt."""
+  common = dict(learning_rate=0.3, damping=0.05, momentum=0.5,
+                cov_ema_decay=0.0, estimation_mode="empirical",
+                momentum_type="regular")
+  with tf.Graph().as_default():
+    (w,) = vs = [tf.Variable(W0)]
+    lc = kfac.LayerCollection()
+    loss = two_param_model(vs, lc, None)
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    opt = kfac.KfacOptimizer(layer_collection=lc, **common)
+    (_, cov_op, _, inv_op, _, _) = opt.make_vars_and_create_op_thunks()
+    train_op = opt.minimize(loss, var_list=vs, global_step=global_step)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(2):
+        sess.run(cov_op)
+        sess.run(inv_op)
+        sess.run(train_op)
+      manual = sess.run(w)
+      assert sess.run(global_step) == 2
+      assert sess.run(opt.counter) == 2
+  np.testing.assert_allclose(manual[:, 0], hand_steps("regular", 2)[-1],
+                             rtol=1e-10)
