@@ -113,7 +113,15 @@ class NegativeLogProbLoss(LossFunction):
           "it on data (needed by estimation_mode='empirical', "
           "eval_losses(target_mode='data') and total_loss())." %
           type(self).__name__)
-    return tf.reduce_sum(self._nll(self.targets))
+    return tf.reduce_sum(self._nll(self._cast_targets(self.targets)))
+
+  def _cast_targets(self, targets):
+    """Floating-point targets take the dtype of the predictions (as Keras
+    does with y_true); integer labels stay integers."""
+    targets = tf.convert_to_tensor(targets)
+    if targets.dtype.is_floating and targets.dtype != self.dtype:
+      targets = tf.cast(targets, self.dtype)
+    return targets
 
   def evaluate_on_sample(self, seed=None):
     """The loss at targets sampled from the model (no gradient through them)."""
@@ -460,7 +468,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
           "the data targets: register the loss with targets=... to use GGN "
           "products or the 'exact_GGN' / 'curvature_prop_GGN' modes.")
     v = self._variance
-    r = tf.cast(self.targets, v.dtype) - self._mean
+    r = self._cast_targets(self.targets) - self._mean
     h_mm = 1.0 / v
     h_mv = r / tf.square(v)
     h_vv = tf.square(r) / (v * tf.square(v)) - 0.5 / tf.square(v)
