@@ -478,15 +478,19 @@ class LayerCollection:
     """Categorical over the last axis of `logits`. `targets` are integer
     labels, or one-hot rows (same shape as logits)."""
     self._check_coeff(coeff)
-    if targets is not None and targets.shape.rank == logits.shape.rank:
+    onehot = targets is not None and targets.shape.rank == logits.shape.rank
+    if targets is not None:
+      expected = logits.shape if onehot else logits.shape[:-1]
+      if not targets.shape.is_compatible_with(expected):
+        raise ValueError("Targets of shape %s do not fit logits of shape %s "
+                         "(expected integer labels of shape %s or one-hot "
+                         "rows of shape %s)." % (targets.shape, logits.shape,
+                                                 logits.shape[:-1],
+                                                 logits.shape))
+    if onehot:
       loss = lf.OnehotCategoricalLogitsNegativeLogProbLoss(logits, targets,
                                                            seed)
     else:
-      if targets is not None and targets.shape.rank != logits.shape.rank - 1:
-        raise ValueError("Targets of shape %s do not fit logits of shape %s "
-                         "(expected integer labels of shape %s or one-hot "
-                         "rows)." % (targets.shape, logits.shape,
-                                     logits.shape[:-1]))
       loss = lf.CategoricalLogitsNegativeLogProbLoss(logits, targets, seed)
     return self._register_loss(loss, "categorical_predictive_distribution",
                                name, coeff, reuse)

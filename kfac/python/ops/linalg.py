@@ -6,9 +6,10 @@ Session or a `FuncGraph` while `tf.function` traces) and holds no state.
 Precision: factors are usually float32. Cholesky-based routines switch to a
 float64 computation when the damped matrix is too badly conditioned for
 float32 (see `_float32_is_unsafe`). The switch is decided *before* the
-decomposition from a cheap bound because TensorFlow's CPU Cholesky raises an
-error on a non positive-definite input instead of returning NaNs, so a
-"try, then retry in float64" is not expressible inside a graph.
+decomposition from a cheap bound: an ill-conditioned factor then costs one
+float64 factorisation instead of a float32 one plus a retry, and the result
+does not depend on how a device reports a failed Cholesky (TensorFlow 2.21's
+CPU kernel returns NaNs; other kernels and versions raise an error).
 """
 
 import tensorflow as tf
