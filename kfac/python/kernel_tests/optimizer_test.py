@@ -326,3 +326,57 @@ def test_manual_cov_and_inverse_ops_match_the_periodic_optimizer():
       assert sess.run(opt.counter) == 2
   np.testing.assert_allclose(manual[:, 0], hand_steps("regular", 2)[-1],
                              rtol=1e-10)
+
+
+_V1_SCRIPT = r"""
+import numpy as np, sys
+import tensorflow as tf
+if sys.argv[1] == "v1":
+  tf.compat.v1.disable_v2_behavior()
+import kfac
+rng = np.random.RandomState(0)
+with tf.Graph().as_default():
+  x = tf.constant(rng.randn(32, 6).astype(np.float32))
+  y = tf.constant(rng.randint(0, 3, 32))
+  w1 = tf.compat.v1.get_variable("w1", initializer=(0.3 * rng.randn(6, 8)).astype(np.float32))
+  b1 = tf.compat.v1.get_variable("b1", initializer=np.zeros(8, np.float32))
+  w2 = tf.compat.v1.get_variable("w2", initializer=(0.3 * rng.randn(8, 3)).astype(np.float32))
+  lc = kfac.LayerCollection()
+  pre = tf.matmul(x, w1) + b1
+  lc.register_fully_connected((w1, b1), x, pre)
+  h = tf.tanh(pre)
+  logits = tf.matmul(h, w2)
+  lc.register_fully_connected(w2, h, logits)
+  lc.register_softmax_cross_entropy_loss(logits, targets=y)
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+  opt = kfac.PeriodicInvCovUpdateKfacOpt(invert_every=2, num_burnin_steps=1,
+      learning_rate=0.1, damping=1e-2, momentum=0.9, layer_collection=lc,
+      estimation_mode="exact")
+  train = opt.minimize(loss, var_list=[w1, b1, w2],
+                       global_step=tf.compat.v1.train.get_or_create_global_step())
+  with tf.compat.v1.Session() as sess:
+    sess.run(tf.compat.v1.global_variables_initializer())
+    print(" ".join("%.7f" % sess.run([loss, train])[0] for _ in range(6)))
+"""
+
+
+def test_scripts_with_v2_behavior_disabled_train_the_same():
+  """Old scripts often call tf.compat.v1.disable_v2_behavior() (reference
+  variables, v1 control flow); the core must work there too, identically.
+  Run in subprocesses because that switch is process-wide."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(__import__("pathlib").Path(kfac.__file__).parents[1])] +
+      [p for p in [env.get("PYTHONPATH")] if p])
+  losses = {}
+  for mode in ("v1", "v2"):
+    out = subprocess.run([sys.executable, "-c", _V1_SCRIPT, mode], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses[mode] = [float(v) for v in out.stdout.split()]
+  assert len(losses["v1"]) == 6
+  assert losses["v1"][-1] < losses["v1"][0]
+  np.testing.assert_allclose(losses["v1"], losses["v2"], rtol=1e-5)
