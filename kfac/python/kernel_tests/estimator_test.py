@@ -3,10 +3,15 @@ GGN matrices.
 
 Exact modes are compared to 1e-9 relative. Monte Carlo modes are checked
 statistically: with M independent samples of one example the relative
-Frobenius error of the estimated block shrinks like 1/sqrt(M); we require it
-below 0.08 at M = 20000 (measured: about 0.01) and at least 4x smaller than
-at M = 200 (expected: 10x).
+Frobenius error of the estimated block shrinks like 1/sqrt(M) (measured
+sqrt(M) * error between 0.5 and 1.8 for M = 200 ... 200000, so no bias floor).
+One draw is noisy (min/max spread up to 7x), so each test averages REPS
+independent estimates: the mean error must be below 0.03 at M = 20000
+(expected about 0.005) and at least 3x below the mean error at M = 200
+(expected 10x).
 """
+
+REPS = 4
 
 import numpy as np
 import pytest
@@ -158,8 +163,11 @@ def _rel_err(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def _replicated_blocks(inits, x1, m, mode, register_loss, forward):
-  """Blocks estimated from m copies of one example (graph world)."""
+def _replicated_errors(inits, x1, m, mode, register_loss, forward, exact,
+                       slices):
+  """Mean over REPS independent estimates (decay 0: each statistics update
+  replaces the last) of the worst relative block error, from m copies of
+  one example (graph world)."""
   x = np.repeat(x1, m, axis=0)
 
   def build(vs):
@@ -169,10 +177,16 @@ def _replicated_blocks(inits, x1, m, mode, register_loss, forward):
     for params, inputs, outs in record:
       lc.register_fully_connected(params, inputs, outs)
     register_loss(lc, outputs, m)
-    est, ops = util.estimator_stages(util.new_store(), lc, vs, mode)
-    return ops + [[tf.identity(b.full_fisher_block()) for b in est.blocks]]
+    est = kfac.estimator.FisherEstimator(
+        vs, 0.0, 1e-3, lc, estimation_mode=mode,
+        state_store=util.new_store())
+    (_, cov_op, _, _, _, _) = est.make_vars_and_create_op_thunks()
+    blocks = [b.full_fisher_block() for b in est.blocks]
+    return [cov_op, blocks] * REPS
 
-  return ref.run_stages("graph", inits, build)[-1]
+  runs = ref.run_stages("graph", inits, build)[1::2]
+  return np.mean([max(_rel_err(b, exact[sl, sl]) for b, sl in zip(r, slices))
+                  for r in runs])
 
 
 @pytest.mark.parametrize("mode", ["gradients", "curvature_prop"])
@@ -190,13 +204,10 @@ def test_monte_carlo_fisher_modes_converge_to_the_exact_fisher(mode):
     del m
     lc.register_categorical_predictive_distribution(logits)
 
-  errs = {}
-  for m in (200, 20000):
-    blocks = _replicated_blocks(inits, x1, m, mode, loss, forward)
-    errs[m] = max(_rel_err(b, exact[sl, sl])
-                  for b, sl in zip(blocks, util.layer_slices()))
-  assert errs[20000] < 0.08, errs
-  assert errs[20000] < errs[200] / 4, errs
+  errs = {m: _replicated_errors(inits, x1, m, mode, loss, forward, exact,
+                                util.layer_slices()) for m in (200, 20000)}
+  assert errs[20000] < 0.03, errs
+  assert errs[20000] < errs[200] / 3, errs
 
 
 def test_curvature_prop_ggn_converges_to_the_exact_ggn():
@@ -213,14 +224,11 @@ def test_curvature_prop_ggn_converges_to_the_exact_ggn():
     lc.register_normal_mean_variance_predictive_distribution(
         mean, var, targets=tf.constant(np.repeat(t1, m, axis=0)))
 
-  errs = {}
-  for m in (200, 20000):
-    blocks = _replicated_blocks(inits, x1, m, "curvature_prop_GGN", loss,
-                                forward)
-    errs[m] = max(_rel_err(b, ggn[sl, sl])
-                  for b, sl in zip(blocks, _mv_slices()))
-  assert errs[20000] < 0.08, errs
-  assert errs[20000] < errs[200] / 4, errs
+  errs = {m: _replicated_errors(inits, x1, m, "curvature_prop_GGN", loss,
+                                forward, ggn, _mv_slices())
+          for m in (200, 20000)}
+  assert errs[20000] < 0.03, errs
+  assert errs[20000] < errs[200] / 3, errs
 
 
 @pytest.mark.parametrize("world", WORLDS)
