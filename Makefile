@@ -1,7 +1,7 @@
 # Developer entry points for kfac.
 #   make test      create .venv (first time only) and run the fast tests
 #   make demo      K-FAC vs Adam on a deep autoencoder (about 2 minutes)
-#   make bench     ms/step of SGD, K-FAC (Session) and K-FAC (tf.function)
+#   make bench     ms/step of SGD, the old kfac 0.2.4 and this kfac (Session, tf.function)
 #   make test-all  all tests, including the ones marked slow
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make clean     remove build outputs; `make distclean` also removes .venv
@@ -86,11 +86,20 @@ test-all: venv
 demo: venv data
 	$(VPY) examples/autoencoder_demo.py
 
-bench: venv data
-	$(VPY) examples/benchmarks/autoencoder_step_time.py
+# The old library (kfac 0.2.4, frozen TF1 code) is the baseline of the step
+# benchmark. It goes into its own folder, without dependencies, so that it is
+# never imported by anything but the benchmark's worker for it.
+OLD_KFAC := .bench_deps/kfac-0.2.4
+
+$(OLD_KFAC)/kfac/__init__.py:
+	$(VPY) -m pip install --quiet --no-deps --target $(OLD_KFAC) kfac==0.2.4 || \
+	  echo "bench: note: could not install kfac==0.2.4; its column is skipped"
+
+bench: venv data $(OLD_KFAC)/kfac/__init__.py
+	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC)
 
 clean:
-	rm -rf build dist *.egg-info bench_results .pytest_cache $(STAMP)
+	rm -rf build dist *.egg-info bench_results .bench_deps .pytest_cache $(STAMP)
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
 
 distclean: clean

@@ -3,24 +3,34 @@ r"""Milliseconds per training step on the deep autoencoder of the K-FAC paper.
 Model: 784-1000-500-250-30-250-500-1000-784, tanh (linear code layer),
 sigmoid cross-entropy reconstruction loss, batch 256 by default.
 
-Compared side by side in one process:
-  sgd_momentum    tf.compat.v1.train.MomentumOptimizer, TF1 Session
-  kfac_session    kfac.PeriodicInvCovUpdateKfacOpt(invert_every=10), Session
-  kfac_tf_function  the same K-FAC optimizer, TF2 tf.function train step
+Configurations, all on the same graph (same model code, same weights):
+  sgd_momentum      tf.compat.v1.train.MomentumOptimizer, TF1 Session
+  kfac_old_session  the old library, kfac 0.2.4 from PyPI (frozen TF1 code,
+                    run on this TensorFlow in tf.compat.v1 mode), Session
+  kfac_session      this kfac, PeriodicInvCovUpdateKfacOpt(invert_every=10)
+  kfac_tf_function  this kfac, the same optimizer in a TF2 tf.function step
 
-Steps are timed in blocks of `invert_every` consecutive steps, so that every
-block holds exactly one K-FAC inverse update and the amortised inversion cost
-is counted; ms/step is the median over blocks of (block time / block length).
-The configurations run in interleaved rounds (rotating order) so that machine
-noise hits all of them alike; warm-up blocks are not timed.
+Each measurement is a fresh worker process (the old library is also called
+`kfac`, so it cannot share a process with this one): it builds the graph,
+runs untimed warm-up blocks, then times blocks of `invert_every` consecutive
+steps, so every block holds exactly one K-FAC inverse update and the
+amortised inversion cost is counted. ms/step is the median over blocks of
+(block time / block length). Workers run in interleaved rounds with a
+rotating order so that machine noise hits every configuration alike.
+
+The old library is looked up in --old_kfac_path (`make bench` installs it
+there with `pip install --no-deps --target`); without it that configuration
+is skipped with a note.
 
 Results go to stdout and to bench_results/ (markdown table and a PNG).
 
-  python examples/benchmarks/autoencoder_step_time.py --rounds=10
+  python examples/benchmarks/autoencoder_step_time.py --rounds=3
 """
 
+import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -38,17 +48,20 @@ import datasets
 
 FLAGS = flags.FLAGS
 
-ALL_CONFIGS = ("sgd_momentum", "kfac_session", "kfac_tf_function")
+ALL_CONFIGS = ("sgd_momentum", "kfac_old_session", "kfac_session",
+               "kfac_tf_function")
 
 flags.DEFINE_integer("batch_size", 256, "Mini-batch size.")
 flags.DEFINE_integer("invert_every", 10, "K-FAC inverse period; also the "
                      "length of a timed block.")
-flags.DEFINE_integer("rounds", 8, "Interleaved rounds; each times "
-                     "--blocks_per_round blocks of every configuration.")
-flags.DEFINE_integer("blocks_per_round", 2, "Timed blocks per configuration "
-                     "and round.")
-flags.DEFINE_integer("warmup_blocks", 2, "Untimed blocks per configuration "
-                     "before the first round.")
+flags.DEFINE_integer("rounds", 3, "Interleaved rounds; each starts one "
+                     "worker per configuration.")
+flags.DEFINE_integer("blocks_per_round", 3, "Timed blocks per worker.")
+flags.DEFINE_integer("warmup_blocks", 2, "Untimed blocks per worker.")
+flags.DEFINE_string("old_kfac_path", ".bench_deps/kfac-0.2.4",
+                    "Directory holding the old kfac package (pip --target).")
+flags.DEFINE_string("worker", None, "Internal: run one configuration and "
+                    "print its block times as JSON.")
 flags.DEFINE_enum("data", "auto", ["auto", "random", "fashion_mnist"],
                   "Fashion-MNIST images when present ('auto'), else random "
                   "binary images.")
@@ -155,7 +168,8 @@ class TF2KfacRunner(object):
 def make_runner(name, params_np, batches):
   if name == "sgd_momentum":
     return SessionRunner("sgd", params_np, batches)
-  if name == "kfac_session":
+  if name in ("kfac_session", "kfac_old_session"):
+    # Which `kfac` this imports is decided by the worker's sys.path.
     return SessionRunner("kfac", params_np, batches)
   if name == "kfac_tf_function":
     return TF2KfacRunner(params_np, batches)
@@ -168,6 +182,49 @@ def time_block(runner, start_step, length):
   for i in range(start_step, start_step + length):
     runner.step(i)
   return (time.perf_counter() - start) / length
+
+
+def run_worker(name):
+  """Builds one configuration, warms up, times blocks; prints JSON."""
+  if name == "kfac_old_session":
+    import kfac  # the old library, first on sys.path in this worker
+    if "kfac-0.2" not in kfac.__file__ and "site" not in kfac.__file__:
+      raise RuntimeError("expected the old kfac, got %s" % kfac.__file__)
+  sizes = model.mirrored_sizes(model.FULL_MNIST_ENCODER)
+  _, batches = load_batches(8, FLAGS.batch_size, FLAGS.seed)
+  params_np = model.init_params(sizes, FLAGS.seed)
+  start = time.perf_counter()
+  runner = make_runner(name, params_np, batches)
+  block = FLAGS.invert_every
+  for b in range(FLAGS.warmup_blocks):
+    time_block(runner, b * block, block)
+  build_s = time.perf_counter() - start
+  times = []
+  for b in range(FLAGS.blocks_per_round):
+    times.append(time_block(runner, (FLAGS.warmup_blocks + b) * block, block))
+  print("WORKER_RESULT " + json.dumps(dict(
+      times=times, loss=runner.loss_value(), build_s=build_s)), flush=True)
+  runner.close()
+
+
+def spawn_worker(name):
+  """Runs one worker process; returns its result dict, or None with a note."""
+  env = dict(os.environ)
+  if name == "kfac_old_session":
+    path = os.path.abspath(FLAGS.old_kfac_path)
+    if not os.path.isdir(os.path.join(path, "kfac")):
+      return None
+    env["PYTHONPATH"] = os.pathsep.join(
+        [path] + [p for p in [env.get("PYTHONPATH")] if p])
+  argv = [sys.executable, os.path.abspath(__file__), "--worker=" + name]
+  for flag in ("batch_size", "invert_every", "blocks_per_round",
+               "warmup_blocks", "data", "seed"):
+    argv.append("--%s=%s" % (flag, getattr(FLAGS, flag)))
+  out = subprocess.run(argv, env=env, capture_output=True, text=True)
+  for line in out.stdout.splitlines():
+    if line.startswith("WORKER_RESULT "):
+      return json.loads(line[len("WORKER_RESULT "):])
+  raise RuntimeError("worker %s failed:\n%s" % (name, out.stderr[-4000:]))
 
 
 def write_plot(path, names, medians, spreads, title):
@@ -195,63 +252,72 @@ def write_plot(path, names, medians, spreads, title):
 
 def main(argv):
   del argv
+  if FLAGS.worker:
+    run_worker(FLAGS.worker)
+    return
   sizes = model.mirrored_sizes(model.FULL_MNIST_ENCODER)
-  data_name, batches = load_batches(8, FLAGS.batch_size, FLAGS.seed)
-  params_np = model.init_params(sizes, FLAGS.seed)
+  data_name, _ = load_batches(8, FLAGS.batch_size, FLAGS.seed)
   block = FLAGS.invert_every
   print("model %s, batch %d, data: %s, TF %s, %d CPUs" % (
       "-".join(str(s) for s in sizes), FLAGS.batch_size, data_name,
       tf.__version__, os.cpu_count()), flush=True)
 
-  runners = {}
-  next_step = {}
-  for name in FLAGS.configs:
-    start = time.perf_counter()
-    runners[name] = make_runner(name, params_np, batches)
-    # Warm-up (graph building, first-run and tracing costs): not timed.
-    for _ in range(FLAGS.warmup_blocks):
-      time_block(runners[name], 0, block)
-    next_step[name] = FLAGS.warmup_blocks * block
-    print("%-17s ready in %.1fs (warm-up included)" % (
-        name, time.perf_counter() - start), flush=True)
-
-  times = {name: [] for name in runners}
-  names = list(runners)
+  names = list(FLAGS.configs)
+  times = {n: [] for n in names}
+  losses, skipped = {}, []
   for r in range(FLAGS.rounds):
     order = names[r % len(names):] + names[:r % len(names)]
     for name in order:
-      for _ in range(FLAGS.blocks_per_round):
-        times[name].append(time_block(runners[name], next_step[name], block))
-        next_step[name] += block
+      if name in skipped:
+        continue
+      result = spawn_worker(name)
+      if result is None:
+        skipped.append(name)
+        print("note: %s skipped: the old kfac is not in %s (make bench "
+              "installs it)" % (name, FLAGS.old_kfac_path), flush=True)
+        continue
+      times[name].extend(result["times"])
+      losses[name] = result["loss"]
     print("round %d/%d: %s" % (r + 1, FLAGS.rounds, "  ".join(
-        "%s %.1f ms" % (n, 1e3 * np.median(times[n])) for n in names)),
-          flush=True)
+        "%s %.1f ms" % (n, 1e3 * np.median(times[n])) for n in names
+        if times[n])), flush=True)
 
+  names = [n for n in names if times[n]]
   ms = {n: 1e3 * np.array(times[n]) for n in names}
   medians = [float(np.median(ms[n])) for n in names]
   q25 = [float(np.percentile(ms[n], 25)) for n in names]
   q75 = [float(np.percentile(ms[n], 75)) for n in names]
-  base = ms["sgd_momentum"] if "sgd_momentum" in ms else None
-  base_median = float(np.median(base)) if base is not None else None
 
+  def ratio_to(base):
+    if base not in ms:
+      return ["-"] * len(names)
+    ref_ms = float(np.median(ms[base]))
+    return ["%.2fx" % (m / ref_ms) for m in medians]
+
+  to_sgd, to_old = ratio_to("sgd_momentum"), ratio_to("kfac_old_session")
   lines = [
       "Deep autoencoder %s, batch %d, %s; TF %s, Python %s, %d CPUs (%s)." % (
           "-".join(str(s) for s in sizes), FLAGS.batch_size, data_name,
           tf.__version__, platform.python_version(), os.cpu_count(),
           platform.machine()),
-      "ms/step: median over %d blocks of %d steps (each block holds one "
-      "K-FAC inverse update), interleaved rounds, warm-up excluded." % (
-          FLAGS.rounds * FLAGS.blocks_per_round, block),
+      "ms/step: median over %d blocks of %d steps per configuration (each "
+      "block holds one K-FAC inverse update), %d interleaved rounds of fresh "
+      "worker processes, warm-up excluded." % (
+          FLAGS.rounds * FLAGS.blocks_per_round, block, FLAGS.rounds),
       "",
-      "| optimizer | ms/step (median) | IQR | ratio to SGD |",
-      "|---|---:|---:|---:|",
+      "| optimizer | ms/step (median) | IQR | ratio to SGD | ratio to old "
+      "kfac |",
+      "|---|---:|---:|---:|---:|",
   ]
-  for n, m, lo, hi in zip(names, medians, q25, q75):
-    ratio = "%.2fx" % (m / base_median) if base_median else "-"
-    lines.append("| %s | %.1f | %.1f-%.1f | %s |" % (n, m, lo, hi, ratio))
-  losses = ", ".join("%s %.1f" % (n, runners[n].loss_value()) for n in names)
-  lines += ["", "Loss on the first batch after the run (sanity): %s." %
-            losses]
+  for n, m, lo, hi, rs, ro in zip(names, medians, q25, q75, to_sgd, to_old):
+    lines.append("| %s | %.1f | %.1f-%.1f | %s | %s |" % (n, m, lo, hi, rs,
+                                                          ro))
+  lines += ["", "Loss on the first batch after each worker's %d steps "
+            "(sanity): %s." % (
+                (FLAGS.warmup_blocks + FLAGS.blocks_per_round) * block,
+                ", ".join("%s %.1f" % (n, losses[n]) for n in names))]
+  if skipped:
+    lines += ["", "Skipped (not installed): %s." % ", ".join(skipped)]
   table = "\n".join(lines)
   print()
   print(table)
@@ -266,8 +332,6 @@ def main(argv):
              "Deep autoencoder, batch %d, TF %s, %d CPUs" % (
                  FLAGS.batch_size, tf.__version__, os.cpu_count()))
   print("\nwrote %s and %s" % (md_path, png_path))
-  for runner in runners.values():
-    runner.close()
 
 
 if __name__ == "__main__":
