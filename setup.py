@@ -9,15 +9,21 @@ from setuptools import find_packages, setup
 # Pick one with an extra, as with the old kfac 0.2.x:
 #   pip install kfac[tensorflow]      # or
 #   pip install kfac[tensorflow_cpu]
+# tensorflow-probability is not required: the core samples and evaluates its
+# predictive distributions with TensorFlow ops. tfp >= 0.24 cannot import its
+# distributions without `tf-keras`, which requires the full `tensorflow`
+# wheel. `loss.dist` (a tfp distribution, for users who want one) imports
+# it lazily; the "distributions" extra installs it for environments that
+# already use `tensorflow`.
 REQUIRED = [
     "numpy",
     "absl-py",
-    "tensorflow-probability>=0.24",
 ]
 
 EXTRAS = {
     "tensorflow": ["tensorflow>=2.16"],
     "tensorflow_cpu": ["tensorflow-cpu>=2.16"],
+    "distributions": ["tensorflow-probability>=0.24", "tf-keras"],
     "tests": ["pytest", "scikit-learn"],
     "examples": ["scikit-learn", "matplotlib"],
 }

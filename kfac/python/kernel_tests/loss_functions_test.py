@@ -181,3 +181,61 @@ def test_categorical_sampling_follows_probabilities():
   # 3 binomial standard deviations at n=20000 are below 0.011
   np.testing.assert_allclose(freq, ref.softmax(np.array([2.0, 0.0, -1.0])),
                              atol=0.011)
+
+
+def test_bernoulli_normal_and_onehot_sampling_follow_their_distributions():
+  n = 40000
+  # Bernoulli: per-column frequency within 4.5 standard deviations.
+  logits = tf.constant(np.tile([[1.5, -0.5, 0.0]], [n, 1]))
+  sample = lf.MultiBernoulliNegativeLogProbLoss(logits).sample(seed=3).numpy()
+  p = ref.sigmoid(np.array([1.5, -0.5, 0.0]))
+  assert set(np.unique(sample)) <= {0.0, 1.0}
+  np.testing.assert_array_less(np.abs(sample.mean(0) - p),
+                               4.5 * np.sqrt(p * (1 - p) / n))
+  # Normal with fixed variance and with learned variance: mean and variance.
+  mean = tf.constant(np.tile([[1.0, -2.0]], [n, 1]))
+  for loss, var in (
+      (lf.NormalMeanNegativeLogProbLoss(mean, 0.7), np.array([0.7, 0.7])),
+      (lf.NormalMeanVarianceNegativeLogProbLoss(
+          mean, tf.constant(np.tile([[0.3, 2.0]], [n, 1]))),
+       np.array([0.3, 2.0]))):
+    draws = loss.sample(seed=4).numpy()
+    np.testing.assert_array_less(np.abs(draws.mean(0) - [1.0, -2.0]),
+                                 4.5 * np.sqrt(var / n))
+    # sample variance: standard error sqrt(2/n) var
+    np.testing.assert_array_less(np.abs(draws.var(0) - var),
+                                 4.5 * np.sqrt(2.0 / n) * var)
+  # One-hot categorical: rows are one-hot.
+  onehot = lf.OnehotCategoricalLogitsNegativeLogProbLoss(
+      tf.constant(LOGITS)).sample(seed=5).numpy()
+  np.testing.assert_array_equal(onehot.sum(-1), np.ones(N))
+  assert set(np.unique(onehot)) <= {0.0, 1.0}
+
+
+def test_kfac_works_without_tensorflow_probability():
+  """tfp >= 0.24 cannot import its distributions without tf_keras (which
+  drags in the full tensorflow wheel); the core must not need it."""
+  import os
+  import subprocess
+  import sys
+  import kfac
+  script = (
+      "import sys\n"
+      "sys.modules['tensorflow_probability'] = None\n"
+      "sys.modules['tf_keras'] = None\n"
+      "import tensorflow as tf, kfac\n"
+      "loss = kfac.loss_functions.CategoricalLogitsNegativeLogProbLoss(\n"
+      "    tf.zeros([4, 3]))\n"
+      "print(int(tf.size(loss.sample(seed=1))))\n"
+      "try:\n"
+      "  loss.dist\n"
+      "except ImportError as e:\n"
+      "  print('dist:', 'tensorflow-probability' in str(e))\n")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.dirname(os.path.dirname(kfac.__file__))] +
+      [p for p in [env.get("PYTHONPATH")] if p])
+  out = subprocess.run([sys.executable, "-c", script], env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split("\n")[:2] == ["4", "dist: True"], out.stdout

@@ -22,14 +22,29 @@ Tensors otherwise. Vectors in factor space are a Tensor of shape
 """
 
 import abc
+import math
 
 import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops import utils
-import tensorflow_probability as tfp
 
-tfd = tfp.distributions
+
+def _tfp_distributions():
+  """tfp.distributions, imported only when a `.dist` is asked for.
+
+  The core samples and evaluates likelihoods with plain TensorFlow ops:
+  tensorflow-probability 0.25's distributions cannot be imported without
+  the `tf_keras` package, which depends on the full `tensorflow` wheel and
+  so would install a second TensorFlow next to `tensorflow-cpu`.
+  """
+  try:
+    import tensorflow_probability as tfp  # pylint: disable=g-import-not-at-top
+    return tfp.distributions
+  except ImportError as e:
+    raise ImportError(
+        "loss.dist needs tensorflow-probability (and, for tfp >= 0.24, the "
+        "tf-keras package); kfac itself does not use it: %s" % e) from e
 
 
 def insert_slice_in_zeros(slice_to_insert, dim, dim_size, position):
@@ -95,16 +110,26 @@ class NegativeLogProbLoss(LossFunction):
     self._default_seed = seed
 
   @property
-  @abc.abstractmethod
   def dist(self):
-    """The tfp distribution over targets."""
+    """The predictive distribution as a tfp distribution (for users that
+    want one; needs tensorflow-probability)."""
+    return self._make_dist(_tfp_distributions())
+
+  @abc.abstractmethod
+  def _make_dist(self, tfd):
+    pass
+
+  @abc.abstractmethod
+  def _sample(self, seed):
+    """Targets drawn from the predictive distribution."""
 
   @property
   def params(self):
     return self.inputs[0] if len(self.inputs) == 1 else self.inputs
 
+  @abc.abstractmethod
   def _nll(self, targets):
-    return -self.dist.log_prob(targets)
+    """Per-element negative log-likelihood of `targets`."""
 
   def evaluate(self):
     if self.targets is None:
@@ -128,7 +153,7 @@ class NegativeLogProbLoss(LossFunction):
     return tf.reduce_sum(self._nll(tf.stop_gradient(self.sample(seed))))
 
   def sample(self, seed=None):
-    return self.dist.sample(seed=self._default_seed if seed is None else seed)
+    return self._sample(self._default_seed if seed is None else seed)
 
   # Fisher products.
   def multiply_fisher(self, vector):
@@ -215,6 +240,16 @@ class NegativeLogProbLoss(LossFunction):
     return self._fisher_factor_one_hot(index)
 
 
+def _normal_nll(targets, mean, var):
+  return 0.5 * (tf.square(targets - mean) / var +
+                tf.math.log(var) + math.log(2.0 * math.pi))
+
+
+def _normal_sample(mean, var, seed):
+  noise = tf.random.normal(tf.shape(mean), seed=seed, dtype=mean.dtype)
+  return mean + tf.sqrt(var) * noise
+
+
 def _check_index(index):
   index = tuple(index) if isinstance(index, (list, tuple)) else (index,)
   if len(index) != 1:
@@ -246,9 +281,17 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
   def targets(self):
     return self._targets
 
-  @property
-  def dist(self):
+  def _make_dist(self, tfd):
     return tfd.Categorical(logits=self._logits)
+
+  def _sample_ids(self, seed):
+    logits = self._logits
+    flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
+    ids = tf.random.categorical(flat, 1, seed=seed)[:, 0]
+    return tf.reshape(ids, tf.shape(logits)[:-1])
+
+  def _sample(self, seed):
+    return self._sample_ids(seed)
 
   @property
   def _probs(self):
@@ -284,9 +327,12 @@ class OnehotCategoricalLogitsNegativeLogProbLoss(
     CategoricalLogitsNegativeLogProbLoss):
   """Categorical over logits with one-hot (or soft) targets."""
 
-  @property
-  def dist(self):
+  def _make_dist(self, tfd):
     return tfd.OneHotCategorical(logits=self._logits, dtype=self._logits.dtype)
+
+  def _sample(self, seed):
+    return tf.one_hot(self._sample_ids(seed), tf.shape(self._logits)[-1],
+                      dtype=self._logits.dtype)
 
   def _nll(self, targets):
     return tf.nn.softmax_cross_entropy_with_logits(
@@ -309,9 +355,13 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
   def targets(self):
     return self._targets
 
-  @property
-  def dist(self):
+  def _make_dist(self, tfd):
     return tfd.Bernoulli(logits=self._logits, dtype=self._logits.dtype)
+
+  def _sample(self, seed):
+    uniform = tf.random.uniform(tf.shape(self._logits), seed=seed,
+                                dtype=self._logits.dtype)
+    return tf.cast(uniform < tf.sigmoid(self._logits), self._logits.dtype)
 
   @property
   def _variance(self):
@@ -353,10 +403,17 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
   def targets(self):
     return self._targets
 
-  @property
-  def dist(self):
+  def _make_dist(self, tfd):
     scale = tf.sqrt(utils.cast(self._var, self._mean.dtype))
     return tfd.Normal(loc=self._mean, scale=scale)
+
+  def _nll(self, targets):
+    return _normal_nll(targets, self._mean,
+                       utils.cast(self._var, self._mean.dtype))
+
+  def _sample(self, seed):
+    return _normal_sample(self._mean, utils.cast(self._var, self._mean.dtype),
+                          seed)
 
   @property
   def _inv_var(self):
@@ -411,9 +468,14 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
   def targets(self):
     return self._targets
 
-  @property
-  def dist(self):
+  def _make_dist(self, tfd):
     return tfd.Normal(loc=self._mean, scale=tf.sqrt(self._variance))
+
+  def _nll(self, targets):
+    return _normal_nll(targets, self._mean, self._variance)
+
+  def _sample(self, seed):
+    return _normal_sample(self._mean, self._variance, seed)
 
   @property
   def _dim(self):
