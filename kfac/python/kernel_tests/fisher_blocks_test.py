@@ -227,3 +227,47 @@ def test_towers_concatenate_like_one_big_batch():
   single = ref.run_stages("graph", inits, build_one)[-1]
   for a, b in zip(blocks, single):
     np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_kron_inverse_stays_bounded_when_output_gradients_vanish(world):
+  """Saturated units: G ~ 1e-34 in float32, so pi ~ 1e17. Every stored
+  inverse must stay below 1/sqrt(damping) (the split (A + pi s) (x)
+  (G + s/pi) would store G's inverse ~ pi/s and overflow as G -> 0), and the
+  block inverse must still equal the float64 dense pi-damped solve."""
+  rng = np.random.RandomState(15)
+  x = rng.randn(32, 4).astype(np.float32)
+  grads = (1e-17 * rng.randn(32, 3)).astype(np.float32)
+  damping = 1e-3
+  store = util.new_store()
+
+  def build(vs):
+    (w,) = vs
+    lc = kfac.LayerCollection()
+    out = tf.matmul(tf.constant(x), w)
+    block = lc.register_fully_connected(w, tf.constant(x), out)
+    block.instantiate_factors([(tf.constant(grads),)], damping)
+    for f in lc.get_factors():
+      f.attach_state_store(store)
+    block.register_inverse()
+    cov_op = tf.group(*[f.make_covariance_update_op(0.0)
+                        for f in lc.get_factors()])
+    inv_op = tf.group(*[op for f in lc.get_factors()
+                        for op in f.make_inverse_update_ops()])
+    vec = tf.constant(rng.randn(4, 3).astype(np.float32))
+    fetch = [[tf.identity(f.get_cov()) for f in block.factors()],
+             [tf.identity(v) for f in block.factors()
+              for v in f._vars.values()],  # pylint: disable=protected-access
+             block.multiply_inverse(vec), vec]
+    return [cov_op, inv_op, fetch]
+
+  (a, g), inverses, got, vec = ref.run_stages(
+      world, [np.zeros((4, 3), np.float32)], build)[-1]
+  assert 0 < np.trace(g) < 1e-30  # the degenerate regime really is reached
+  for inv in inverses:
+    assert np.all(np.isfinite(inv))
+    assert np.abs(inv).max() <= 1.0001 / np.sqrt(damping)
+  dense = ref.pi_damped_kron(a.astype(np.float64), g.astype(np.float64),
+                             damping)
+  want = np.linalg.solve(dense, vec.astype(np.float64).reshape(-1))
+  np.testing.assert_allclose(got.reshape(-1), want, rtol=2e-3, atol=1e-6)

@@ -439,19 +439,33 @@ def test_pi_adjusted_damping_funcs_use_factor_traces(world):
     for f in (fa, fg):
       f.attach_state_store(store)
     before = damping_lib.pi_adjusted_damping_funcs(fa, fg, base)
-    fetch_before = [tf.identity(before[0]()), tf.identity(before[1]())]
+    one = tf.ones([], tf.float64)
+
+    def values(funcs):
+      return [tf.identity(funcs[0]()), tf.identity(funcs[1]()),
+              funcs[0].scale(one), funcs[1].scale(one)]
+
+    fetch_before = values(before)
     ops = tf.group(fa.make_covariance_update_op(0.9),
                    fg.make_covariance_update_op(0.9))
     after = damping_lib.pi_adjusted_damping_funcs(fa, fg, base)
     assert after[0].key == before[0].key != after[1].key
-    return [fetch_before, ops, [after[0](), after[1]()]]
+    return [fetch_before, ops, values(after)]
 
   out = ref.run_stages(world, [np.zeros(1)], build)
   root = np.sqrt(0.02)
   # Before any statistics the traces are zero: pi = 1.
-  np.testing.assert_allclose(out[0], [root, root], **TOL)
-  pi = np.sqrt((np.trace(_gram(a)) / D_IN) / (np.trace(_gram(g)) / D_OUT))
-  np.testing.assert_allclose(out[2], [pi * root, root / pi], **TOL)
+  np.testing.assert_allclose(out[0], [root, root, 1.0, 1.0], **TOL)
+  # After: damping sqrt(l) on A / pi and on pi G ...
+  a_cov, g_cov = _gram(a), _gram(g)
+  pi = np.sqrt((np.trace(a_cov) / D_IN) / (np.trace(g_cov) / D_OUT))
+  np.testing.assert_allclose(out[2], [root, root, 1 / pi, pi], **TOL)
+  # ... whose Kronecker product is the pi-damped one of the paper.
+  scaled = np.kron(a_cov / pi + root * np.eye(D_IN),
+                   pi * g_cov + root * np.eye(D_OUT))
+  paper = np.kron(a_cov + pi * root * np.eye(D_IN),
+                  g_cov + root / pi * np.eye(D_OUT))
+  np.testing.assert_allclose(scaled, paper, rtol=1e-12, atol=1e-14)
 
 
 def test_as_damping_func_keys():

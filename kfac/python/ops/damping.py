@@ -12,14 +12,25 @@ from kfac.python.ops import utils
 
 
 class DampingFunc:
-  """A callable returning a damping value, with a hashable identity `key`."""
+  """A callable returning a damping value, with a hashable identity `key`.
 
-  def __init__(self, fn, key):
+  With `scale_fn`, the damped matrix of a factor is scale * cov + damping * I
+  instead of cov + damping * I (see `pi_adjusted_damping_funcs`).
+  """
+
+  def __init__(self, fn, key, scale_fn=None):
     self._fn = fn
     self.key = key
+    self._scale_fn = scale_fn
 
   def __call__(self):
     return self._fn()
+
+  def scale(self, cov):
+    """The factor's statistic times this function's scale (if any)."""
+    if self._scale_fn is None:
+      return cov
+    return cov * tf.cast(self._scale_fn(), cov.dtype)
 
   def __repr__(self):
     return "DampingFunc(%r)" % (self.key,)
@@ -34,35 +45,56 @@ def as_damping_func(damping):
   return DampingFunc(lambda: damping, utils.scalar_identity(damping))
 
 
+def compute_pi(left_trace_ratio, right_trace_ratio):
+  """pi = sqrt((tr(A)/dim_A) / (tr(G)/dim_G)), computed in float64.
+
+  Falls back to 1 when either normalized trace is not positive (e.g. before
+  any statistics were collected, or when all units of a layer saturated).
+  """
+  left = tf.cast(left_trace_ratio, tf.float64)
+  right = tf.cast(right_trace_ratio, tf.float64)
+  ok = tf.logical_and(left > 0, right > 0)
+  one = tf.ones_like(left)
+  return tf.where(ok, tf.sqrt(tf.where(ok, left, one)) /
+                  tf.sqrt(tf.where(ok, right, one)), one)
+
+
 def compute_pi_adjusted_damping(left_trace_ratio, right_trace_ratio, damping):
   """Splits `damping` between two Kronecker factors with the pi rule.
 
-  pi = sqrt((tr(A)/dim_A) / (tr(G)/dim_G)); A gets pi*sqrt(damping) and G
-  gets sqrt(damping)/pi (Martens & Grosse 2015, section 6.3). Returns
-  (damping_left, damping_right). When either normalized trace is 0 (e.g.
-  before any statistics were collected) pi falls back to 1.
+  A gets pi*sqrt(damping) and G gets sqrt(damping)/pi (Martens & Grosse
+  2015, section 6.3). Returns (damping_left, damping_right) in the dtype of
+  the traces.
   """
   dtype = left_trace_ratio.dtype
-  damping = utils.cast(damping, dtype)
-  ok = tf.logical_and(left_trace_ratio > 0, right_trace_ratio > 0)
-  safe_left = tf.where(ok, left_trace_ratio, tf.ones_like(left_trace_ratio))
-  safe_right = tf.where(ok, right_trace_ratio, tf.ones_like(right_trace_ratio))
-  pi = tf.sqrt(safe_left / safe_right)
-  root = tf.sqrt(damping)
-  return pi * root, root / pi
+  pi = compute_pi(left_trace_ratio, right_trace_ratio)
+  root = tf.sqrt(utils.cast(damping, tf.float64))
+  return tf.cast(pi * root, dtype), tf.cast(root / pi, dtype)
 
 
 def pi_adjusted_damping_funcs(left_factor, right_factor, damping_func):
-  """DampingFuncs for the two factors of a Kronecker block (pi-adjusted)."""
+  """DampingFuncs for the two factors of a Kronecker block (pi-adjusted).
+
+  The damped block is (A + pi s I) (x) (G + s/pi I) with s = sqrt(damping).
+  Since the Kronecker product of c X and Y / c is X (x) Y, it equals
+  (A/pi + s I) (x) (pi G + s I): the functions return damping s with scales
+  1/pi and pi. The block's products are unchanged, but each factor's damped
+  matrix and its inverse stay bounded when a trace goes to zero (a layer
+  whose units all saturated): with the unscaled split, G's damping s/pi
+  tends to zero and its inverse overflows float32 long before the product
+  of the two inverses (about 1/damping) does.
+  """
   key = ("pi_adjusted", left_factor.name, right_factor.name, damping_func.key)
 
-  def both():
-    return compute_pi_adjusted_damping(left_factor.normalized_trace(),
-                                       right_factor.normalized_trace(),
-                                       damping_func())
+  def pi():
+    return compute_pi(left_factor.normalized_trace(),
+                      right_factor.normalized_trace())
 
-  return (DampingFunc(lambda: both()[0], key + ("left",)),
-          DampingFunc(lambda: both()[1], key + ("right",)))
+  def root():
+    return tf.sqrt(utils.cast(damping_func(), tf.float64))
+
+  return (DampingFunc(root, key + ("left",), scale_fn=lambda: 1.0 / pi()),
+          DampingFunc(root, key + ("right",), scale_fn=pi))
 
 
 def scaled_damping_func(damping_func, scale):

@@ -227,20 +227,22 @@ class DenseSquareFactor(FisherFactor):
 
   def make_inverse_update_ops(self):
     self.instantiate_inv_variables()
-    cov = tf.convert_to_tensor(self.get_cov_var())
+    raw_cov = tf.convert_to_tensor(self.get_cov_var())
     ops = []
     eig = None
     for kind, exp, dfunc, _ in self._registrations():
       var = self._vars[(kind, exp, dfunc.key)]
-      damping = dfunc()
+      damping = utils.cast(dfunc(), self._dtype)
+      cov = dfunc.scale(raw_cov)
       if kind == "matpow":
         if exp == -1 and self._psd:
           value = linalg.damped_inverse(cov, damping)
         else:
           if eig is None:
-            eig = linalg.eigh(cov)
+            eig = linalg.eigh(raw_cov)
+          scale = dfunc.scale(tf.ones([], self._dtype))
           value = linalg.matpower_from_eigh(
-              eig[0], eig[1], exp, damping, clip_negative=self._psd)
+              eig[0] * scale, eig[1], exp, damping, clip_negative=self._psd)
       elif kind == "chol":
         value = linalg.damped_cholesky(cov, damping)
       else:
@@ -250,8 +252,8 @@ class DenseSquareFactor(FisherFactor):
 
   def get_matpower(self, exp, damping_func):
     if exp == 1:
-      return linalg.add_to_diagonal(tf.convert_to_tensor(self.get_cov_var()),
-                                    damping_func())
+      cov = damping_func.scale(tf.convert_to_tensor(self.get_cov_var()))
+      return linalg.add_to_diagonal(cov, damping_func())
     return self._get_var("matpow", exp, damping_func)
 
   def get_cholesky(self, damping_func):
@@ -307,8 +309,8 @@ class DiagonalFactor(FisherFactor):
 
   def get_matpower(self, exp, damping_func):
     """Entries of (diag + damping)^exp, shaped like the statistic."""
-    return linalg.diagonal_matpower(tf.convert_to_tensor(self.get_cov_var()),
-                                    exp, damping_func())
+    cov = damping_func.scale(tf.convert_to_tensor(self.get_cov_var()))
+    return linalg.diagonal_matpower(cov, exp, damping_func())
 
   def get_cholesky(self, damping_func):
     return self.get_matpower(0.5, damping_func)
