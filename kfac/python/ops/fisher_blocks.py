@@ -91,12 +91,16 @@ class FisherBlock(abc.ABC):
   def multiply_matpower(self, vector, exp):
     pass
 
-  @abc.abstractmethod
   def multiply_cholesky(self, vector, transpose=False):
-    pass
+    """C v (or C^T v) for the Cholesky factor C C^T of the damped block."""
+    return self._multiply_cholesky(vector, transpose, inverse=False)
+
+  def multiply_cholesky_inverse(self, vector, transpose=False):
+    """C^-1 v (or C^-T v)."""
+    return self._multiply_cholesky(vector, transpose, inverse=True)
 
   @abc.abstractmethod
-  def multiply_cholesky_inverse(self, vector, transpose=False):
+  def _multiply_cholesky(self, vector, transpose, inverse):
     pass
 
   @abc.abstractmethod
@@ -216,12 +220,6 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock):
         mat, self._out_damping, transpose=not transpose, inverse=inverse)
     return self._from_mat(mat, vector)
 
-  def multiply_cholesky(self, vector, transpose=False):
-    return self._multiply_cholesky(vector, transpose, inverse=False)
-
-  def multiply_cholesky_inverse(self, vector, transpose=False):
-    return self._multiply_cholesky(vector, transpose, inverse=True)
-
   def full_fisher_block(self):
     self._check_instantiated()
     return linalg.kronecker_product(self._input_factor.get_cov(),
@@ -250,13 +248,9 @@ class _ElementwiseDiagonalBlockMixin:
   def multiply_matpower(self, vector, exp):
     return self._apply_power(vector, exp)
 
-  def multiply_cholesky(self, vector, transpose=False):
-    del transpose
-    return self._apply_power(vector, 0.5)
-
-  def multiply_cholesky_inverse(self, vector, transpose=False):
-    del transpose
-    return self._apply_power(vector, -0.5)
+  def _multiply_cholesky(self, vector, transpose, inverse):
+    del transpose  # a diagonal is its own transpose
+    return self._apply_power(vector, -0.5 if inverse else 0.5)
 
   def factors(self):
     return [self._factor]
@@ -378,12 +372,6 @@ class NaiveFullFB(_GenericBlock):
         self._to_view(vector), self._damping_func, transpose=transpose,
         inverse=inverse)
     return self._from_view(col, vector)
-
-  def multiply_cholesky(self, vector, transpose=False):
-    return self._multiply_cholesky(vector, transpose, inverse=False)
-
-  def multiply_cholesky_inverse(self, vector, transpose=False):
-    return self._multiply_cholesky(vector, transpose, inverse=True)
 
   def full_fisher_block(self):
     self._check_instantiated()

@@ -262,11 +262,8 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
   """Marker base: inputs are natural parameters, so GGN == Fisher."""
 
 
-class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
-  """Categorical over the last axis of `logits`, integer targets.
-
-  F = diag(p) - p p^T with factor B = diag(q) - p q^T, q = sqrt(p).
-  """
+class _LogitsLoss(NaturalParamsNegativeLogProbLoss):
+  """Shared plumbing of the losses parameterised by logits."""
 
   def __init__(self, logits, targets=None, seed=None):
     super().__init__(seed)
@@ -280,6 +277,13 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
   @property
   def targets(self):
     return self._targets
+
+
+class CategoricalLogitsNegativeLogProbLoss(_LogitsLoss):
+  """Categorical over the last axis of `logits`, integer targets.
+
+  F = diag(p) - p p^T with factor B = diag(q) - p q^T, q = sqrt(p).
+  """
 
   def _make_dist(self, tfd):
     return tfd.Categorical(logits=self._logits)
@@ -339,21 +343,8 @@ class OnehotCategoricalLogitsNegativeLogProbLoss(
         labels=tf.cast(targets, self._logits.dtype), logits=self._logits)
 
 
-class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
+class MultiBernoulliNegativeLogProbLoss(_LogitsLoss):
   """Independent Bernoullis with logits; F = diag(p (1 - p))."""
-
-  def __init__(self, logits, targets=None, seed=None):
-    super().__init__(seed)
-    self._logits = logits
-    self._targets = targets
-
-  @property
-  def inputs(self):
-    return (self._logits,)
-
-  @property
-  def targets(self):
-    return self._targets
 
   def _make_dist(self, tfd):
     return tfd.Bernoulli(logits=self._logits, dtype=self._logits.dtype)

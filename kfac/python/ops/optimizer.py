@@ -329,23 +329,23 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
     """Applies one K-FAC step with the current factors/inverses."""
-    self._check_graph_mode("apply_gradients")
-    if layer_collection is not None:
-      self.set_layer_collection(layer_collection)
-    grads_and_vars = self._prepare(grads_and_vars)
+    grads_and_vars = self._prepare(grads_and_vars, layer_collection)
     with tf.name_scope(name or self.get_name()):
       step_op = self._apply_steps(grads_and_vars)
       return self._finish(step_op, global_step)
 
-  def _prepare(self, grads_and_vars):
-    est = self._require_estimator()
+  def _prepare(self, grads_and_vars, layer_collection=None):
+    """Checks the graph mode and the variables; densifies the gradients."""
+    self._check_graph_mode("apply_gradients")
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+    self._require_estimator()
     grads_and_vars = list(grads_and_vars)
     none = [utils.variable_name(v) for g, v in grads_and_vars if g is None]
     if none:
       raise ValueError("No gradient for variables %s: they do not affect the "
                        "loss." % ", ".join(none))
     self._layers.check_registration([v for _, v in grads_and_vars])
-    del est
     return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
 
   def _apply_steps(self, grads_and_vars):

@@ -55,10 +55,7 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
-    self._check_graph_mode("apply_gradients")
-    if layer_collection is not None:
-      self.set_layer_collection(layer_collection)
-    grads_and_vars = self._prepare(grads_and_vars)
+    grads_and_vars = self._prepare(grads_and_vars, layer_collection)
     est = self._require_estimator()
     est.instantiate_variables()
     (_, cov_thunks, _, inv_thunks) = est.create_ops_and_vars_thunks(
