@@ -101,11 +101,15 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
                  damping_decrease_rho_threshold=damping_decrease_rho_threshold,
                  damping_increase_rho_threshold=damping_increase_rho_threshold)
     for key, default in _ADAPTIVE_DEFAULTS.items():
-      if given[key] is not default and given[key] != default:
+      value = given[key]
+      unchanged = value is default or (
+          utils.is_python_number(value) and utils.is_python_number(default)
+          and value == default)
+      if not unchanged:
         raise ValueError(
             "%s=%r needs the adaptive K-FAC machinery (quadratic model / "
             "damping adaptation), which this version of kfac does not "
-            "provide; leave it at %r." % (key, given[key], default))
+            "provide; leave it at %r." % (key, value, default))
     if momentum_type not in _MOMENTUM_TYPES:
       raise ValueError("Unknown momentum_type %r; expected one of %s." %
                        (momentum_type, ", ".join(_MOMENTUM_TYPES)))
