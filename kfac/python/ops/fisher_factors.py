@@ -152,13 +152,19 @@ class DenseSquareFactor(FisherFactor):
   eigendecomposition (without clipping eigenvalues for integer exponents).
   """
 
-  def __init__(self, name=None, psd=True):
+  def __init__(self, name=None, weights=None):
+    """`weights`: the per-source weights; any negative one makes the factor
+    possibly indefinite."""
     super().__init__(name)
-    self._psd = psd
+    self._psd = all(w >= 0 for w in (weights or ()))
     self._matpowers = []       # list of (exp, damping_func)
     self._choleskys = []       # list of damping_func
     self._cholesky_invs = []   # list of damping_func
     self._vars = {}            # (kind, exp, damping key) -> variable
+
+  @property
+  def _cov_shape(self):
+    return [self._n, self._n]
 
   def get_cov(self):
     return self.get_cov_var()
@@ -365,12 +371,7 @@ class FullyConnectedKroneckerFactor(_SecondMomentMixin, DenseSquareFactor):
 
   def __init__(self, tensors, has_bias=False, weights=None, name=None):
     self._init_sources(tensors, has_bias, weights)
-    DenseSquareFactor.__init__(self, name=name,
-                               psd=all(w >= 0 for w in self._weights))
-
-  @property
-  def _cov_shape(self):
-    return [self._n, self._n]
+    DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
   def _compute_new_cov(self):
     terms = []
@@ -455,12 +456,7 @@ class NaiveFullFactor(_ParamsGradsMixin, DenseSquareFactor):
 
   def __init__(self, params_grads, batch_size, weights=None, name=None):
     self._init_params_grads(params_grads, batch_size, weights)
-    DenseSquareFactor.__init__(self, name=name,
-                               psd=all(w >= 0 for w in self._weights))
-
-  @property
-  def _cov_shape(self):
-    return [self._n, self._n]
+    DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
   def _compute_new_cov(self):
     terms = [tf.matmul(c, c, transpose_b=True) / self._batch()
