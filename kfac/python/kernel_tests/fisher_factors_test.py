@@ -478,7 +478,8 @@ def test_as_damping_func_keys():
   assert damping_lib.as_damping_func(dfunc) is dfunc
   scaled = damping_lib.scaled_damping_func(dfunc, 0.5)
   assert scaled() == 1.5
-  assert scaled.key == ("scaled", 0.5, "mine")
+  assert scaled.key == ("scaled", ("const", 0.5), "mine")
+  assert damping_lib.scaled_damping_func(dfunc, 0.25).key != scaled.key
 
 
 # ------------------------------------------------------------- StateStore

@@ -148,8 +148,10 @@ def test_wrong_shapes_name_the_variable(graph):
     lc.register_fully_connected(w, x_bad, y)
   with pytest.raises(ValueError,
                      match=r"Outputs of the layer with weight good_w must "
-                     r"have shape \[batch, 2\]"):
+                     r"have shape \(%d, 2\)" % N):
     lc.register_fully_connected(w, x, tf.constant(_rand(4, N, D_OUT + 1)))
+  with pytest.raises(ValueError, match=r"matching inputs"):
+    lc.register_fully_connected(w, x, tf.constant(_rand(4, N + 1, D_OUT)))
   b3 = _var("b3", D_OUT)
   with pytest.raises(ValueError, match=r"W or \(W, b\), got 3 variables"):
     lc.register_fully_connected((w, b3, b3), x, y)

@@ -98,6 +98,17 @@ def pi_adjusted_damping_funcs(left_factor, right_factor, damping_func):
 
 
 def scaled_damping_func(damping_func, scale):
-  """damping * scale, e.g. sqrt(damping) shares or normalisation by uses."""
-  key = ("scaled", float(scale), damping_func.key)
-  return DampingFunc(lambda: damping_func() * float(scale), key)
+  """damping * scale, e.g. sqrt(damping) shares or normalisation by uses.
+
+  `scale` is a Python number or a scalar tensor (keyed by identity)."""
+  key = ("scaled", utils.scalar_identity(scale), damping_func.key)
+  if utils.is_python_number(scale):
+    scale = float(scale)
+    return DampingFunc(lambda: damping_func() * scale, key)
+
+  def fn():
+    value = damping_func()
+    dtype = value.dtype if utils.is_tensor_or_variable(value) else tf.float64
+    return utils.cast(value, dtype) * tf.cast(scale, dtype)
+
+  return DampingFunc(fn, key)

@@ -15,9 +15,16 @@ import threading
 
 import tensorflow as tf
 
+from kfac.python.ops import conv_registration
+from kfac.python.ops import embedding_registration
 from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import loss_functions as lf
+from kfac.python.ops import multi_use_registration
+from kfac.python.ops import scale_shift_registration
 from kfac.python.ops import utils
+from kfac.python.ops.registration_base import VARIABLE_SCOPE
+from kfac.python.ops.registration_base import describe as _describe
+from kfac.python.ops.registration_base import resolve_reuse as _resolve_reuse
 
 # Approximation names.
 APPROX_KRONECKER_NAME = "kron"
@@ -70,16 +77,6 @@ _DEFAULT_APPROXIMATIONS = {
 }
 
 
-class _VariableScopeSentinel:
-
-  def __repr__(self):
-    return "VARIABLE_SCOPE"
-
-
-# Default of every `reuse` argument: take the reuse flag of the current
-# tf.compat.v1 variable scope (False outside any reusing scope).
-VARIABLE_SCOPE = _VariableScopeSentinel()
-
 _default_collections = threading.local()
 
 
@@ -107,18 +104,10 @@ def set_default_layer_collection(layer_collection):
     stack.append(layer_collection)
 
 
-def _resolve_reuse(reuse):
-  if reuse is VARIABLE_SCOPE:
-    scope_reuse = tf.compat.v1.get_variable_scope().reuse
-    return bool(scope_reuse)  # AUTO_REUSE counts as reuse
-  return bool(reuse)
-
-
-def _describe(params):
-  return ", ".join(utils.variable_name(v) for v in utils.ensure_sequence(params))
-
-
-class LayerCollection:
+class LayerCollection(conv_registration.ConvRegistrationMixin,
+                      embedding_registration.EmbeddingRegistrationMixin,
+                      multi_use_registration.MultiUseRegistrationMixin,
+                      scale_shift_registration.ScaleShiftRegistrationMixin):
   """Registry of layers (parameters and their approximations) and losses."""
 
   def __init__(self, graph=None, name="LayerCollection"):
@@ -325,17 +314,23 @@ class LayerCollection:
 
     Args:
       params: W of shape [in, out], or a tuple (W, b) with b of shape [out].
-      inputs: Tensor [batch, in], the layer inputs.
-      outputs: Tensor [batch, out], the pre-activations.
+      inputs: Tensor [batch, in], the layer inputs. A layer applied at
+        several positions (a sequence, a grid) may take [batch, ..., in]
+        inputs: the weight sharing is handled by KFAC-expand (kron and its
+        diagonal variants, the default) or KFAC-reduce (kron_reduce).
+      outputs: Tensor [batch, out] (or [batch, ..., out]), the
+        pre-activations.
       approx: one of kron, kron_in_diag, kron_out_diag, kron_both_diag,
-        diagonal (default: the collection's fully-connected default).
-      dense_inputs: False registers an embedding lookup with integer ids.
+        diagonal, kron_reduce (default: the collection's fully-connected
+        default).
+      dense_inputs: False registers an embedding lookup: `inputs` are integer
+        ids into the rows of W (see register_embedding in
+        embedding_registration.py).
       reuse: True adds a tower to an existing registration of `params`.
     """
     if not dense_inputs:
-      raise NotImplementedError(
-          "register_fully_connected(dense_inputs=False) (embedding lookups) "
-          "is not available in this version of kfac.")
+      return self._register_embedding(params, inputs, outputs, approx=approx,
+                                      reuse=reuse)
     self._check_dense_shapes(params, inputs, outputs)
     approx = self._resolve_approx(params, approx, "fully_connected",
                                   _FULLY_CONNECTED_APPROX_TO_BLOCK)
@@ -366,14 +361,20 @@ class LayerCollection:
       raise ValueError("Bias %s must have shape [%s] to match weight %s, got "
                        "%s." % (utils.variable_name(seq[1]), w.shape[1],
                                 utils.variable_name(w), seq[1].shape))
-    if inputs.shape.rank != 2 or inputs.shape[-1] != w.shape[0]:
+    rank = inputs.shape.rank
+    if rank is None or rank < 2 or inputs.shape[-1] != w.shape[0]:
       raise ValueError("Inputs of the layer with weight %s must have shape "
-                       "[batch, %s], got %s." %
-                       (utils.variable_name(w), w.shape[0], inputs.shape))
-    if outputs.shape.rank != 2 or outputs.shape[-1] != w.shape[1]:
+                       "[batch, %s] (or [batch, ..., %s] for a layer shared "
+                       "over positions), got %s." %
+                       (utils.variable_name(w), w.shape[0], w.shape[0],
+                        inputs.shape))
+    if (outputs.shape.rank != rank or outputs.shape[-1] != w.shape[1] or
+        not outputs.shape[:-1].is_compatible_with(inputs.shape[:-1])):
       raise ValueError("Outputs of the layer with weight %s must have shape "
-                       "[batch, %s], got %s." %
-                       (utils.variable_name(w), w.shape[1], outputs.shape))
+                       "%s, matching inputs %s, got %s." %
+                       (utils.variable_name(w),
+                        inputs.shape[:-1].concatenate([w.shape[1]]),
+                        inputs.shape, outputs.shape))
 
   def register_generic(self, params, batch_size, approx=None,
                        reuse=VARIABLE_SCOPE):

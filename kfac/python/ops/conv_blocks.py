@@ -1,0 +1,3 @@
+"""Blocks of convolution layers."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""Factors of convolution layers."""
+
+__all__ = []

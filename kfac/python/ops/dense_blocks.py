@@ -1,0 +1,117 @@
+"""Blocks of dense layers: K-FAC (with diagonal variants) and the exact
+diagonal."""
+
+import tensorflow as tf
+
+from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import dense_factors
+from kfac.python.ops import utils
+from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.block_base import FisherBlock
+from kfac.python.ops.block_base import KroneckerProductFB
+
+
+class _DenseLayerBlock(FisherBlock):
+  """Shared plumbing of blocks for dense layers: towers of (inputs, outputs)
+  and the (W, b) <-> [in(+1), out] matrix view of vectors."""
+
+  def __init__(self, layer_collection, has_bias=False, params=None):
+    super().__init__(layer_collection, params)
+    self._has_bias = has_bias
+    self._inputs = []
+    self._outputs = []
+
+  def register_additional_tower(self, inputs, outputs):
+    self._inputs.append(inputs)
+    self._outputs.append(outputs)
+
+  @property
+  def num_registered_towers(self):
+    return len(self._inputs)
+
+  def tensors_to_compute_grads(self):
+    return tuple(self._outputs)
+
+  def _to_mat(self, vector):
+    if self._has_bias:
+      if not isinstance(vector, (list, tuple)) or len(vector) != 2:
+        raise ValueError("Block %s has a bias and takes (W, b) vectors." %
+                         self.name)
+    return utils.params_to_mat(vector)
+
+  def _from_mat(self, mat, template):
+    return utils.mat_to_params(mat, template)
+
+
+class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
+  """K-FAC block of a dense layer: F ~= A (x) G.
+
+  A = E[a a^T] over the layer inputs (with a ones column for the bias) and
+  G = E[g g^T] over the gradients of the loss w.r.t. the pre-activations.
+  `diagonal_approx_for_input/output` replace A / G by their diagonals (the
+  kron_in_diag, kron_out_diag and kron_both_diag approximations).
+
+  Inputs of rank > 2 ([batch, positions..., in], a layer shared over
+  positions) are treated as KFAC-expand: the factors average over batch and
+  positions and the block is scaled by the number of positions (see
+  `KroneckerProductFB`).
+  """
+
+  def __init__(self, layer_collection, has_bias=False,
+               diagonal_approx_for_input=False,
+               diagonal_approx_for_output=False, params=None):
+    _DenseLayerBlock.__init__(self, layer_collection, has_bias, params)
+    self._diag_in = diagonal_approx_for_input
+    self._diag_out = diagonal_approx_for_output
+
+  @property
+  def _renorm_coeff(self):
+    return num_shared_positions(self._inputs[0])
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    in_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_in else
+              dense_factors.FullyConnectedKroneckerFactor)
+    out_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_out else
+               dense_factors.FullyConnectedKroneckerFactor)
+    self._input_factor = self._make_factor(
+        in_cls, (tuple(self._inputs), self._has_bias), "A")
+    weights = None if weights is None else tuple(weights)
+    self._output_factor = self._make_factor(
+        out_cls, (tuple(tuple(g) for g in grads_list), False, weights), "G")
+    self._setup_damping(damping)
+
+
+def num_shared_positions(inputs):
+  """Number of positions a dense layer on `inputs` [batch, ..., in] shares
+  its weights over (the product of the middle dimensions; 1 for rank 2).
+  A Python int when the shape is static, else a scalar tensor."""
+  if inputs.shape.rank is None:
+    raise ValueError("Dense layer inputs need a known rank, got %s." % inputs)
+  middle = inputs.shape[1:-1]
+  if middle.is_fully_defined():
+    return int(middle.num_elements())
+  return tf.reduce_prod(tf.shape(inputs)[1:-1])
+
+
+class FullyConnectedDiagonalFB(ElementwiseDiagonalBlockMixin,
+                               _DenseLayerBlock):
+  """Exact diagonal of a dense layer's Fisher ("sum of squares" estimator:
+  F_ii = E[v_i^2] with v = vec(a g^T) per example), plus damping."""
+
+  def __init__(self, layer_collection, has_bias=False, params=None):
+    _DenseLayerBlock.__init__(self, layer_collection, has_bias, params)
+    self._factor = None
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    weights = None if weights is None else tuple(weights)
+    self._factor = self._make_factor(
+        dense_factors.FullyConnectedDiagonalFactor,
+        (tuple(self._inputs), tuple(tuple(g) for g in grads_list),
+         self._has_bias, weights), "diag")
+    self._damping_func = damping_lib.as_damping_func(damping)
+
+  def _to_view(self, vector):
+    return self._to_mat(vector)
+
+  def _from_view(self, view, template):
+    return self._from_mat(view, template)

@@ -1,0 +1,3 @@
+"""Blocks of embedding lookups."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""Factors of embedding lookups."""
+
+__all__ = []

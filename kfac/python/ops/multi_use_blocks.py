@@ -1,0 +1,3 @@
+"""Blocks of layers used several times (and KFAC-reduce)."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""Factors of layers used several times."""
+
+__all__ = []

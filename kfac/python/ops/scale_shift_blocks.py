@@ -1,0 +1,3 @@
+"""Blocks of scale-and-shift parameters."""
+
+__all__ = []

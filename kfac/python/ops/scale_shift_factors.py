@@ -1,0 +1,3 @@
+"""Factors of scale-and-shift parameters."""
+
+__all__ = []
