@@ -68,6 +68,21 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
   def _renorm_coeff(self):
     return num_shared_positions(self._inputs[0])
 
+  def register_additional_tower(self, inputs, outputs):
+    # The coefficient is taken from the first tower, so every tower must
+    # share the weights over the same number of positions.
+    if self._inputs:
+      first = num_shared_positions(self._inputs[0])
+      this = num_shared_positions(inputs)
+      if (isinstance(first, int) and isinstance(this, int) and
+          first != this):
+        raise ValueError(
+            "Towers of layer %s must share the weights over the same number "
+            "of positions: the first tower has %d (inputs %s), this one %d "
+            "(inputs %s)." % (self.name, first, self._inputs[0].shape, this,
+                              inputs.shape))
+    super().register_additional_tower(inputs, outputs)
+
   def instantiate_factors(self, grads_list, damping, weights=None):
     in_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_in else
               dense_factors.FullyConnectedKroneckerFactor)

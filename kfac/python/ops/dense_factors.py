@@ -66,8 +66,16 @@ class DiagonalKroneckerFactor(_SecondMomentMixin, DiagonalFactor):
 
 
 class FullyConnectedDiagonalFactor(DiagonalFactor):
-  """Exact diagonal of a dense layer's Fisher, the "sum of squares" estimator:
-  F[(i, j), (i, j)] = E[a_i^2 g_j^2] as an [in(+1), out] matrix."""
+  """Exact diagonal of a dense layer's Fisher, the "sum of squares" estimator,
+  as an [in(+1), out] matrix.
+
+  For [batch, in] inputs this is F[(i, j), (i, j)] = E[a_i^2 g_j^2]. For a
+  layer shared over positions ([batch, P..., in] inputs) the per-example
+  gradient is the sum over positions, v_n = sum_p a_np g_np^T, so the
+  statistic is E_n[v_n^2] (elementwise square; summed over sources): the
+  exact diagonal whatever the weight-sharing structure (positions are not
+  treated as examples).
+  """
 
   def __init__(self, inputs, outputs_grads, has_bias=False, weights=None,
                name=None):
@@ -88,8 +96,30 @@ class FullyConnectedDiagonalFactor(DiagonalFactor):
     return self._inputs[0].dtype
 
   def _compute_new_cov(self):
-    a_sq = tf.square(concat_towers(self._inputs, self._has_bias))
-    n = tf.cast(tf.shape(a_sq)[0], a_sq.dtype)
-    terms = [tf.matmul(a_sq, tf.square(concat_towers(g)), transpose_a=True) / n
-             for g in self._grads]
-    return weighted_sum(terms, self._weights)
+    if all(x.shape.rank == 2 for x in self._inputs):
+      a_sq = tf.square(concat_towers(self._inputs, self._has_bias))
+      n = tf.cast(tf.shape(a_sq)[0], a_sq.dtype)
+      terms = [tf.matmul(a_sq, tf.square(concat_towers(g)),
+                         transpose_a=True) / n for g in self._grads]
+      return weighted_sum(terms, self._weights)
+    return weighted_sum([self._shared_positions_stat(g) for g in self._grads],
+                        self._weights)
+
+  def _shared_positions_stat(self, grads_towers):
+    """E_n[(sum_p a_np g_np^T)^2] over the examples of all towers."""
+    total, count = None, None
+    for a, g in zip(self._inputs, grads_towers):
+      a = _positions_view(a)
+      if self._has_bias:
+        a = tf.concat([a, tf.ones_like(a[..., :1])], axis=-1)
+      per_example = tf.einsum("bpi,bpj->bij", a, _positions_view(g))
+      part = tf.reduce_sum(tf.square(per_example), axis=0)
+      rows = tf.cast(tf.shape(a)[0], a.dtype)
+      total = part if total is None else total + part
+      count = rows if count is None else count + rows
+    return total / count
+
+
+def _positions_view(x):
+  """[batch, P..., n] -> [batch, prod(P...), n] (rank 2 -> [batch, 1, n])."""
+  return tf.reshape(x, [tf.shape(x)[0], -1, int(x.shape[-1])])

@@ -57,6 +57,8 @@ _FULLY_CONNECTED_APPROX_TO_BLOCK = {
             diagonal_approx_for_output=True),
     APPROX_DIAGONAL_NAME: lambda lc, bias: fb.FullyConnectedDiagonalFB(
         lc, has_bias=bias),
+    APPROX_KRONECKER_REDUCE_NAME:
+        lambda lc, bias: fb.FullyConnectedKFACReduceFB(lc, has_bias=bias),
 }
 
 _GENERIC_APPROX_TO_BLOCK = {
