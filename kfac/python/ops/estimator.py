@@ -183,13 +183,16 @@ class FisherEstimator:
   # -------------------------------------------------------- products
   def _apply(self, fn, vecs_and_vars):
     """Applies fn(block, vector) blockwise; returns [(result, var)] in the
-    order of `vecs_and_vars`."""
+    order of `vecs_and_vars`. `tf.IndexedSlices` vectors reach blocks with
+    `supports_indexed_slices = True` unchanged (their results may be
+    IndexedSlices too) and are densified for the other blocks."""
     by_ref = {}
     for vec, var in vecs_and_vars:
       if vec is None:
         raise ValueError("No vector (gradient) for variable %s." %
                          utils.variable_name(var))
-      by_ref[var.ref()] = tf.convert_to_tensor(vec)
+      by_ref[var.ref()] = (vec if isinstance(vec, tf.IndexedSlices) else
+                           tf.convert_to_tensor(vec))
     results = {}
     for params, block in self._layers.blocks_and_params():
       seq = utils.ensure_sequence(params)
@@ -202,6 +205,10 @@ class FisherEstimator:
                          "but have no vector." %
                          (", ".join(missing), _names(seq)))
       vec = tuple(by_ref[v.ref()] for v in seq)
+      if not getattr(block, "supports_indexed_slices", False):
+        # Blocks that declare `supports_indexed_slices` (embedding tables)
+        # take IndexedSlices as they are; the others get dense tensors.
+        vec = tuple(tf.convert_to_tensor(v) for v in vec)
       out = fn(block, vec if isinstance(params, (list, tuple)) else vec[0])
       for v, r in zip(seq, utils.ensure_sequence(out)):
         results[v.ref()] = r

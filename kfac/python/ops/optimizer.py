@@ -19,6 +19,16 @@ then step += weight_decay_coeff * w with use_weight_decay (decoupled weight
 decay) and w <- w - eta * step. The norm constraint scales p by
 min(1, sqrt(C / (eta^2 <g', p>))) where g' is the vector p came from, so the
 approximate squared Fisher norm of the update is at most C.
+
+Sparse gradients: a `tf.IndexedSlices` gradient (from `tf.gather` /
+`tf.nn.embedding_lookup`) stays sparse through a block that supports it (an
+embedding table; other blocks get it densified). With a Python momentum of
+0 the step is applied with `scatter_sub` to the touched rows only. With
+momentum, the velocity is dense (every row decays): it is updated as
+mu * v followed by a scatter-add of the slices, so the dense gradient is
+never built, but the step is dense. Decoupled weight decay touches every
+row, so it densifies the step. The norm constraint's <g', p> is computed on
+the slices after summing duplicate indices.
 """
 
 import tensorflow as tf
@@ -339,7 +349,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
       return self._finish(step_op, global_step)
 
   def _prepare(self, grads_and_vars, layer_collection=None):
-    """Checks the graph mode and the variables; densifies the gradients."""
+    """Checks the graph mode and the variables; densifies the gradients
+    (IndexedSlices stay sparse, see the module docstring)."""
     self._check_graph_mode("apply_gradients")
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
@@ -350,13 +361,18 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
       raise ValueError("No gradient for variables %s: they do not affect the "
                        "loss." % ", ".join(none))
     self._layers.check_registration([v for _, v in grads_and_vars])
-    return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
+    return [(g if _is_slices(g) else tf.convert_to_tensor(g), v)
+            for g, v in grads_and_vars]
 
   def _apply_steps(self, grads_and_vars):
     steps_and_vars = self._compute_update_steps(grads_and_vars)
     lr = self._read(self._learning_rate)
     updates = []
     for step, var in steps_and_vars:
+      if _is_slices(step):
+        updates.append(var.scatter_sub(_scale(step, utils.cast(lr,
+                                                                var.dtype))))
+        continue
       updates.append(var.assign_sub(utils.cast(lr, var.dtype) * step))
     return tf.group(*updates)
 
@@ -381,7 +397,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         steps = self._clip_updates(velocities, steps)
     if self._use_weight_decay:
       coeff = self._read(self._weight_decay_coeff)
-      steps = [(s + utils.cast(coeff, v.dtype) * v, v) for s, v in steps]
+      steps = [(_dense(s) + utils.cast(coeff, v.dtype) * v, v)
+               for s, v in steps]
     return steps
 
   def _var_key(self, var):
@@ -403,15 +420,24 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   def _update_velocities(self, vecs_and_vars, decay):
     """v <- decay * v + vec for each variable; returns the new velocities."""
     out = []
+    decay = self._read(decay)
     for vec, var in vecs_and_vars:
+      if _is_slices(vec) and utils.is_python_number(decay) and decay == 0:
+        out.append((vec, var))  # no momentum: the step stays sparse
+        continue
       velocity = self._velocity(var)
-      new = utils.cast(self._read(decay), velocity.dtype) * velocity + vec
+      new = utils.cast(decay, velocity.dtype) * velocity
+      if _is_slices(vec):
+        new = tf.tensor_scatter_nd_add(new, vec.indices[:, tf.newaxis],
+                                       vec.values)
+      else:
+        new = new + vec
       with tf.control_dependencies([velocity.assign(new)]):
         out.append((tf.identity(new), var))
     return out
 
   def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
-    terms = [tf.cast(tf.reduce_sum(v * p), tf.float64)
+    terms = [tf.cast(_inner(v, p), tf.float64)
              for (v, _), (p, _) in zip(vecs_and_vars, precon_and_vars)]
     return tf.add_n(terms)
 
@@ -427,4 +453,39 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         positive,
         tf.minimum(one, tf.sqrt(bound / tf.where(positive, sq_update, one))),
         one)
-    return [(p * tf.cast(coeff, p.dtype), v) for p, v in precon_and_vars]
+    return [(_scale(p, tf.cast(coeff, p.dtype)), v)
+            for p, v in precon_and_vars]
+
+
+def _is_slices(x):
+  return isinstance(x, tf.IndexedSlices)
+
+
+def _dense(x):
+  return tf.convert_to_tensor(x)
+
+
+def _scale(x, coeff):
+  if _is_slices(x):
+    return tf.IndexedSlices(x.values * coeff, x.indices, x.dense_shape)
+  return x * coeff
+
+
+def _inner(a, b):
+  """sum(a * b) for Tensors and/or IndexedSlices. IndexedSlices may repeat
+  an index (the row is the sum of its slices): two sparse operands are
+  summed per distinct index first; against a dense one, each slice meets
+  the dense row it sits on, which is the same thing by linearity."""
+  if _is_slices(a) and _is_slices(b):
+    num_a = tf.shape(a.indices)[0]
+    uniq, idx = tf.unique(tf.concat(
+        [tf.cast(a.indices, tf.int64), tf.cast(b.indices, tf.int64)], 0))
+    num = tf.shape(uniq)[0]
+    rows_a = tf.math.unsorted_segment_sum(a.values, idx[:num_a], num)
+    rows_b = tf.math.unsorted_segment_sum(b.values, idx[num_a:], num)
+    return tf.reduce_sum(rows_a * rows_b)
+  if _is_slices(b):
+    a, b = b, a
+  if _is_slices(a):
+    return tf.reduce_sum(a.values * tf.gather(b, a.indices))
+  return tf.reduce_sum(a * b)
