@@ -1,0 +1,295 @@
+"""Patches of N-d convolutions (layer 1 tensor plumbing).
+
+A convolution with filter W of shape [k1, ..., kd, in, out] computes, at
+every output location t, s_t = p_t^T W_mat where p_t is the *patch* of the
+input under the filter at t and W_mat = reshape(W, [k1*...*kd*in, out]).
+The patch vector is ordered like that reshape (row-major over
+(k1, ..., kd, in)), so Kronecker statistics over patches act directly on
+W_mat.
+
+`ConvSpec` describes a convolution (kernel shape, strides, dilations,
+padding, data format) in a normalised, hashable form; `make_conv_spec`
+builds one from the many argument forms users pass (ints, [s, s],
+[1, s, s, 1], "NHWC"/"NCHW", ...). Everything here works on channels-last
+tensors after `to_channels_last`; channels-first inputs and output gradients
+are transposed once.
+
+Patch extraction:
+* 2-d convolutions use `tf.image.extract_patches` (one fused kernel; works
+  with dynamic spatial sizes);
+* other ranks (1-d, 3-d) pad the input and take one strided slice per
+  filter tap, stacked (no arithmetic, K = k1*...*kd copies of the output
+  grid; needs static spatial sizes);
+* `sample_patch_rows` gathers only a chosen subset of patches (rows of the
+  [batch*locations, K*in] patch matrix) straight from the padded input, so
+  a sub-sampled statistic never materialises all patches;
+* `patch_location_sums` sums patches over output locations with one
+  reduction per tap (KFAC-reduce needs only these sums).
+"""
+
+import collections
+import math
+
+import tensorflow as tf
+
+_CHANNELS_FIRST_FORMATS = ("NCW", "NCHW", "NCDHW", "channels_first")
+_CHANNELS_LAST_FORMATS = ("NWC", "NHWC", "NDHWC", "channels_last")
+
+
+class ConvSpec(collections.namedtuple(
+    "ConvSpec",
+    ["kernel_shape", "strides", "dilations", "padding", "channels_first"])):
+  """A normalised, hashable description of an N-d convolution.
+
+  kernel_shape, strides, dilations: tuples of d ints (spatial dimensions).
+  padding: "SAME", "VALID" or a tuple of d (before, after) pairs.
+  channels_first: False for [batch, spatial..., channels] tensors.
+  """
+
+  @property
+  def num_spatial(self):
+    return len(self.kernel_shape)
+
+  @property
+  def num_taps(self):
+    return int(math.prod(self.kernel_shape))
+
+
+def data_format_is_channels_first(data_format, num_spatial=None):
+  """True for NCHW-like formats, False for None / NHWC-like ones."""
+  if data_format is None:
+    return False
+  if data_format in _CHANNELS_FIRST_FORMATS:
+    fmt_first = True
+  elif data_format in _CHANNELS_LAST_FORMATS:
+    fmt_first = False
+  else:
+    raise ValueError("Unknown data_format %r; expected one of %s." %
+                     (data_format,
+                      ", ".join(_CHANNELS_LAST_FORMATS + _CHANNELS_FIRST_FORMATS)))
+  if (num_spatial is not None and not data_format.startswith("channels") and
+      len(data_format) != num_spatial + 2):
+    raise ValueError("data_format %r does not describe a %d-d convolution." %
+                     (data_format, num_spatial))
+  return fmt_first
+
+
+def normalize_spatial_arg(value, num_spatial, channels_first, what,
+                          default=1):
+  """Ints, [s]*d or the full [1, s..., 1] form -> tuple of d ints."""
+  if value is None:
+    return (default,) * num_spatial
+  if hasattr(value, "numpy") or hasattr(value, "tolist"):
+    value = value.numpy() if hasattr(value, "numpy") else value
+    value = value.tolist()
+  if isinstance(value, int):
+    values = [value] * num_spatial
+  else:
+    values = [int(v) for v in value]
+    if len(values) == 1:
+      values = values * num_spatial
+    elif len(values) == num_spatial + 2:
+      outer = ((values[0], values[1]) if channels_first else
+               (values[0], values[-1]))
+      if outer != (1, 1):
+        raise ValueError("%s %s must be 1 in the batch and channel "
+                         "dimensions." % (what, list(value)))
+      values = values[2:] if channels_first else values[1:-1]
+    elif len(values) != num_spatial:
+      raise ValueError("%s %s: expected an int, %d ints or %d ints." %
+                       (what, list(value), num_spatial, num_spatial + 2))
+  if any(v < 1 for v in values):
+    raise ValueError("%s must be positive, got %s." % (what, list(values)))
+  return tuple(values)
+
+
+def normalize_padding(padding, num_spatial, channels_first):
+  """"SAME"/"VALID" (any case), "CAUSAL" (1-d) or explicit pairs -> the
+  ConvSpec padding form ("CAUSAL" is returned as is and resolved by
+  `make_conv_spec`)."""
+  if isinstance(padding, str):
+    upper = padding.upper()
+    if upper not in ("SAME", "VALID", "CAUSAL"):
+      raise ValueError("Unknown padding %r; expected 'SAME', 'VALID', "
+                       "'CAUSAL' (1-d) or explicit pairs." % padding)
+    if upper == "CAUSAL" and num_spatial != 1:
+      raise ValueError("CAUSAL padding is for 1-d convolutions only.")
+    return upper
+  pairs = [tuple(int(p) for p in pair) for pair in padding]
+  if any(len(p) != 2 for p in pairs):
+    raise ValueError("Explicit padding must be (before, after) pairs, got %r."
+                     % (padding,))
+  if len(pairs) == num_spatial + 2:
+    outer = ((pairs[0], pairs[1]) if channels_first else
+             (pairs[0], pairs[-1]))
+    if outer != ((0, 0), (0, 0)):
+      raise ValueError("Explicit padding %r must be zero in the batch and "
+                       "channel dimensions." % (padding,))
+    pairs = pairs[2:] if channels_first else pairs[1:-1]
+  elif len(pairs) != num_spatial:
+    raise ValueError("Explicit padding %r: expected %d or %d pairs." %
+                     (padding, num_spatial, num_spatial + 2))
+  if any(p < 0 for pair in pairs for p in pair):
+    raise ValueError("Explicit padding must be non-negative, got %r." %
+                     (padding,))
+  return tuple(pairs)
+
+
+def make_conv_spec(kernel_shape, strides=None, dilations=None,
+                   padding="VALID", data_format=None):
+  """A ConvSpec from user arguments (see `normalize_spatial_arg`)."""
+  kernel_shape = tuple(int(k) for k in kernel_shape)
+  d = len(kernel_shape)
+  first = data_format_is_channels_first(data_format, d)
+  strides = normalize_spatial_arg(strides, d, first, "strides")
+  dilations = normalize_spatial_arg(dilations, d, first, "dilations")
+  padding = normalize_padding(padding, d, first)
+  if padding == "CAUSAL":
+    padding = (((kernel_shape[0] - 1) * dilations[0], 0),)
+  return ConvSpec(kernel_shape, strides, dilations, padding, first)
+
+
+def _effective_kernel(k, d):
+  return (k - 1) * d + 1
+
+
+def padding_amounts(in_size, k, s, d, padding, axis=0):
+  """(before, after) zero padding of one spatial dimension."""
+  if isinstance(padding, tuple):
+    return padding[axis]
+  if padding == "VALID":
+    return (0, 0)
+  out = -(-in_size // s)
+  total = max((out - 1) * s + _effective_kernel(k, d) - in_size, 0)
+  return (total // 2, total - total // 2)
+
+
+def output_size(in_size, k, s, d, padding, axis=0):
+  """Output length of one spatial dimension (TensorFlow's conv rules)."""
+  if padding == "SAME":
+    return -(-in_size // s)
+  before, after = padding_amounts(in_size, k, s, d, padding, axis)
+  return max((in_size + before + after - _effective_kernel(k, d)) // s + 1, 0)
+
+
+def output_spatial_shape(spec, in_spatial):
+  return tuple(output_size(n, k, s, d, spec.padding, i) for i, (n, k, s, d)
+               in enumerate(zip(in_spatial, spec.kernel_shape, spec.strides,
+                                spec.dilations)))
+
+
+def to_channels_last(x, channels_first):
+  """[N, C, spatial...] -> [N, spatial..., C] when channels_first."""
+  if not channels_first:
+    return x
+  rank = x.shape.rank
+  return tf.transpose(x, [0] + list(range(2, rank)) + [1])
+
+
+def static_spatial_shape(x, what="inputs"):
+  """Spatial sizes of a channels-last tensor as ints (ValueError if not
+  statically known)."""
+  spatial = x.shape[1:-1]
+  if not spatial.is_fully_defined():
+    raise ValueError("This operation needs static spatial sizes of the "
+                     "convolution %s, got shape %s." % (what, x.shape))
+  return tuple(int(n) for n in spatial)
+
+
+def _pad(x, spec):
+  in_spatial = static_spatial_shape(x)
+  pads = [padding_amounts(n, k, s, d, spec.padding, i) for i, (n, k, s, d)
+          in enumerate(zip(in_spatial, spec.kernel_shape, spec.strides,
+                           spec.dilations))]
+  if any(p != (0, 0) for p in pads):
+    x = tf.pad(x, [[0, 0]] + [list(p) for p in pads] + [[0, 0]])
+  return x, output_spatial_shape(spec, in_spatial)
+
+
+def _taps(spec):
+  """Tap offsets (k indices) in row-major order over (k1, ..., kd)."""
+  taps = [()]
+  for k in spec.kernel_shape:
+    taps = [t + (i,) for t in taps for i in range(k)]
+  return taps
+
+
+def _tap_slice(xp, spec, tap, out_shape):
+  begin = [0] + [i * d for i, d in zip(tap, spec.dilations)] + [0]
+  end = ([0] + [b + (o - 1) * s + 1 for b, o, s in
+                zip(begin[1:-1], out_shape, spec.strides)] + [0])
+  strides = [1] + list(spec.strides) + [1]
+  mask = 1 | (1 << (spec.num_spatial + 1))  # batch and channels: full range
+  return tf.strided_slice(xp, begin, end, strides, begin_mask=mask,
+                          end_mask=mask)
+
+
+def extract_patches(x, spec):
+  """Patches of channels-last inputs x [N, spatial..., C].
+
+  Returns [N, out_spatial..., K*C] with the patch vector ordered like
+  reshape(filter, [k1*...*kd*C, out]).
+  """
+  if spec.num_spatial == 2:
+    padding = spec.padding
+    if isinstance(padding, tuple):
+      x = tf.pad(x, [[0, 0]] + [list(p) for p in padding] + [[0, 0]])
+      padding = "VALID"
+    return tf.image.extract_patches(
+        x, sizes=[1] + list(spec.kernel_shape) + [1],
+        strides=[1] + list(spec.strides) + [1],
+        rates=[1] + list(spec.dilations) + [1], padding=padding)
+  xp, out_shape = _pad(x, spec)
+  if spec.num_taps == 1:
+    return _tap_slice(xp, spec, _taps(spec)[0], out_shape)
+  slices = [_tap_slice(xp, spec, tap, out_shape) for tap in _taps(spec)]
+  stacked = tf.stack(slices, axis=-2)  # [N, out..., K, C]
+  channels = x.shape[-1]
+  if channels is None:
+    raise ValueError("Convolution inputs need a static channel dimension, "
+                     "got shape %s." % x.shape)
+  return tf.reshape(stacked, [-1] + list(out_shape) +
+                    [spec.num_taps * int(channels)])
+
+
+def patch_location_sums(x, spec):
+  """sum over output locations of the patches: [N, K*C] (one reduction per
+  filter tap, no patch matrix)."""
+  xp, out_shape = _pad(x, spec)
+  axes = list(range(1, spec.num_spatial + 1))
+  sums = [tf.reduce_sum(_tap_slice(xp, spec, tap, out_shape), axis=axes)
+          for tap in _taps(spec)]
+  return tf.concat(sums, axis=-1)
+
+
+def num_locations(x_channels_last, spec):
+  """Number of output locations per example (an int; static shapes)."""
+  return int(math.prod(output_spatial_shape(
+      spec, static_spatial_shape(x_channels_last))))
+
+
+def sample_patch_rows(x, spec, row_indices):
+  """Rows `row_indices` of the [N*L, K*C] patch matrix of x, gathered
+  straight from the padded input. Row r is example r // L at output
+  location r % L (row-major over the output grid)."""
+  xp, out_shape = _pad(x, spec)
+  d = spec.num_spatial
+  row_indices = tf.cast(row_indices, tf.int64)
+  num_locs = int(math.prod(out_shape))
+  example = row_indices // num_locs
+  loc = row_indices % num_locs
+  coords = []
+  for size in reversed(out_shape):
+    coords.append(loc % size)
+    loc = loc // size
+  coords = coords[::-1]  # d tensors [R]
+  taps = tf.constant(_taps(spec), tf.int64)  # [K, d]
+  dil = tf.constant(spec.dilations, tf.int64)
+  strides = tf.constant(spec.strides, tf.int64)
+  origin = tf.stack(coords, axis=1) * strides  # [R, d]
+  positions = origin[:, tf.newaxis, :] + taps[tf.newaxis] * dil  # [R, K, d]
+  example = tf.broadcast_to(example[:, tf.newaxis, tf.newaxis],
+                            [tf.shape(row_indices)[0], spec.num_taps, 1])
+  gathered = tf.gather_nd(xp, tf.concat([example, positions], axis=-1))
+  del d
+  return tf.reshape(gathered, [-1, spec.num_taps * int(x.shape[-1])])
