@@ -1,3 +1,117 @@
-"""Blocks of scale-and-shift parameters."""
+"""Blocks of scale-and-shift parameters: the full Fisher block and its
+diagonal.
 
-__all__ = []
+Vectors are `scale` or `(scale, shift)` shaped like the parameters; the
+flattened order is concat(scale.flatten(), shift.flatten()). Damping is
+added to the diagonal (there is no Kronecker split).
+"""
+
+from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import scale_shift_factors
+from kfac.python.ops import utils
+from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.block_base import FisherBlock
+
+__all__ = ["ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB"]
+
+
+class _ScaleShiftBlock(FisherBlock):
+  """Towers of (inputs, outputs) of one scale-and-shift layer."""
+
+  def __init__(self, layer_collection, params):
+    super().__init__(layer_collection, params)
+    seq = utils.ensure_sequence(params)
+    self._scale_shape = tuple(int(d) for d in seq[0].shape)
+    self._shift_shape = (tuple(int(d) for d in seq[1].shape)
+                         if len(seq) == 2 else None)
+    self._inputs = []
+    self._outputs = []
+    self._factor = None
+
+  @property
+  def has_shift(self):
+    return self._shift_shape is not None
+
+  def register_additional_tower(self, inputs, outputs):
+    self._inputs.append(inputs)
+    self._outputs.append(outputs)
+
+  @property
+  def num_registered_towers(self):
+    return len(self._inputs)
+
+  def tensors_to_compute_grads(self):
+    return tuple(self._outputs)
+
+  def _make_scale_shift_factor(self, cls, grads_list, weights, role):
+    weights = None if weights is None else tuple(weights)
+    return self._make_factor(
+        cls, (tuple(self._inputs), tuple(tuple(g) for g in grads_list),
+              self._scale_shape, self._shift_shape, weights), role)
+
+  def _to_view(self, vector):
+    parts = utils.ensure_sequence(vector)
+    want = 2 if self.has_shift else 1
+    if len(parts) != want:
+      raise ValueError("Block %s takes %s vectors, got %d parts." %
+                       (self.name, "(scale, shift)" if self.has_shift else
+                        "scale", len(parts)))
+    return utils.tensors_to_column(parts)
+
+  def _from_view(self, view, template):
+    out = utils.column_to_tensors(utils.ensure_sequence(template), view)
+    return out if isinstance(template, (list, tuple)) else out[0]
+
+  def factors(self):
+    return [self._factor]
+
+
+class ScaleAndShiftFullFB(_ScaleShiftBlock):
+  """Full Fisher block of (scale, shift): E_n[v v^T] of the per-example
+  parameter gradients (exact in the exact modes, for any batch), plus
+  damping * I."""
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    self._factor = self._make_scale_shift_factor(
+        scale_shift_factors.ScaleAndShiftFullFactor, grads_list, weights,
+        "full")
+    self._damping_func = damping_lib.as_damping_func(damping)
+
+  def register_matpower(self, exp):
+    self._check_instantiated()
+    self._factor.register_matpower(exp, self._damping_func)
+
+  def register_cholesky(self):
+    self._check_instantiated()
+    self._factor.register_cholesky(self._damping_func)
+
+  def register_cholesky_inverse(self):
+    self._check_instantiated()
+    self._factor.register_cholesky_inverse(self._damping_func)
+
+  def multiply_matpower(self, vector, exp):
+    self._check_instantiated()
+    col = self._factor.left_multiply_matpower(self._to_view(vector), exp,
+                                              self._damping_func)
+    return self._from_view(col, vector)
+
+  def _multiply_cholesky(self, vector, transpose, inverse):
+    self._check_instantiated()
+    col = self._factor.left_multiply_cholesky(
+        self._to_view(vector), self._damping_func, transpose=transpose,
+        inverse=inverse)
+    return self._from_view(col, vector)
+
+  def full_fisher_block(self):
+    self._check_instantiated()
+    return self._factor.get_cov()
+
+
+class ScaleAndShiftDiagonalFB(ElementwiseDiagonalBlockMixin, _ScaleShiftBlock):
+  """Diagonal Fisher of (scale, shift): E_n[v^2] per entry, plus damping."""
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    self._factor = self._make_scale_shift_factor(
+        scale_shift_factors.ScaleAndShiftDiagonalFactor, grads_list, weights,
+        "diag")
+    self._damping_func = damping_lib.as_damping_func(damping)
