@@ -94,6 +94,8 @@ class EmbeddingInputKroneckerFactor(_GatheredDiagonalMixin, DiagonalFactor):
     """(sum over rows of n_hot(ids_row)^2 as a [vocab] vector, rows)."""
     vocab = self._vocab_size
     rows = tf.shape(ids, out_type=tf.int64)[0]
+    if ids.dtype not in (tf.int32, tf.int64):
+      ids = tf.cast(ids, tf.int64)
     if ids.shape.rank == 1:
       ones = tf.ones(tf.shape(ids), self._dtype)
       return tf.math.unsorted_segment_sum(ones, ids, vocab), rows

@@ -12,7 +12,7 @@ An embedding lookup is registered with
 * ids [batch] -> outputs [batch, dim]: one id per example (one-hot rows);
 * ids [batch, k] -> outputs [batch, dim]: a bag of k ids per example whose
   table rows are summed (n-hot rows, repeated ids count twice);
-* ids [batch, positions..., ] -> outputs [batch, positions..., dim]: one
+* ids [batch, positions...] -> outputs [batch, positions..., dim]: one
   lookup per position (a sequence), the table shared over positions
   (KFAC-expand: factors averaged over batch * positions, block scaled by the
   number of positions);
