@@ -194,10 +194,15 @@ class FullyConnectedSeriesFB(_MultiUseDenseBlock, KroneckerProductFB):
 
   Damping: A_0 and G_0 are damped as in kron_indep (factored Tikhonov,
   damping / T split with the pi rule), A_1 and G_1 are not; so with zero
-  cross moments both options give exactly the kron_indep inverse. For
-  safety the option-1 eigenvalues psi are clipped to [0, 1] (then
-  zeta_T >= T and the inverse is never larger than kron_indep's) and the
-  option-2 mu to [0, 1 - 1e-6].
+  cross moments both options give exactly the kron_indep inverse.
+
+  Estimated moments need not describe a stationary process (A_0 averages
+  all T uses, A_1 the T - 1 pairs), so for safety: option 1 clips psi to
+  [0, 1] (then zeta_T >= T: the inverse is never larger than kron_indep's;
+  negative temporal correlations are ignored); option 2 clips the singular
+  values of the whitened transition A_0^{-1/2} A_1^T A_0^{-1/2} to at most
+  0.999 (`multi_use_factors.MAX_OPTION2_SINGULAR_VALUE`) and uses the
+  clipped transition everywhere, which keeps Q positive definite.
 
   Only the inverse is defined: `multiply_inverse` / `multiply_matpower(v,
   -1)`. Other powers, `multiply`, Cholesky products and `full_fisher_block`

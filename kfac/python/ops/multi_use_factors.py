@@ -23,9 +23,10 @@ from kfac.python.ops.factor_base import weighted_sum
 
 __all__ = ["FullyConnectedReduceKroneckerFactor", "FullyConnectedMultiKF"]
 
-# Upper clip of the eigenvalues mu of the option-2 "innovation" matrix (see
-# FullyConnectedMultiKF._option2_quants): 1 - mu_A mu_G must stay positive.
-MAX_OPTION2_MU = 1.0 - 1e-6
+# Upper clip of the singular values of the option-2 whitened transition (see
+# FullyConnectedMultiKF): keeps the modelled AR(1) process stationary, so
+# that its noise covariance Q stays positive definite.
+MAX_OPTION2_SINGULAR_VALUE = 0.999
 
 
 class FullyConnectedReduceKroneckerFactor(FullyConnectedKroneckerFactor):
@@ -85,9 +86,12 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
 
   * option 1: C_0^{-1/2} sym(C_1) C_0^{-1/2} = U diag(psi) U^T, kept as
     L = C_0^{-1/2} U and psi clipped to [0, 1];
-  * option 2: P = C_1^T C_0^{-1} (the AR(1) transition Psi), and
-    C_0^{-1/2} C_1^T C_0^{-1} C_1 C_0^{-1/2} = E diag(mu) E^T, kept as
-    K = C_0^{-1/2} E and mu clipped to [0, MAX_OPTION2_MU].
+  * option 2: the whitened transition C_0^{-1/2} C_1^T C_0^{-1/2} =
+    E diag(sigma) V^T (an SVD), sigma clipped to at most
+    MAX_OPTION2_SINGULAR_VALUE; kept are the transition
+    P = C_0^{1/2} E diag(sigma) V^T C_0^{-1/2} (= C_1^T C_0^{-1} unclipped),
+    K = C_0^{-1/2} E and mu = sigma^2 (the eigenvalues of
+    C_0^{-1/2} P C_0 P^T C_0^{-1/2}).
   """
 
   def __init__(self, tensors, num_uses, has_bias=False, weights=None,
@@ -194,32 +198,37 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
             for suffix, shape in parts)
 
   def _damped_parts(self, dfunc):
-    """(C_0, C_1) of the module docstring, and C_0's inverse square root."""
+    """(C_1, C_0^{1/2}, C_0^{-1/2}) of the class docstring."""
     cov = tf.convert_to_tensor(self.get_cov_var())
     cov_dt1 = tf.convert_to_tensor(self.get_cov_dt1())
     c0 = linalg.add_to_diagonal(linalg.symmetrize(dfunc.scale(cov)),
                                 utils.cast(dfunc(), self._dtype))
     c1 = dfunc.scale(cov_dt1)
     evals, evecs = linalg.eigh(c0)
-    inv_sqrt = tf.matmul(evecs * tf.math.rsqrt(evals)[tf.newaxis, :], evecs,
-                         transpose_b=True)
-    return c0, c1, linalg.symmetrize(inv_sqrt)
+
+    def power(exp):
+      return linalg.symmetrize(tf.matmul(
+          evecs * tf.pow(evals, utils.cast(exp, evals.dtype))[tf.newaxis, :],
+          evecs, transpose_b=True))
+
+    return c1, power(0.5), power(-0.5)
 
   def _option1_quants(self, dfunc):
-    _, c1, inv_sqrt = self._damped_parts(dfunc)
+    c1, _, inv_sqrt = self._damped_parts(dfunc)
     hat_psi = tf.matmul(tf.matmul(inv_sqrt, linalg.symmetrize(c1)), inv_sqrt)
     psi, u = linalg.eigh(hat_psi)
     return (tf.matmul(inv_sqrt, u), tf.clip_by_value(psi, 0.0, 1.0))
 
   def _option2_quants(self, dfunc):
-    c0, c1, inv_sqrt = self._damped_parts(dfunc)
-    # P = C_1^T C_0^{-1}, as a solve: C_0 P^T = C_1.
-    transition = tf.linalg.matrix_transpose(tf.linalg.solve(c0, c1))
-    half = tf.matmul(inv_sqrt, c1, transpose_b=True)  # C_0^{-1/2} C_1^T
-    half = tf.matmul(half, inv_sqrt)  # C_0^{-1/2} C_1^T C_0^{-1/2}
-    mu, e = linalg.eigh(tf.matmul(half, half, transpose_b=True))
-    return (transition, tf.matmul(inv_sqrt, e),
-            tf.clip_by_value(mu, 0.0, MAX_OPTION2_MU))
+    c1, sqrt, inv_sqrt = self._damped_parts(dfunc)
+    # The whitened transition C_0^{-1/2} C_1^T C_0^{-1/2} = U diag(s) V^T,
+    # with its singular values clipped to MAX_OPTION2_SINGULAR_VALUE.
+    whitened = tf.matmul(tf.matmul(inv_sqrt, c1, transpose_b=True), inv_sqrt)
+    s, u, v = tf.linalg.svd(whitened)
+    s = tf.minimum(s, utils.cast(MAX_OPTION2_SINGULAR_VALUE, s.dtype))
+    clipped = tf.matmul(u * s[tf.newaxis, :], v, transpose_b=True)
+    transition = tf.matmul(tf.matmul(sqrt, clipped), inv_sqrt)
+    return transition, tf.matmul(inv_sqrt, u), tf.square(s)
 
   def make_inverse_update_ops(self):
     ops = list(super().make_inverse_update_ops())
