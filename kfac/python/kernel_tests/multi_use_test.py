@@ -569,6 +569,9 @@ def test_series_blocks_are_inverse_only():
         layer_collection=lc, exps=(-1,), estimation_mode="empirical")
     vec = (tf.ones((3, 2), tf.float64), tf.ones(2, tf.float64))
     assert block.multiply_inverse(vec)[0].shape == (3, 2)
+    # (P, K, mu) per factor are the estimator's inverse variables.
+    assert sorted(v.shape.rank for v in est.get_inv_vars()) == [1, 1, 2, 2,
+                                                                2, 2]
     for call in (lambda: block.multiply(vec),
                  lambda: block.multiply_matpower(vec, 0.5),
                  lambda: block.multiply_cholesky(vec),
@@ -581,7 +584,6 @@ def test_series_blocks_are_inverse_only():
       kfac.estimator.FisherEstimator(
           variables=[w, b], cov_ema_decay=0.9, damping=0.1,
           layer_collection=lc, exps=(-1, 2), estimation_mode="empirical")
-    del est
 
 
 def test_dependence_check_finds_the_variable_without_building_gradients(

@@ -196,6 +196,10 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
             self.state_store.get_or_create(self.name + "/" + suffix, shape,
                                            self._dtype)
             for suffix, shape in parts)
+        # Listed with the other inverse variables (FisherEstimator's
+        # get_inv_vars reads `_vars`; the update ops do not).
+        for j, var in enumerate(self._series_vars[key]):
+          self._vars[("series%d" % option, j, dfunc.key)] = var
 
   def _damped_parts(self, dfunc):
     """(C_1, C_0^{1/2}, C_0^{-1/2}) of the class docstring."""
