@@ -273,7 +273,6 @@ def sample_patch_rows(x, spec, row_indices):
   straight from the padded input. Row r is example r // L at output
   location r % L (row-major over the output grid)."""
   xp, out_shape = _pad(x, spec)
-  d = spec.num_spatial
   row_indices = tf.cast(row_indices, tf.int64)
   num_locs = int(math.prod(out_shape))
   example = row_indices // num_locs
@@ -291,5 +290,4 @@ def sample_patch_rows(x, spec, row_indices):
   example = tf.broadcast_to(example[:, tf.newaxis, tf.newaxis],
                             [tf.shape(row_indices)[0], spec.num_taps, 1])
   gathered = tf.gather_nd(xp, tf.concat([example, positions], axis=-1))
-  del d
   return tf.reshape(gathered, [-1, spec.num_taps * int(x.shape[-1])])
