@@ -312,6 +312,8 @@ def test_products_equal_dense_pi_damped_block(world, approx):
                                            targets=tf.constant(labels))
 
   def extra(est, vs):
+    inv_vars = est.get_inv_vars()
+    assert inv_vars and all(isinstance(v, tf.Variable) for v in inv_vars)
     return _product_fetches(est, vs, exps, 10)
 
   out = run_estimator(world, inits, build_model, "exact", damping=damping,

@@ -386,7 +386,7 @@ class ConvInputSUAKroneckerFactor(FisherFactor):
     self._sub_sample_inputs = sub_sample_inputs
     self._n = self._taps * self._channels + (1 if has_bias else 0)
     self._matpowers = []  # (exp, damping_func)
-    self._vars = {}
+    self._vars = {}  # (exp, damping key, "pow" | "corr") -> variable
 
   @property
   def _cov_shape(self):
@@ -478,31 +478,31 @@ class ConvInputSUAKroneckerFactor(FisherFactor):
     m = self._channels + (1 if self._has_bias else 0)
     for i, (exp, dfunc) in enumerate(self._matpowers):
       key = (exp, dfunc.key)
-      if key not in self._vars:
-        self._vars[key] = (
-            self.state_store.get_or_create(
-                "%s/sua_pow%d" % (self.name, i),
-                [self._channels, self._channels], self._dtype),
-            self.state_store.get_or_create(
-                "%s/sua_corr%d" % (self.name, i), [m, m], self._dtype))
+      if key + ("pow",) not in self._vars:
+        self._vars[key + ("pow",)] = self.state_store.get_or_create(
+            "%s/sua_pow%d" % (self.name, i),
+            [self._channels, self._channels], self._dtype)
+        self._vars[key + ("corr",)] = self.state_store.get_or_create(
+            "%s/sua_corr%d" % (self.name, i), [m, m], self._dtype)
 
   def make_inverse_update_ops(self):
     self.instantiate_inv_variables()
     ops = []
     for exp, dfunc in self._matpowers:
-      s_var, c_var = self._vars[(exp, dfunc.key)]
+      s_var, c_var = self._get_powers(exp, dfunc)
       s_pow, corr = self._powers(exp, dfunc)
       ops.extend([s_var.assign(s_pow), c_var.assign(corr)])
     return ops
 
   def _get_powers(self, exp, damping_func):
+    """The variables (C x C power, low-rank correction) of a registration."""
     key = (exp, damping_func.key)
-    if key not in self._vars:
+    if key + ("pow",) not in self._vars:
       self.instantiate_inv_variables()
-    if key not in self._vars:
+    if key + ("pow",) not in self._vars:
       raise ValueError("No power %s with damping %r was registered on factor "
                        "%s." % (exp, damping_func.key, self.name))
-    return self._vars[key]
+    return self._vars[key + ("pow",)], self._vars[key + ("corr",)]
 
   # ---------------------------------------------------------- products
   def _apply(self, x, s_pow, corr, d_pow):
