@@ -21,8 +21,8 @@ Patch extraction:
   filter tap, stacked (no arithmetic, K = k1*...*kd copies of the output
   grid; needs static spatial sizes);
 * `sample_patch_rows` gathers only a chosen subset of patches (rows of the
-  [batch*locations, K*in] patch matrix) straight from the padded input, so
-  a sub-sampled statistic never materialises all patches;
+  [batch*locations, K*in] patch matrix) straight from the input, so a
+  sub-sampled statistic never materialises all patches;
 * `patch_location_sums` sums patches over output locations with one
   reduction per tap (KFAC-reduce needs only these sums).
 """
@@ -270,9 +270,14 @@ def num_locations(x_channels_last, spec):
 
 def sample_patch_rows(x, spec, row_indices):
   """Rows `row_indices` of the [N*L, K*C] patch matrix of x, gathered
-  straight from the padded input. Row r is example r // L at output
-  location r % L (row-major over the output grid)."""
-  xp, out_shape = _pad(x, spec)
+  straight from the input (zero-padding positions are masked, the padded
+  input is never built). Row r is example r // L at output location r % L
+  (row-major over the output grid)."""
+  in_spatial = static_spatial_shape(x)
+  out_shape = output_spatial_shape(spec, in_spatial)
+  before = [padding_amounts(n, k, s, d, spec.padding, i)[0]
+            for i, (n, k, s, d) in enumerate(zip(
+                in_spatial, spec.kernel_shape, spec.strides, spec.dilations))]
   row_indices = tf.cast(row_indices, tf.int64)
   num_locs = int(math.prod(out_shape))
   example = row_indices // num_locs
@@ -284,10 +289,14 @@ def sample_patch_rows(x, spec, row_indices):
   coords = coords[::-1]  # d tensors [R]
   taps = tf.constant(_taps(spec), tf.int64)  # [K, d]
   dil = tf.constant(spec.dilations, tf.int64)
-  strides = tf.constant(spec.strides, tf.int64)
-  origin = tf.stack(coords, axis=1) * strides  # [R, d]
+  origin = (tf.stack(coords, axis=1) * tf.constant(spec.strides, tf.int64) -
+            tf.constant(before, tf.int64))  # [R, d]
   positions = origin[:, tf.newaxis, :] + taps[tf.newaxis] * dil  # [R, K, d]
+  sizes = tf.constant(in_spatial, tf.int64)
+  valid = tf.reduce_all((positions >= 0) & (positions < sizes), axis=-1)
+  positions = tf.clip_by_value(positions, 0, sizes - 1)
   example = tf.broadcast_to(example[:, tf.newaxis, tf.newaxis],
                             [tf.shape(row_indices)[0], spec.num_taps, 1])
-  gathered = tf.gather_nd(xp, tf.concat([example, positions], axis=-1))
+  gathered = tf.gather_nd(x, tf.concat([example, positions], axis=-1))
+  gathered = gathered * tf.cast(valid, x.dtype)[..., tf.newaxis]
   return tf.reshape(gathered, [-1, spec.num_taps * int(x.shape[-1])])
