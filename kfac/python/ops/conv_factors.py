@@ -120,6 +120,16 @@ def _mean_outer(rows):
   return tf.matmul(rows, rows, transpose_a=True) / n
 
 
+def _mean_outer_with_ones(rows):
+  """_mean_outer of [rows, 1] without building the concatenated copy: the
+  ones column only adds the column means and a 1."""
+  second = _mean_outer(rows)
+  means = tf.reduce_mean(rows, axis=0)
+  top = tf.concat([second, means[:, tf.newaxis]], axis=1)
+  bottom = tf.concat([means, tf.ones([1], rows.dtype)], axis=0)
+  return tf.concat([top, bottom[tf.newaxis]], axis=0)
+
+
 class ConvInputKroneckerFactor(DenseSquareFactor):
   """A = mean over examples and output locations of p p^T ([K*C(+1)]^2)."""
 
@@ -196,9 +206,8 @@ class ConvInputKroneckerFactor(DenseSquareFactor):
     mask = _flat_mask(self._patch_mask, self._patch_size, rows.dtype)
     if mask is not None:
       rows = rows * mask
-    if self._has_bias:
-      rows = utils.append_homog(rows)
-    return _mean_outer(rows), example_idx, row_idx
+    stat = _mean_outer_with_ones(rows) if self._has_bias else _mean_outer(rows)
+    return stat, example_idx, row_idx
 
   def _compute_new_cov(self):
     return self.compute_sampled_statistic()[0]
