@@ -1,0 +1,342 @@
+"""Optimizers trained side by side, fairly: the loop the kfac demos share.
+
+Every optimizer starts from the same initial weights and sees the same
+mini-batches. They take turns, a chunk of steps each, so that machine noise
+slows all of them alike. Training time is measured with the evaluation
+pauses taken out, and the final table compares the losses reached at the
+same number of steps and at the same number of seconds.
+
+A demo supplies one "backend" per optimizer, an object with
+
+  batch(indices)  the mini-batch of the examples at `indices` (untimed);
+  train(batch)    one training step on it;
+  evaluate()      the loss (a float) on a fixed evaluation set;
+  shown()         a dict of scalars for the progress line ("damping", "lr");
+  finish()        end of training: returns a dict of extra results for the
+                  table (e.g. {"test accuracy": 0.87}) and frees resources.
+
+How the step runs (a tf.compat.v1 Session, a tf.function) is the backend's
+business.
+"""
+
+import json
+import time
+
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The flags every side-by-side demo has; call once, at import time.
+
+  Flags whose default is None take a per-dataset default (see Config).
+  """
+  flags.DEFINE_enum("dataset", "auto", ["auto", "digits", "fashion_mnist"],
+                    "Data: Fashion-MNIST when present ('auto') or sklearn "
+                    "digits.")
+  flags.DEFINE_integer("steps", 100000,
+                       "Maximum training steps per optimizer (the --seconds "
+                       "budget usually ends training first).")
+  flags.DEFINE_float("seconds", None,
+                     "Training-time budget per optimizer, in seconds "
+                     "(default: per dataset).")
+  flags.DEFINE_integer("batch_size", None, "Mini-batch size (default: per "
+                       "dataset).")
+  flags.DEFINE_integer("seed", 0, "Seed for weights, batches and sampling.")
+  flags.DEFINE_integer("print_every", 100, "Print a progress line every N "
+                       "steps (but see --print_seconds).")
+  flags.DEFINE_float("print_seconds", 5.0, "Skip a progress line when less "
+                     "than this many training seconds passed since the "
+                     "last.")
+  flags.DEFINE_integer("eval_every", 10, "Evaluate the loss on a fixed "
+                       "subset every N steps (for the equal-time "
+                       "comparison).")
+  flags.DEFINE_integer("eval_examples", 2000, "Size of that fixed subset.")
+  flags.DEFINE_integer("max_examples", 20000,
+                       "Use at most this many Fashion-MNIST training "
+                       "images.")
+  flags.DEFINE_list("optimizers", ["kfac", "adam"], "Which optimizers to "
+                    "run.")
+  flags.DEFINE_integer("chunk_steps", 10, "The optimizers take turns, this "
+                       "many steps each.")
+  flags.DEFINE_string("results_json", None, "Also write the histories and "
+                      "final results to this JSON file.")
+  # K-FAC.
+  flags.DEFINE_float("kfac_learning_rate", None, "K-FAC learning rate.")
+  flags.DEFINE_float("kfac_damping", None, "K-FAC damping.")
+  flags.DEFINE_float("kfac_momentum", 0.9, "K-FAC momentum.")
+  flags.DEFINE_enum("kfac_momentum_type", None, ["regular", "adam"],
+                    "K-FAC momentum type.")
+  flags.DEFINE_float("kfac_norm_constraint", None, "K-FAC: bound on the "
+                     "approximate squared Fisher norm of each update (None: "
+                     "no bound).")
+  flags.DEFINE_integer("invert_every", 10, "K-FAC: recompute the inverses "
+                       "every N steps.")
+  flags.DEFINE_float("cov_ema_decay", 0.95, "K-FAC statistics decay.")
+  # Adam.
+  flags.DEFINE_float("adam_learning_rate", None, "Adam learning rate.")
+
+
+class Config(object):
+  """The flags named in `defaults`, the unset ones filled from it."""
+
+  def __init__(self, defaults):
+    for key, value in defaults.items():
+      flag = getattr(FLAGS, key)
+      setattr(self, key, value if flag is None else flag)
+
+
+def make_optimizer(opt_name, cfg, layer_collection=None):
+  """(optimizer, {name: tensor or value shown in the progress lines})."""
+  if opt_name == "kfac":
+    import kfac  # pylint: disable=g-import-not-at-top
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=FLAGS.invert_every,
+        cov_update_every=1,
+        learning_rate=cfg.kfac_learning_rate,
+        damping=cfg.kfac_damping,
+        layer_collection=layer_collection,
+        momentum=FLAGS.kfac_momentum,
+        momentum_type=cfg.kfac_momentum_type,
+        cov_ema_decay=FLAGS.cov_ema_decay,
+        norm_constraint=FLAGS.kfac_norm_constraint,
+        estimation_mode="gradients")
+    return opt, dict(damping=opt.damping, lr=opt.learning_rate)
+  if opt_name == "adam":
+    return (tf.compat.v1.train.AdamOptimizer(cfg.adam_learning_rate),
+            dict(lr=cfg.adam_learning_rate))
+  raise ValueError("unknown optimizer %r" % opt_name)
+
+
+def new_layer_collection(opt_name):
+  if opt_name != "kfac":
+    return None
+  import kfac  # pylint: disable=g-import-not-at-top
+  return kfac.LayerCollection()
+
+
+def print_hyperparameters(cfg):
+  print("kfac: lr %g, damping %g, momentum %g (%s), invert_every %d;  "
+        "adam: lr %g" % (cfg.kfac_learning_rate, cfg.kfac_damping,
+                         FLAGS.kfac_momentum, cfg.kfac_momentum_type,
+                         FLAGS.invert_every, cfg.adam_learning_rate))
+
+
+class Batches(object):
+  """The same sequence of mini-batch indices for every optimizer.
+
+  Each epoch is a fresh permutation drawn from (seed, epoch), so any step's
+  batch can be produced without storing the whole schedule.
+  """
+
+  def __init__(self, num_examples, batch_size, seed):
+    self.num_examples = num_examples
+    self.batch_size = min(batch_size, num_examples)
+    self.per_epoch = num_examples // self.batch_size
+    self.seed = seed
+    self._epoch = None
+    self._perm = None
+
+  def indices(self, step):
+    epoch, i = divmod(step, self.per_epoch)
+    if epoch != self._epoch:
+      self._epoch = epoch
+      self._perm = np.random.RandomState([self.seed, epoch]).permutation(
+          self.num_examples)
+    return self._perm[i * self.batch_size:(i + 1) * self.batch_size]
+
+
+class History(object):
+  """(step, training seconds, eval loss) points of one run, and its extras."""
+
+  def __init__(self, name):
+    self.name = name
+    self.steps = []
+    self.seconds = []
+    self.losses = []
+    self.extra = {}
+
+  def add(self, step, seconds, loss):
+    self.steps.append(step)
+    self.seconds.append(seconds)
+    self.losses.append(loss)
+
+  @property
+  def final_loss(self):
+    return self.losses[-1]
+
+  def loss_at(self, seconds):
+    """Loss of the last evaluation made at or before `seconds`."""
+    i = np.searchsorted(self.seconds, seconds, side="right") - 1
+    return self.losses[max(i, 0)]
+
+  def loss_at_step(self, step):
+    """Loss of the last evaluation made at or before `step`."""
+    i = np.searchsorted(self.steps, step, side="right") - 1
+    return self.losses[max(i, 0)]
+
+  def seconds_to_reach(self, loss):
+    """First training time at which the eval loss was <= `loss`, or None."""
+    for s, l in zip(self.seconds, self.losses):
+      if l <= loss:
+        return s
+    return None
+
+  def as_dict(self):
+    return dict(name=self.name, steps=self.steps, seconds=self.seconds,
+                losses=self.losses, extra=self.extra)
+
+
+def format_shown(values):
+  parts = []
+  for key in ("damping", "lr"):
+    if key in values:
+      parts.append("%s %.0e" % (key, values[key]))
+  return "  ".join(parts)
+
+
+class Trainer(object):
+  """One optimizer's backend and clock; trains in short chunks."""
+
+  def __init__(self, name, backend, batches, seconds, loss_format="%.2f"):
+    self.name = name
+    self.loss_format = loss_format
+    self.backend = backend
+    self.batches = batches
+    self.seconds = seconds
+    self.history = History(name)
+    self.history.add(0, 0.0, backend.evaluate())
+    self.step = 0
+    self.train_seconds = 0.0
+    self.last_print = -np.inf
+    self.done = False
+
+  def run_chunk(self, num_steps):
+    """Up to num_steps training steps; sets self.done at the budget's end."""
+    for _ in range(num_steps):
+      if self.step >= FLAGS.steps or self.train_seconds >= self.seconds:
+        self.finish()
+        return
+      batch = self.backend.batch(self.batches.indices(self.step))
+      start = time.perf_counter()
+      self.backend.train(batch)
+      self.train_seconds += time.perf_counter() - start
+      self.step += 1
+      if self.step % FLAGS.eval_every == 0:
+        self.history.add(self.step, self.train_seconds,
+                         self.backend.evaluate())
+        if not np.isfinite(self.history.final_loss):
+          print("[%s] step %d  loss is %s: stopping this run" % (
+              self.name, self.step, self.history.final_loss), flush=True)
+          self.finish()
+          return
+      if (self.step % FLAGS.print_every == 0 and
+          self.train_seconds - self.last_print >= FLAGS.print_seconds):
+        self.last_print = self.train_seconds
+        print(("[%s] step %d  loss " + self.loss_format + "  %s  %.1fs") % (
+            self.name, self.step, self.history.final_loss,
+            format_shown(self.backend.shown()), self.train_seconds),
+              flush=True)
+
+  def finish(self):
+    if self.done:
+      return
+    if self.history.steps[-1] != self.step:
+      self.history.add(self.step, self.train_seconds, self.backend.evaluate())
+    self.history.extra = dict(self.backend.finish())
+    self.done = True
+    extras = "".join(", %s %s" % (k, _format_value(v))
+                     for k, v in self.history.extra.items())
+    print(("[%s] done: %d steps in %.1fs, loss " + self.loss_format +
+           "%s") % (
+        self.name, self.step, self.train_seconds, self.history.final_loss,
+        extras), flush=True)
+
+
+def run_in_turns(trainers, chunk_steps):
+  """Trains every trainer to the end of its budget, a chunk each in turn."""
+  while not all(t.done for t in trainers):
+    for t in trainers:
+      if not t.done:
+        t.run_chunk(chunk_steps)
+  return [t.history for t in trainers]
+
+
+def _format_value(value):
+  if isinstance(value, float):
+    return "%.4f" % value
+  return str(value)
+
+
+def _finite_or_inf(value):
+  return value if np.isfinite(value) else np.inf
+
+
+def print_table(histories, note, loss_format="%.2f"):
+  """Side-by-side summary: losses at a common time and at a common step.
+
+  Args:
+    histories: the runs' History objects; their `extra` results become
+      additional columns.
+    note: a sentence printed under the table (what the losses are).
+    loss_format: how to print a loss.
+  """
+  common = min(h.seconds[-1] for h in histories)
+  common_step = min(h.steps[-1] for h in histories)
+  # The loss every run reached: the worst finite final loss.
+  finite = [h.final_loss for h in histories if np.isfinite(h.final_loss)]
+  target = max(finite) if finite else np.nan
+  extra_keys = []
+  for h in histories:
+    extra_keys += [k for k in h.extra if k not in extra_keys]
+  print()
+  print(("| optimizer | steps | seconds | ms/step | final loss | loss at %.1fs "
+         "| loss at step %d | seconds to loss " + loss_format + " |%s") % (
+             common, common_step, target,
+             "".join(" %s |" % k for k in extra_keys)))
+  print("|---|---:|---:|---:|---:|---:|---:|---:|%s" % (
+      "---:|" * len(extra_keys)))
+  for h in histories:
+    reach = h.seconds_to_reach(target)
+    loss_cells = " | ".join([loss_format] * 3)
+    print(("| %s | %d | %.1f | %.1f | " + loss_cells + " | %s |%s") % (
+        h.name, h.steps[-1], h.seconds[-1],
+        1e3 * h.seconds[-1] / max(h.steps[-1], 1), h.final_loss,
+        h.loss_at(common), h.loss_at_step(common_step),
+        "-" if reach is None else "%.1f" % reach,
+        "".join(" %s |" % _format_value(h.extra.get(k, "-"))
+                for k in extra_keys)))
+  print()
+  print(note)
+  if len(histories) > 1:
+    best = min(histories, key=lambda h: _finite_or_inf(h.loss_at(common)))
+    if np.isfinite(best.loss_at(common)):
+      print("Equal time (%.1fs): %s has the lowest loss." % (common,
+                                                            best.name))
+    best = min(histories,
+               key=lambda h: _finite_or_inf(h.loss_at_step(common_step)))
+    if np.isfinite(best.loss_at_step(common_step)):
+      print("Equal steps (%d): %s has the lowest loss." % (common_step,
+                                                          best.name))
+    for h in histories:
+      if not np.isfinite(h.final_loss):
+        print("%s diverged (loss %s)." % (h.name, h.final_loss))
+
+
+def write_results(path, histories, **info):
+  """Writes the histories (and `info`) as JSON, for scripts and tests."""
+  def clean(value):
+    if isinstance(value, float) and not np.isfinite(value):
+      return str(value)
+    return value
+  runs = []
+  for h in histories:
+    d = h.as_dict()
+    d["losses"] = [clean(float(l)) for l in d["losses"]]
+    d["extra"] = {k: clean(v) for k, v in d["extra"].items()}
+    runs.append(d)
+  with open(path, "w") as f:
+    json.dump(dict(info, runs=runs), f, indent=1)
