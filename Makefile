@@ -1,6 +1,8 @@
 # Developer entry points for kfac.
 #   make test      create .venv (first time only) and run the fast tests
 #   make demo      K-FAC vs Adam on a deep autoencoder (about 2 minutes)
+#   make demo-convnet  K-FAC vs Adam on a convnet classifier (about 2 minutes)
+#   make demo-rnn  K-FAC vs Adam on an RNN over image rows (about 1.5 minutes)
 #   make bench     ms/step of SGD, the old kfac 0.2.4 and this kfac (Session, tf.function)
 #   make test-all  all tests, including the ones marked slow
 #   make data      best-effort offline Fashion-MNIST for Keras
@@ -21,7 +23,7 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 # Less TensorFlow start-up noise in every recipe below.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: all venv data test test-all demo bench clean distclean
+.PHONY: all venv data test test-all demo demo-convnet demo-rnn bench clean distclean
 
 all: test
 
@@ -85,6 +87,12 @@ test-all: venv
 
 demo: venv data
 	$(VPY) examples/autoencoder_demo.py
+
+demo-convnet: venv data
+	$(VPY) examples/convnet_classifier.py
+
+demo-rnn: venv data
+	$(VPY) examples/rnn_rows_classifier.py
 
 # The old library (kfac 0.2.4, frozen TF1 code) is the baseline of the step
 # benchmark. It goes into its own folder, without dependencies, so that it is
