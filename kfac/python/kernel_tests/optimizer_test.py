@@ -7,6 +7,8 @@ y = x . w for one example, squared error (t - y)^2 registered as a generic
 with g = -2 (t - y) x the gradient of the loss.
 """
 
+import inspect
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -395,3 +397,18 @@ def test_adaptive_arguments_are_rejected_not_ignored(kwargs):
     # the defaults, spelled out, are accepted
     kfac.KfacOptimizer(learning_rate=0.1, damping=0.1, adapt_damping=False,
                        damping_adaptation_interval=5, loss=None)
+
+
+@pytest.mark.parametrize("cls", [kfac.LayerCollection, kfac.KfacOptimizer,
+                                 kfac.PeriodicInvCovUpdateKfacOpt,
+                                 kfac.estimator.FisherEstimator])
+def test_public_methods_are_not_converted_by_autograph(cls):
+  """tf.function's autograph would otherwise convert every kfac function a
+  training step reaches (slow tracing); see utils.exclude_from_autograph."""
+  names = [n for n in dir(cls) if not n.startswith("_") and
+           inspect.isfunction(inspect.getattr_static(cls, n)) and
+           getattr(getattr(cls, n), "__module__", "").startswith("kfac")]
+  assert len(names) > 5
+  unmarked = [n for n in names
+              if not hasattr(getattr(cls, n), "autograph_info__")]
+  assert not unmarked, unmarked

@@ -18,6 +18,7 @@ from kfac.python.ops import state
 from kfac.python.ops import utils
 
 
+@utils.exclude_from_autograph
 class FisherEstimator:
   """Estimates and applies a block-diagonal approximation of the Fisher."""
 

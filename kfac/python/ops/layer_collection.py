@@ -106,6 +106,7 @@ def set_default_layer_collection(layer_collection):
     stack.append(layer_collection)
 
 
+@utils.exclude_from_autograph
 class LayerCollection(conv_registration.ConvRegistrationMixin,
                       embedding_registration.EmbeddingRegistrationMixin,
                       multi_use_registration.MultiUseRegistrationMixin,

@@ -57,6 +57,7 @@ _ADAPTIVE_DEFAULTS = {
 }
 
 
+@utils.exclude_from_autograph
 class KfacOptimizer(tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
 

@@ -15,6 +15,7 @@ inverse work is amortised over `invert_every` steps.
 import tensorflow as tf
 
 from kfac.python.ops import optimizer
+from kfac.python.ops import utils
 
 
 def _cond_op(pred, make_op):
@@ -25,6 +26,7 @@ def _cond_op(pred, make_op):
   return tf.cond(pred, run, lambda: tf.constant(False))
 
 
+@utils.exclude_from_autograph
 class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
   """KfacOptimizer that updates statistics and inverses periodically."""
 
