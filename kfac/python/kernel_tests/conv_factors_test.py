@@ -102,6 +102,8 @@ PATCH_CONFIGS = {
                     ((1, 2), (0, 1))),
     "1d_same_stride2": ((3, 7, 2), (3,), (2,), (1,), "SAME"),
     "1d_valid_dilation3": ((2, 9, 3), (2,), (1,), (3,), "VALID"),
+    # A tap that only ever sees padding (its location sum is zero).
+    "1d_explicit_padding_only_tap": ((2, 1, 2), (2,), (1,), (3,), ((0, 3),)),
     "3d_same_stride": ((2, 4, 5, 3, 2), (2, 3, 2), (2, 1, 2), (1, 1, 1),
                        "SAME"),
     "3d_valid_dilation": ((1, 5, 4, 5, 2), (2, 2, 3), (1, 1, 1), (2, 1, 1),

@@ -408,8 +408,7 @@ class ConvInputSUAKroneckerFactor(FisherFactor):
   def _compute_new_cov(self):
     x = _concat_channels_last(self._inputs, self._channels_first)
     x, _ = _sample_examples(x, self._sub_sample_inputs)
-    rows = utils.append_homog(tf.reshape(x, [-1, self._channels]))
-    return _mean_outer(rows)
+    return _mean_outer_with_ones(tf.reshape(x, [-1, self._channels]))
 
   # ----------------------------------------------------------- pieces
   def _mean_and_cov(self):

@@ -252,14 +252,47 @@ def extract_patches(x, spec):
                     [spec.num_taps * int(channels)])
 
 
+def _valid_tap_range(n, out, s, offset):
+  """(begin, end) of the input positions offset + t*s, 0 <= t < out, that
+  fall inside [0, n) (padding positions hold zeros and add nothing)."""
+  t_min = max(0, -(offset // s))  # ceil(-offset / s), at least 0
+  t_max = min(out - 1, (n - 1 - offset) // s)
+  if t_min > t_max:
+    return None
+  return offset + t_min * s, offset + t_max * s + 1
+
+
 def patch_location_sums(x, spec):
-  """sum over output locations of the patches: [N, K*C] (one reduction per
-  filter tap, no patch matrix)."""
-  xp, out_shape = _pad(x, spec)
-  axes = list(range(1, spec.num_spatial + 1))
-  sums = [tf.reduce_sum(_tap_slice(xp, spec, tap, out_shape), axis=axes)
-          for tap in _taps(spec)]
-  return tf.concat(sums, axis=-1)
+  """sum over output locations of the patches: [N, K*C].
+
+  The sum is separable over spatial axes: for the last axis, one strided
+  slice-and-sum per tap offset gives [N, ..., k_d, C]; then the next axis,
+  and so on (k_1 + ... + k_d reductions, most of them on small tensors; no
+  patch matrix and no padded copy)."""
+  in_spatial = static_spatial_shape(x)
+  out_shape = output_spatial_shape(spec, in_spatial)
+  d = spec.num_spatial
+  y = x  # [N, P1, ..., Pd, C]; summed axes become tap axes, kept in place
+  for axis in reversed(range(d)):
+    n, k = in_spatial[axis], spec.kernel_shape[axis]
+    s, dil = spec.strides[axis], spec.dilations[axis]
+    before = padding_amounts(n, k, s, dil, spec.padding, axis)[0]
+    sums = []
+    for tap in range(k):
+      rng = _valid_tap_range(n, out_shape[axis], s, tap * dil - before)
+      if rng is None:
+        shape = tf.concat([tf.shape(y)[:axis + 1], tf.shape(y)[axis + 2:]], 0)
+        sums.append(tf.zeros(shape, y.dtype))
+        continue
+      begin = [0] * (axis + 1) + [rng[0]]
+      end = [0] * (axis + 1) + [rng[1]]
+      strides = [1] * (axis + 1) + [s]
+      full_before = (1 << (axis + 1)) - 1  # all leading axes: full range
+      piece = tf.strided_slice(y, begin, end, strides, begin_mask=full_before,
+                               end_mask=full_before)
+      sums.append(tf.reduce_sum(piece, axis=axis + 1))
+    y = tf.stack(sums, axis=axis + 1)  # the spatial axis is now a tap axis
+  return tf.reshape(y, [tf.shape(x)[0], spec.num_taps * int(x.shape[-1])])
 
 
 def num_locations(x_channels_last, spec):
