@@ -207,6 +207,44 @@ class KroneckerProductFB(FisherBlock):
     return self._scaled(block, 1)
 
 
+class SingleDenseFactorBlockMixin:
+  """Products for blocks whose single dense square factor acts on a column
+  view of the block's vectors (`_to_view` / `_from_view`), damped by
+  `_damping_func` added to its diagonal."""
+
+  def factors(self):
+    return [self._factor]
+
+  def register_matpower(self, exp):
+    self._check_instantiated()
+    self._factor.register_matpower(exp, self._damping_func)
+
+  def register_cholesky(self):
+    self._check_instantiated()
+    self._factor.register_cholesky(self._damping_func)
+
+  def register_cholesky_inverse(self):
+    self._check_instantiated()
+    self._factor.register_cholesky_inverse(self._damping_func)
+
+  def multiply_matpower(self, vector, exp):
+    self._check_instantiated()
+    col = self._factor.left_multiply_matpower(self._to_view(vector), exp,
+                                              self._damping_func)
+    return self._from_view(col, vector)
+
+  def _multiply_cholesky(self, vector, transpose, inverse):
+    self._check_instantiated()
+    col = self._factor.left_multiply_cholesky(
+        self._to_view(vector), self._damping_func, transpose=transpose,
+        inverse=inverse)
+    return self._from_view(col, vector)
+
+  def full_fisher_block(self):
+    self._check_instantiated()
+    return self._factor.get_cov()
+
+
 class ElementwiseDiagonalBlockMixin:
   """Products for blocks whose single factor is an elementwise diagonal
   shaped like the block's vector view."""

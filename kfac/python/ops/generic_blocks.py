@@ -8,6 +8,7 @@ from kfac.python.ops import generic_factors
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
+from kfac.python.ops.block_base import SingleDenseFactorBlockMixin
 
 
 class _GenericBlock(FisherBlock):
@@ -58,7 +59,7 @@ class _GenericBlock(FisherBlock):
               weights), role)
 
 
-class NaiveFullFB(_GenericBlock):
+class NaiveFullFB(SingleDenseFactorBlockMixin, _GenericBlock):
   """Full Fisher block of arbitrary parameters: E[g g^T] of the flattened
   loss gradient (exact for one example in the 'exact' mode)."""
 
@@ -70,38 +71,6 @@ class NaiveFullFB(_GenericBlock):
     self._factor = self._make_generic_factor(
         generic_factors.NaiveFullFactor, grads_list, weights, "full")
     self._damping_func = damping_lib.as_damping_func(damping)
-
-  def factors(self):
-    return [self._factor]
-
-  def register_matpower(self, exp):
-    self._check_instantiated()
-    self._factor.register_matpower(exp, self._damping_func)
-
-  def register_cholesky(self):
-    self._check_instantiated()
-    self._factor.register_cholesky(self._damping_func)
-
-  def register_cholesky_inverse(self):
-    self._check_instantiated()
-    self._factor.register_cholesky_inverse(self._damping_func)
-
-  def multiply_matpower(self, vector, exp):
-    self._check_instantiated()
-    col = self._factor.left_multiply_matpower(self._to_view(vector), exp,
-                                              self._damping_func)
-    return self._from_view(col, vector)
-
-  def _multiply_cholesky(self, vector, transpose, inverse):
-    self._check_instantiated()
-    col = self._factor.left_multiply_cholesky(
-        self._to_view(vector), self._damping_func, transpose=transpose,
-        inverse=inverse)
-    return self._from_view(col, vector)
-
-  def full_fisher_block(self):
-    self._check_instantiated()
-    return self._factor.get_cov()
 
 
 class NaiveDiagonalFB(ElementwiseDiagonalBlockMixin, _GenericBlock):

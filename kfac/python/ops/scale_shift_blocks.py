@@ -11,6 +11,7 @@ from kfac.python.ops import scale_shift_factors
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
+from kfac.python.ops.block_base import SingleDenseFactorBlockMixin
 
 __all__ = ["ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB"]
 
@@ -66,7 +67,7 @@ class _ScaleShiftBlock(FisherBlock):
     return [self._factor]
 
 
-class ScaleAndShiftFullFB(_ScaleShiftBlock):
+class ScaleAndShiftFullFB(SingleDenseFactorBlockMixin, _ScaleShiftBlock):
   """Full Fisher block of (scale, shift): E_n[v v^T] of the per-example
   parameter gradients (exact in the exact modes, for any batch), plus
   damping * I."""
@@ -76,35 +77,6 @@ class ScaleAndShiftFullFB(_ScaleShiftBlock):
         scale_shift_factors.ScaleAndShiftFullFactor, grads_list, weights,
         "full")
     self._damping_func = damping_lib.as_damping_func(damping)
-
-  def register_matpower(self, exp):
-    self._check_instantiated()
-    self._factor.register_matpower(exp, self._damping_func)
-
-  def register_cholesky(self):
-    self._check_instantiated()
-    self._factor.register_cholesky(self._damping_func)
-
-  def register_cholesky_inverse(self):
-    self._check_instantiated()
-    self._factor.register_cholesky_inverse(self._damping_func)
-
-  def multiply_matpower(self, vector, exp):
-    self._check_instantiated()
-    col = self._factor.left_multiply_matpower(self._to_view(vector), exp,
-                                              self._damping_func)
-    return self._from_view(col, vector)
-
-  def _multiply_cholesky(self, vector, transpose, inverse):
-    self._check_instantiated()
-    col = self._factor.left_multiply_cholesky(
-        self._to_view(vector), self._damping_func, transpose=transpose,
-        inverse=inverse)
-    return self._from_view(col, vector)
-
-  def full_fisher_block(self):
-    self._check_instantiated()
-    return self._factor.get_cov()
 
 
 class ScaleAndShiftDiagonalFB(ElementwiseDiagonalBlockMixin, _ScaleShiftBlock):
