@@ -117,45 +117,26 @@ class FisherBlock(abc.ABC):
                        "LayerCollection." % self.name)
 
 
-class KroneckerProductFB(FisherBlock):
-  """A block c * (A (x) G) acting on [rows, cols] matrix views of vectors.
-
-  A (the input factor) acts on the rows, G (the output factor) on the
-  columns. The coefficient c (`_renorm_coeff`) is the number of positions a
-  weight is shared over (conv locations, uses of a layer, sequence steps):
-  both factors are averages over all positions, so c restores the sum over
-  positions of the per-example Fisher (KFAC-expand). Damping is factored
-  with the pi rule on the normalised value damping / c, so that the damped
-  block is c * (A (x) G + damping / c) = c A (x) G + damping.
-
-  Subclasses set `_input_factor`, `_output_factor` and call
-  `_setup_damping(damping)` in `instantiate_factors`, and provide
-  `_to_mat(vector)` / `_from_mat(mat, template)`.
-  """
+class TwoFactorKroneckerMixin:
+  """Registration and products of a block c * (A (x) G) on [rows, cols]
+  matrix views of vectors: the input factor `_input_factor` (damped by
+  `_in_damping`) acts on the rows, the output factor `_output_factor`
+  (damped by `_out_damping`) on the columns, the coefficient is
+  `_renorm_coeff`. Hosts provide `_to_mat(vector)` / `_from_mat(mat,
+  template)` and set the factors and dampings in `instantiate_factors`.
+  The factors may be batched over a leading axis (per-channel blocks)."""
 
   _renorm_coeff = 1.0
-  _input_factor = None
-  _output_factor = None
-
-  def _setup_damping(self, damping):
-    self._damping_func = damping_lib.as_damping_func(damping)
-    coeff = self._renorm_coeff
-    normalized = self._damping_func
-    if not (utils.is_python_number(coeff) and coeff == 1):
-      if utils.is_python_number(coeff):
-        inv = 1.0 / float(coeff)
-      else:
-        inv = 1.0 / tf.cast(coeff, tf.float64)
-      normalized = damping_lib.scaled_damping_func(self._damping_func, inv)
-    self._in_damping, self._out_damping = (
-        damping_lib.pi_adjusted_damping_funcs(
-            self._input_factor, self._output_factor, normalized))
 
   def _coeff_power(self, exp, dtype):
     coeff = self._renorm_coeff
     if utils.is_python_number(coeff):
       return None if coeff == 1 else utils.cast(float(coeff)**exp, dtype)
     return tf.cast(coeff, dtype)**utils.cast(exp, dtype)
+
+  def _scaled(self, mat, exp):
+    scale = self._coeff_power(exp, mat.dtype)
+    return mat if scale is None else mat * scale
 
   def factors(self):
     return [self._input_factor, self._output_factor]
@@ -174,10 +155,6 @@ class KroneckerProductFB(FisherBlock):
     self._check_instantiated()
     self._input_factor.register_cholesky_inverse(self._in_damping)
     self._output_factor.register_cholesky_inverse(self._out_damping)
-
-  def _scaled(self, mat, exp):
-    scale = self._coeff_power(exp, mat.dtype)
-    return mat if scale is None else mat * scale
 
   def multiply_matpower(self, vector, exp):
     self._check_instantiated()
@@ -199,6 +176,40 @@ class KroneckerProductFB(FisherBlock):
         mat, self._out_damping, transpose=not transpose, inverse=inverse)
     return self._from_mat(self._scaled(mat, -0.5 if inverse else 0.5),
                           vector)
+
+
+class KroneckerProductFB(TwoFactorKroneckerMixin, FisherBlock):
+  """A block c * (A (x) G) acting on [rows, cols] matrix views of vectors.
+
+  A (the input factor) acts on the rows, G (the output factor) on the
+  columns. The coefficient c (`_renorm_coeff`) is the number of positions a
+  weight is shared over (conv locations, uses of a layer, sequence steps):
+  both factors are averages over all positions, so c restores the sum over
+  positions of the per-example Fisher (KFAC-expand). Damping is factored
+  with the pi rule on the normalised value damping / c, so that the damped
+  block is c * (A (x) G + damping / c) = c A (x) G + damping.
+
+  Subclasses set `_input_factor`, `_output_factor` and call
+  `_setup_damping(damping)` in `instantiate_factors`, and provide
+  `_to_mat(vector)` / `_from_mat(mat, template)`.
+  """
+
+  _input_factor = None
+  _output_factor = None
+
+  def _setup_damping(self, damping):
+    self._damping_func = damping_lib.as_damping_func(damping)
+    coeff = self._renorm_coeff
+    normalized = self._damping_func
+    if not (utils.is_python_number(coeff) and coeff == 1):
+      if utils.is_python_number(coeff):
+        inv = 1.0 / float(coeff)
+      else:
+        inv = 1.0 / tf.cast(coeff, tf.float64)
+      normalized = damping_lib.scaled_damping_func(self._damping_func, inv)
+    self._in_damping, self._out_damping = (
+        damping_lib.pi_adjusted_damping_funcs(
+            self._input_factor, self._output_factor, normalized))
 
   def full_fisher_block(self):
     self._check_instantiated()

@@ -34,6 +34,7 @@ from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
 from kfac.python.ops.block_base import KroneckerProductFB
+from kfac.python.ops.block_base import TwoFactorKroneckerMixin
 
 __all__ = [
     "ConvKFCBasicFB",
@@ -349,7 +350,7 @@ class DepthwiseConvDiagonalFB(ElementwiseDiagonalBlockMixin,
     return self._from_kcm(view, template)
 
 
-class DepthwiseConvKFCBasicFB(_DepthwiseConvBlock):
+class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
   """Per-channel KFC of a depthwise conv: blockdiag_c L * (A_c (x) G_c).
 
   A_c ([K(+1)]^2) is the second moment of the K taps of input channel c
@@ -367,6 +368,10 @@ class DepthwiseConvKFCBasicFB(_DepthwiseConvBlock):
                                  padding, rate, data_format)
     self._input_factor = None
     self._output_factor = None
+
+  @property
+  def _renorm_coeff(self):
+    return self.num_locations
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     self._input_factor = self._make_factor(
@@ -388,53 +393,12 @@ class DepthwiseConvKFCBasicFB(_DepthwiseConvBlock):
         conv_factors.per_channel_pi_damping_funcs(
             self._input_factor, self._output_factor, normalized))
 
-  def factors(self):
-    return [self._input_factor, self._output_factor]
-
-  def register_matpower(self, exp):
-    self._check_instantiated()
-    self._input_factor.register_matpower(exp, self._in_damping)
-    self._output_factor.register_matpower(exp, self._out_damping)
-
-  def register_cholesky(self):
-    self._check_instantiated()
-    self._input_factor.register_cholesky(self._in_damping)
-    self._output_factor.register_cholesky(self._out_damping)
-
-  def register_cholesky_inverse(self):
-    self._check_instantiated()
-    self._input_factor.register_cholesky_inverse(self._in_damping)
-    self._output_factor.register_cholesky_inverse(self._out_damping)
-
-  def _to_ckm(self, vector):
+  def _to_mat(self, vector):
+    """[C, K(+1), M] view: one [K(+1), M] matrix per input channel."""
     return tf.transpose(self._to_kcm(vector), [1, 0, 2])
 
-  def _from_ckm(self, view, template):
+  def _from_mat(self, view, template):
     return self._from_kcm(tf.transpose(view, [1, 0, 2]), template)
-
-  def _scale(self, mat, exp):
-    locs = self.num_locations
-    if utils.is_python_number(locs):
-      return mat * utils.cast(float(locs)**exp, mat.dtype)
-    return mat * tf.cast(locs, mat.dtype)**utils.cast(exp, mat.dtype)
-
-  def multiply_matpower(self, vector, exp):
-    self._check_instantiated()
-    mat = self._to_ckm(vector)
-    mat = self._input_factor.left_multiply_matpower(mat, exp,
-                                                    self._in_damping)
-    mat = self._output_factor.right_multiply_matpower(mat, exp,
-                                                      self._out_damping)
-    return self._from_ckm(self._scale(mat, exp), vector)
-
-  def _multiply_cholesky(self, vector, transpose, inverse):
-    self._check_instantiated()
-    mat = self._to_ckm(vector)
-    mat = self._input_factor.left_multiply_cholesky(
-        mat, self._in_damping, transpose=transpose, inverse=inverse)
-    mat = self._output_factor.right_multiply_cholesky(
-        mat, self._out_damping, transpose=not transpose, inverse=inverse)
-    return self._from_ckm(self._scale(mat, -0.5 if inverse else 0.5), vector)
 
   def _param_permutation(self):
     """perm[i] = position of flat parameter i in the channel-major
@@ -458,4 +422,4 @@ class DepthwiseConvKFCBasicFB(_DepthwiseConvBlock):
          for i in range(self._channels)]).to_dense()
     perm = self._param_permutation()
     dense = tf.gather(tf.gather(dense, perm, axis=0), perm, axis=1)
-    return self._scale(dense, 1)
+    return self._scaled(dense, 1)
