@@ -117,6 +117,27 @@ class FisherBlock(abc.ABC):
                        "LayerCollection." % self.name)
 
 
+class InputsOutputsTowersMixin:
+  """Towers of a layer given as (inputs, outputs) pairs, kept in the lists
+  `_inputs` / `_outputs` (set up by `_init_towers()`); the statistics need
+  the loss gradients w.r.t. every tower's outputs."""
+
+  def _init_towers(self):
+    self._inputs = []
+    self._outputs = []
+
+  def register_additional_tower(self, inputs, outputs):
+    self._inputs.append(inputs)
+    self._outputs.append(outputs)
+
+  @property
+  def num_registered_towers(self):
+    return len(self._inputs)
+
+  def tensors_to_compute_grads(self):
+    return tuple(self._outputs)
+
+
 class TwoFactorKroneckerMixin:
   """Registration and products of a block c * (A (x) G) on [rows, cols]
   matrix views of vectors: the input factor `_input_factor` (damped by

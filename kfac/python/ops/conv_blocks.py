@@ -33,6 +33,7 @@ from kfac.python.ops import patches as patches_lib
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
+from kfac.python.ops.block_base import InputsOutputsTowersMixin
 from kfac.python.ops.block_base import KroneckerProductFB
 from kfac.python.ops.block_base import TwoFactorKroneckerMixin
 
@@ -66,7 +67,7 @@ def _filter_of(params):
   return utils.ensure_sequence(params)[0]
 
 
-class _ConvLayerBlock(FisherBlock):
+class _ConvLayerBlock(InputsOutputsTowersMixin, FisherBlock):
   """Shared plumbing: the convolution, towers of (inputs, outputs), the
   [K*C(+1), O] matrix view of vectors."""
 
@@ -77,8 +78,7 @@ class _ConvLayerBlock(FisherBlock):
     self._filter_shape = tuple(int(n) for n in _filter_of(params).shape)
     self._spec = patches_lib.make_conv_spec(
         self._filter_shape[:-2], strides, dilation_rate, padding, data_format)
-    self._inputs = []
-    self._outputs = []
+    self._init_towers()
 
   @property
   def _data_format(self):
@@ -88,17 +88,6 @@ class _ConvLayerBlock(FisherBlock):
     """(filter_shape, padding, strides, dilations, data_format): hashable."""
     return (self._filter_shape, self._spec.padding, self._spec.strides,
             self._spec.dilations, self._data_format)
-
-  def register_additional_tower(self, inputs, outputs):
-    self._inputs.append(inputs)
-    self._outputs.append(outputs)
-
-  @property
-  def num_registered_towers(self):
-    return len(self._inputs)
-
-  def tensors_to_compute_grads(self):
-    return tuple(self._outputs)
 
   @property
   def num_locations(self):
@@ -268,7 +257,7 @@ class ConvKFCBasicMultiIndepFB(ConvKFCBasicFB):
 
 
 # ------------------------------------------------------------ depthwise
-class _DepthwiseConvBlock(FisherBlock):
+class _DepthwiseConvBlock(InputsOutputsTowersMixin, FisherBlock):
   """Depthwise conv [k.., C, M] (optional bias [C*M]): towers and the
   [K(+1), C, M] view of vectors."""
 
@@ -280,23 +269,11 @@ class _DepthwiseConvBlock(FisherBlock):
     self._channels, self._mult = self._filter_shape[-2:]
     self._spec = patches_lib.make_conv_spec(
         self._filter_shape[:-2], strides, rate, padding, data_format)
-    self._inputs = []
-    self._outputs = []
+    self._init_towers()
 
   @property
   def _data_format(self):
     return "channels_first" if self._spec.channels_first else "channels_last"
-
-  def register_additional_tower(self, inputs, outputs):
-    self._inputs.append(inputs)
-    self._outputs.append(outputs)
-
-  @property
-  def num_registered_towers(self):
-    return len(self._inputs)
-
-  def tensors_to_compute_grads(self):
-    return tuple(self._outputs)
 
   @property
   def num_locations(self):

@@ -8,29 +8,18 @@ from kfac.python.ops import dense_factors
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
+from kfac.python.ops.block_base import InputsOutputsTowersMixin
 from kfac.python.ops.block_base import KroneckerProductFB
 
 
-class _DenseLayerBlock(FisherBlock):
+class _DenseLayerBlock(InputsOutputsTowersMixin, FisherBlock):
   """Shared plumbing of blocks for dense layers: towers of (inputs, outputs)
   and the (W, b) <-> [in(+1), out] matrix view of vectors."""
 
   def __init__(self, layer_collection, has_bias=False, params=None):
     super().__init__(layer_collection, params)
     self._has_bias = has_bias
-    self._inputs = []
-    self._outputs = []
-
-  def register_additional_tower(self, inputs, outputs):
-    self._inputs.append(inputs)
-    self._outputs.append(outputs)
-
-  @property
-  def num_registered_towers(self):
-    return len(self._inputs)
-
-  def tensors_to_compute_grads(self):
-    return tuple(self._outputs)
+    self._init_towers()
 
   def _to_mat(self, vector):
     if self._has_bias:
@@ -41,6 +30,20 @@ class _DenseLayerBlock(FisherBlock):
 
   def _from_mat(self, mat, template):
     return utils.mat_to_params(mat, template)
+
+  def _make_kronecker_factors(self, inputs, grads, weights):
+    """Sets `_input_factor` A from `inputs` (with the bias entry) and
+    `_output_factor` G from the sources' output gradients `grads`, each
+    replaced by its diagonal when `_diag_in` / `_diag_out` is set."""
+    in_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_in else
+              dense_factors.FullyConnectedKroneckerFactor)
+    out_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_out else
+               dense_factors.FullyConnectedKroneckerFactor)
+    self._input_factor = self._make_factor(
+        in_cls, (inputs, self._has_bias), "A")
+    weights = None if weights is None else tuple(weights)
+    self._output_factor = self._make_factor(
+        out_cls, (grads, False, weights), "G")
 
 
 class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
@@ -84,15 +87,8 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
     super().register_additional_tower(inputs, outputs)
 
   def instantiate_factors(self, grads_list, damping, weights=None):
-    in_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_in else
-              dense_factors.FullyConnectedKroneckerFactor)
-    out_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_out else
-               dense_factors.FullyConnectedKroneckerFactor)
-    self._input_factor = self._make_factor(
-        in_cls, (tuple(self._inputs), self._has_bias), "A")
-    weights = None if weights is None else tuple(weights)
-    self._output_factor = self._make_factor(
-        out_cls, (tuple(tuple(g) for g in grads_list), False, weights), "G")
+    self._make_kronecker_factors(tuple(self._inputs),
+                                 tuple(tuple(g) for g in grads_list), weights)
     self._setup_damping(damping)
 
 

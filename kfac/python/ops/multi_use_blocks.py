@@ -19,7 +19,6 @@ loss sums over its positions / uses.
 
 import tensorflow as tf
 
-from kfac.python.ops import dense_factors
 from kfac.python.ops import multi_use_factors
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import KroneckerProductFB
@@ -148,15 +147,8 @@ class FullyConnectedMultiIndepFB(_MultiUseDenseBlock, KroneckerProductFB):
     return self._num_uses
 
   def instantiate_factors(self, grads_list, damping, weights=None):
-    in_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_in else
-              dense_factors.FullyConnectedKroneckerFactor)
-    out_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_out else
-               dense_factors.FullyConnectedKroneckerFactor)
-    self._input_factor = self._make_factor(
-        in_cls, (self._folded_inputs(), self._has_bias), "A")
-    weights = None if weights is None else tuple(weights)
-    self._output_factor = self._make_factor(
-        out_cls, (self._folded_grads(grads_list), False, weights), "G")
+    self._make_kronecker_factors(self._folded_inputs(),
+                                 self._folded_grads(grads_list), weights)
     self._setup_damping(damping)
 
 

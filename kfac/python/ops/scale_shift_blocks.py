@@ -11,12 +11,13 @@ from kfac.python.ops import scale_shift_factors
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
+from kfac.python.ops.block_base import InputsOutputsTowersMixin
 from kfac.python.ops.block_base import SingleDenseFactorBlockMixin
 
 __all__ = ["ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB"]
 
 
-class _ScaleShiftBlock(FisherBlock):
+class _ScaleShiftBlock(InputsOutputsTowersMixin, FisherBlock):
   """Towers of (inputs, outputs) of one scale-and-shift layer."""
 
   def __init__(self, layer_collection, params):
@@ -25,24 +26,12 @@ class _ScaleShiftBlock(FisherBlock):
     self._scale_shape = tuple(int(d) for d in seq[0].shape)
     self._shift_shape = (tuple(int(d) for d in seq[1].shape)
                          if len(seq) == 2 else None)
-    self._inputs = []
-    self._outputs = []
+    self._init_towers()
     self._factor = None
 
   @property
   def has_shift(self):
     return self._shift_shape is not None
-
-  def register_additional_tower(self, inputs, outputs):
-    self._inputs.append(inputs)
-    self._outputs.append(outputs)
-
-  @property
-  def num_registered_towers(self):
-    return len(self._inputs)
-
-  def tensors_to_compute_grads(self):
-    return tuple(self._outputs)
 
   def _make_scale_shift_factor(self, cls, grads_list, weights, role):
     weights = None if weights is None else tuple(weights)
