@@ -52,6 +52,7 @@ from kfac.python.ops import utils
 from kfac.python.ops.factor_base import DenseSquareFactor
 from kfac.python.ops.factor_base import DiagonalFactor
 from kfac.python.ops.factor_base import FisherFactor
+from kfac.python.ops.factor_base import MatmulProductsMixin
 from kfac.python.ops.factor_base import normalize_sources
 from kfac.python.ops.factor_base import normalize_weights
 from kfac.python.ops.factor_base import weighted_sum
@@ -234,14 +235,18 @@ class _OutputGradsMixin:
             for towers in self._grads]
 
 
-class ConvOutputKroneckerFactor(_OutputGradsMixin, DenseSquareFactor):
-  """G = sum_s w_s mean over (n, t) of g g^T ([O, O])."""
+class _ConvOutputSquareFactor(_OutputGradsMixin, DenseSquareFactor):
+  """[O, O] statistics of the output gradients."""
 
   def __init__(self, outputs_grads, data_format=None, weights=None,
                name=None):
     self._init_grads(outputs_grads, data_format, weights)
     self._n = self._out
     DenseSquareFactor.__init__(self, name=name, weights=self._weights)
+
+
+class ConvOutputKroneckerFactor(_ConvOutputSquareFactor):
+  """G = sum_s w_s mean over (n, t) of g g^T ([O, O])."""
 
   def _compute_new_cov(self):
     terms = [_mean_outer(tf.reshape(g, [-1, self._out]))
@@ -249,14 +254,8 @@ class ConvOutputKroneckerFactor(_OutputGradsMixin, DenseSquareFactor):
     return weighted_sum(terms, self._weights)
 
 
-class ConvOutputReduceKroneckerFactor(_OutputGradsMixin, DenseSquareFactor):
+class ConvOutputReduceKroneckerFactor(_ConvOutputSquareFactor):
   """KFAC-reduce G = sum_s w_s mean over n of (sum_t g)(sum_t g)^T."""
-
-  def __init__(self, outputs_grads, data_format=None, weights=None,
-               name=None):
-    self._init_grads(outputs_grads, data_format, weights)
-    self._n = self._out
-    DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
   def _compute_new_cov(self):
     terms = []
@@ -617,13 +616,14 @@ class DepthwiseConvDiagonalFactor(DiagonalFactor):
     return weighted_sum(terms, self._weights)
 
 
-class _BatchedSquareFactor(FisherFactor):
+class _BatchedSquareFactor(MatmulProductsMixin, FisherFactor):
   """A factor whose statistic is a batch of C symmetric [n, n] matrices
   (one per channel). Damping functions may scale each matrix differently:
   `damping_func.scale(ones([C]))` gives the per-channel scales (the
   per-channel pi rule). All registered powers come from one batched
   eigendecomposition per inverse update; Cholesky factors from a batched
-  Cholesky."""
+  Cholesky. Products act on batches x [C, rows, cols] channel by channel
+  (left: power_c @ x_c, right: x_c @ power_c)."""
 
   def __init__(self, name=None, weights=None):
     super().__init__(name=name)
@@ -725,23 +725,11 @@ class _BatchedSquareFactor(FisherFactor):
                           damping_func)
     return self._get("matpow", exp, damping_func)
 
-  def left_multiply_matpower(self, x, exp, damping_func):
-    """x: [C, n, cols] -> power_c @ x_c."""
-    return tf.matmul(self.get_matpower(exp, damping_func), x)
+  def get_cholesky(self, damping_func):
+    return self._get("chol", None, damping_func)
 
-  def right_multiply_matpower(self, x, exp, damping_func):
-    """x: [C, rows, n] -> x_c @ power_c."""
-    return tf.matmul(x, self.get_matpower(exp, damping_func))
-
-  def left_multiply_cholesky(self, x, damping_func, transpose=False,
-                             inverse=False):
-    mat = self._get("cholinv" if inverse else "chol", None, damping_func)
-    return tf.matmul(mat, x, transpose_a=transpose)
-
-  def right_multiply_cholesky(self, x, damping_func, transpose=False,
-                              inverse=False):
-    mat = self._get("cholinv" if inverse else "chol", None, damping_func)
-    return tf.matmul(x, mat, transpose_b=transpose)
+  def get_cholesky_inverse(self, damping_func):
+    return self._get("cholinv", None, damping_func)
 
 
 class DepthwiseConvInputKroneckerFactor(_BatchedSquareFactor):

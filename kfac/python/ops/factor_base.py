@@ -142,7 +142,31 @@ class FisherFactor(abc.ABC):
     """trace(cov) / dim, used by the pi-adjusted damping split."""
 
 
-class DenseSquareFactor(FisherFactor):
+class MatmulProductsMixin:
+  """Products with a factor's (damped) powers and Cholesky factors, which
+  are matrices (or batches of matrices, acting on batches of matrices x)
+  given by `get_matpower`, `get_cholesky` and `get_cholesky_inverse`."""
+
+  def left_multiply_matpower(self, x, exp, damping_func):
+    return tf.matmul(self.get_matpower(exp, damping_func), x)
+
+  def right_multiply_matpower(self, x, exp, damping_func):
+    return tf.matmul(x, self.get_matpower(exp, damping_func))
+
+  def left_multiply_cholesky(self, x, damping_func, transpose=False,
+                             inverse=False):
+    mat = (self.get_cholesky_inverse(damping_func) if inverse else
+           self.get_cholesky(damping_func))
+    return tf.matmul(mat, x, transpose_a=transpose)
+
+  def right_multiply_cholesky(self, x, damping_func, transpose=False,
+                              inverse=False):
+    mat = (self.get_cholesky_inverse(damping_func) if inverse else
+           self.get_cholesky(damping_func))
+    return tf.matmul(x, mat, transpose_b=transpose)
+
+
+class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
   """A factor whose statistic is a full symmetric [n, n] matrix.
 
   Inverses and other matrix powers registered through `register_matpower`
@@ -270,24 +294,6 @@ class DenseSquareFactor(FisherFactor):
 
   def get_inverse(self, damping_func):
     return self.get_matpower(-1, damping_func)
-
-  def left_multiply_matpower(self, x, exp, damping_func):
-    return tf.matmul(self.get_matpower(exp, damping_func), x)
-
-  def right_multiply_matpower(self, x, exp, damping_func):
-    return tf.matmul(x, self.get_matpower(exp, damping_func))
-
-  def left_multiply_cholesky(self, x, damping_func, transpose=False,
-                             inverse=False):
-    mat = (self.get_cholesky_inverse(damping_func) if inverse else
-           self.get_cholesky(damping_func))
-    return tf.matmul(mat, x, transpose_a=transpose)
-
-  def right_multiply_cholesky(self, x, damping_func, transpose=False,
-                              inverse=False):
-    mat = (self.get_cholesky_inverse(damping_func) if inverse else
-           self.get_cholesky(damping_func))
-    return tf.matmul(x, mat, transpose_b=transpose)
 
 
 class DiagonalFactor(FisherFactor):
