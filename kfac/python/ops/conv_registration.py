@@ -172,16 +172,26 @@ class ConvRegistrationMixin:
     return self._defaults["conv2d_multi"]
 
   # ---------------------------------------------------------- helpers
-  def _finish_registration(self, params, block, reuse, inputs, outputs,
-                           signature):
+  def _register_with_signature(self, params, block, reuse, signature,
+                               mismatch_message):
+    """Registers `block` (or finds the block registered for `params`) and
+    checks that it was registered with the same `signature`; raises
+    ValueError(mismatch_message(old_signature)) otherwise."""
     block._registration_signature = signature  # pylint: disable=protected-access
     registered = self.register_block(params, block, reuse=reuse)
     old = getattr(registered, "_registration_signature", signature)
     if old != signature:
-      raise ValueError(
-          "Layer %s was registered with %s and is now reused with %s; towers "
-          "of a layer must use the same convolution and approximation." %
-          (_describe(params), old, signature))
+      raise ValueError(mismatch_message(old))
+    return registered
+
+  def _finish_registration(self, params, block, reuse, inputs, outputs,
+                           signature):
+    registered = self._register_with_signature(
+        params, block, reuse, signature,
+        lambda old: ("Layer %s was registered with %s and is now reused with "
+                     "%s; towers of a layer must use the same convolution "
+                     "and approximation." % (_describe(params), old,
+                                             signature)))
     registered.register_additional_tower(inputs, outputs)
     self._block_params_set(registered, params)
     return registered
@@ -413,14 +423,12 @@ class ConvRegistrationMixin:
         self, params, spec.padding, spec.strides, spec.dilations, data_format,
         num_uses=num_uses)
     signature = ("multi", approx, spec, num_uses)
-    block._registration_signature = signature  # pylint: disable=protected-access
-    registered = self.register_block(params, block, reuse=reuse)
-    old = getattr(registered, "_registration_signature", signature)
-    if old != signature:
-      raise ValueError(
-          "Layer %s was registered with %d uses (%s) and is now reused with "
-          "%d uses (%s); every tower must have the same number of uses." %
-          (_describe(params), old[-1], old, num_uses, signature))
+    registered = self._register_with_signature(
+        params, block, reuse, signature,
+        lambda old: ("Layer %s was registered with %d uses (%s) and is now "
+                     "reused with %d uses (%s); every tower must have the "
+                     "same number of uses." % (_describe(params), old[-1], old,
+                                               num_uses, signature)))
     registered.register_additional_tower(
         list(inputs) if listed else inputs,
         list(outputs) if listed else outputs)
