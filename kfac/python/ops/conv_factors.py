@@ -53,6 +53,7 @@ from kfac.python.ops.factor_base import DenseSquareFactor
 from kfac.python.ops.factor_base import DiagonalFactor
 from kfac.python.ops.factor_base import FisherFactor
 from kfac.python.ops.factor_base import MatmulProductsMixin
+from kfac.python.ops.factor_base import SymmetricSqrtCholeskyMixin
 from kfac.python.ops.factor_base import normalize_sources
 from kfac.python.ops.factor_base import normalize_weights
 from kfac.python.ops.factor_base import weighted_sum
@@ -358,7 +359,7 @@ class ConvDiagonalFactor(DiagonalFactor):
 
 
 # ------------------------------------------------------------------ SUA
-class ConvInputSUAKroneckerFactor(FisherFactor):
+class ConvInputSUAKroneckerFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
   """Input factor under spatially uncorrelated activations (KFC's SUA).
 
   With mu and Sigma the mean and covariance of the layer's input channels
@@ -552,18 +553,6 @@ class ConvInputSUAKroneckerFactor(FisherFactor):
   def right_multiply_matpower(self, x, exp, damping_func):
     return tf.transpose(self.left_multiply_matpower(tf.transpose(x), exp,
                                                     damping_func))
-
-  def left_multiply_cholesky(self, x, damping_func, transpose=False,
-                             inverse=False):
-    del transpose  # symmetric square root
-    return self.left_multiply_matpower(x, -0.5 if inverse else 0.5,
-                                       damping_func)
-
-  def right_multiply_cholesky(self, x, damping_func, transpose=False,
-                              inverse=False):
-    del transpose
-    return self.right_multiply_matpower(x, -0.5 if inverse else 0.5,
-                                        damping_func)
 
 
 # ------------------------------------------------------------ depthwise

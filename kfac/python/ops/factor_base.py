@@ -296,7 +296,24 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
     return self.get_matpower(-1, damping_func)
 
 
-class DiagonalFactor(FisherFactor):
+class SymmetricSqrtCholeskyMixin:
+  """Factors whose "Cholesky" factor is the symmetric square root (power
+  1/2, inverse power -1/2), so that transposes are no-ops."""
+
+  def left_multiply_cholesky(self, x, damping_func, transpose=False,
+                             inverse=False):
+    del transpose  # the symmetric square root is its own transpose
+    return self.left_multiply_matpower(x, -0.5 if inverse else 0.5,
+                                       damping_func)
+
+  def right_multiply_cholesky(self, x, damping_func, transpose=False,
+                              inverse=False):
+    del transpose
+    return self.right_multiply_matpower(x, -0.5 if inverse else 0.5,
+                                        damping_func)
+
+
+class DiagonalFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
   """A factor whose statistic is a diagonal, stored as its entries.
 
   Powers, Cholesky factors and their inverses are elementwise and computed on
@@ -338,15 +355,3 @@ class DiagonalFactor(FisherFactor):
   def right_multiply_matpower(self, x, exp, damping_func):
     power = self.get_matpower(exp, damping_func)
     return x * (power[tf.newaxis, :] if power.shape.rank == 1 else power)
-
-  def left_multiply_cholesky(self, x, damping_func, transpose=False,
-                             inverse=False):
-    del transpose  # a diagonal is its own transpose
-    return self.left_multiply_matpower(x, -0.5 if inverse else 0.5,
-                                       damping_func)
-
-  def right_multiply_cholesky(self, x, damping_func, transpose=False,
-                              inverse=False):
-    del transpose
-    return self.right_multiply_matpower(x, -0.5 if inverse else 0.5,
-                                        damping_func)
