@@ -456,3 +456,78 @@ def test_bad_registrations_name_the_table(case, pattern):
     with pytest.raises(ValueError, match=pattern) as err:
       lc.register_fully_connected(dense_inputs=False, **args)
     assert re.search("my_table", str(err.value))
+
+
+# ------------------------------------------------- multi-use lookups
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("folded", [False, True])
+def test_multi_use_embedding_equals_the_per_position_registration(world,
+                                                                  folded):
+  """register_fully_connected_multi(dense_inputs=False) over T lookups is
+  the kron_indep block T * (A (x) G): the same matrix, inverse and damping as
+  registering the stacked [batch, T, dim] lookups as one embedding."""
+  n, uses, damping = 5, 3, 0.05
+  ids = np.random.RandomState(4).randint(0, VOCAB, (n, uses))
+  rng = np.random.RandomState(5)
+  vec = rng.randn(VOCAB, DIM)
+  stores = [util.new_store(), util.new_store()]
+
+  def build(vs):
+    (table,) = vs
+    ids_t = tf.constant(ids)
+    emb = tf.gather(table, ids_t)            # [n, T, dim]
+    # Time-major folded lookups [T * n, dim] on the path to the loss.
+    folded_emb = tf.reshape(tf.transpose(emb, [1, 0, 2]), [-1, DIM])
+    per_use = tf.split(folded_emb, uses)     # T x [n, dim]
+    logits = tf.add_n([tf.matmul(tf.tanh(u), _head(DIM, seed=t))
+                       for t, u in enumerate(per_use)])
+    out = []
+    for multi, store in zip((False, True), stores):
+      lc = kfac.LayerCollection()
+      if not multi:
+        lc.register_fully_connected(table, ids_t, emb, dense_inputs=False)
+      elif folded:
+        lc.register_fully_connected_multi(
+            table, tf.reshape(tf.transpose(ids_t), [-1]), folded_emb,
+            num_uses=uses, dense_inputs=False)
+      else:
+        lc.register_fully_connected_multi(
+            table, tf.unstack(ids_t, axis=1), per_use, dense_inputs=False)
+      lc.register_softmax_cross_entropy_loss(
+          logits, targets=tf.constant(np.arange(n) % CLASSES))
+      est, ops = util.estimator_stages(store, lc, vs, "exact",
+                                       damping=damping)
+      (block,) = est.blocks
+      out.append((ops, block, est))
+    stages = out[0][0] + out[1][0]
+    v = [(tf.constant(vec), table)]
+    return stages + [[tf.identity(b.full_fisher_block()) for _, b, _ in out],
+                     [est.multiply_inverse(v)[0][0] for _, _, est in out]]
+
+  results = ref.run_stages(world, [_table(3)], build)
+  blocks, inverses = results[-2], results[-1]
+  np.testing.assert_allclose(blocks[1], blocks[0], **TOL)
+  np.testing.assert_allclose(inverses[1], inverses[0], **INV_TOL)
+  assert np.abs(blocks[0]).max() > 1e-3
+  assert not np.allclose(inverses[1], vec, rtol=1e-2)
+
+
+def test_multi_use_embedding_errors():
+  with tf.Graph().as_default():
+    table = tf.Variable(_table(), name="emb_table")
+    ids = [tf.constant([1, 2]), tf.constant([3, 4])]
+    outs = [tf.gather(table, i) for i in ids]
+    lc = kfac.LayerCollection()
+    with pytest.raises(ValueError, match="emb_table.*'kron_indep' only"):
+      lc.register_fully_connected_multi(table, ids, outs, dense_inputs=False,
+                                        approx="kron_series_1")
+    with pytest.raises(ValueError, match="emb_table.*2 input uses but 1"):
+      lc.register_fully_connected_multi(table, ids, outs[:1],
+                                        dense_inputs=False)
+    with pytest.raises(ValueError, match="emb_table.*integer ids"):
+      lc.register_fully_connected_multi(
+          table, [tf.ones([2]), tf.ones([2])], outs, dense_inputs=False)
+    lc.register_fully_connected_multi(table, ids, outs, dense_inputs=False)
+    with pytest.raises(ValueError, match="emb_table.*2 uses.*with 1"):
+      lc.register_fully_connected_multi(table, ids[:1], outs[:1],
+                                        dense_inputs=False, reuse=True)

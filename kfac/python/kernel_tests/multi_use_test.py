@@ -531,7 +531,7 @@ def test_use_count_errors_name_the_variable():
       lc.register_fully_connected_multi((w, b), xs, zs, approx="kron")
     with pytest.raises(ValueError, match="rnn_w.*shape"):
       lc.register_fully_connected_multi((w, b), [tf.ones((4, 5))] * 3, zs)
-    with pytest.raises(NotImplementedError, match="dense_inputs=False.*rnn_w"):
+    with pytest.raises(ValueError, match="table W alone.*rnn_w"):
       lc.register_fully_connected_multi((w, b), xs, zs, dense_inputs=False)
     assert not lc.get_blocks()
 

@@ -16,11 +16,12 @@ from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import dense_blocks
 from kfac.python.ops import dense_factors
 from kfac.python.ops import embedding_factors
+from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
 from kfac.python.ops.block_base import KroneckerProductFB
 
-__all__ = ["EmbeddingKFACFB", "EmbeddingDiagonalFB"]
+__all__ = ["EmbeddingKFACFB", "EmbeddingDiagonalFB", "EmbeddingMultiIndepFB"]
 
 
 class _EmbeddingBlock(FisherBlock):
@@ -163,3 +164,42 @@ class EmbeddingDiagonalFB(ElementwiseDiagonalBlockMixin, _EmbeddingBlock):
     rows = self._factor.gathered_matpower(vector.indices, exp,
                                           self._damping_func)
     return _slices(vector.values * rows, vector)
+
+
+class EmbeddingMultiIndepFB(EmbeddingKFACFB):
+  """kron_indep block of an embedding table looked up several times (one
+  lookup per RNN step, tied input/output embeddings):
+  F ~= num_uses * (A (x) G).
+
+  A (the diagonal n-hot second moment) and G average over all uses and
+  examples, so this is the `FullyConnectedMultiIndepFB` of the one-hot
+  inputs, and the same as registering the stacked lookups [batch, uses, dim]
+  with `register_fully_connected(..., dense_inputs=False)`. Damping: the pi
+  rule on damping / num_uses. A tower is (tuple of per-use ids, tuple of
+  per-use outputs), or one folded tensor each.
+  """
+
+  def __init__(self, layer_collection, vocab_size, num_uses, params=None):
+    EmbeddingKFACFB.__init__(self, layer_collection, vocab_size, params=params)
+    self._num_uses = int(num_uses)
+
+  @property
+  def num_uses(self):
+    return self._num_uses
+
+  @property
+  def _renorm_coeff(self):
+    return self._num_uses
+
+  def register_additional_tower(self, ids_uses, outputs_uses):
+    """`ids_uses` / `outputs_uses`: tuples over uses (or one folded tensor)
+    of [batch] or [batch, k] ids and [batch, dim] outputs."""
+    ids_uses = tuple(utils.ensure_sequence(ids_uses))
+    outputs_uses = tuple(utils.ensure_sequence(outputs_uses))
+    self._ids_rows.extend(ids_uses)
+    self._outputs.extend(outputs_uses)
+    self._towers = getattr(self, "_towers", 0) + 1
+
+  @property
+  def num_registered_towers(self):
+    return getattr(self, "_towers", 0)

@@ -95,6 +95,42 @@ class EmbeddingRegistrationMixin:
     self._block_params_set(block, params)
     return block
 
+  def _register_embedding_multi(self, params, inputs, outputs, num_uses,
+                                approx, reuse):
+    """register_fully_connected_multi(..., dense_inputs=False)."""
+    from kfac.python.ops import embedding_blocks  # pylint: disable=g-import-not-at-top
+    from kfac.python.ops import multi_use_registration as multi  # pylint: disable=g-import-not-at-top
+    params = _check_embedding_params(params)
+    name = _describe(params)
+    if approx is None:
+      approx = (self._linked_approx(params) or
+                self._defaults["fully_connected_multi"])
+    if approx != "kron_indep":
+      raise ValueError(
+          "Multi-use embedding %s supports approximation 'kron_indep' only, "
+          "got %r." % (name, approx))
+    inputs, outputs, num_uses = multi._normalize_uses(  # pylint: disable=protected-access
+        name, inputs, outputs, num_uses)
+    for ids, out in zip(utils.ensure_sequence(inputs),
+                        utils.ensure_sequence(outputs)):
+      _check_embedding_shapes(params, ids, out)
+      if out.shape.rank != 2:
+        raise ValueError(
+            "Outputs of the multi-use embedding %s must be [batch, %s] per "
+            "use (or folded [num_uses * batch, %s]), got %s." %
+            (name, params.shape[1], params.shape[1], out.shape))
+    multi._check_outputs_depend_on_params(params, outputs)  # pylint: disable=protected-access
+    block = embedding_blocks.EmbeddingMultiIndepFB(self, int(params.shape[0]),
+                                                   num_uses)
+    block = self.register_block(params, block, reuse=reuse)
+    if block.num_uses != num_uses:
+      raise ValueError(
+          "Embedding %s was registered with %d uses and is now registered (as "
+          "a new tower) with %d." % (name, block.num_uses, num_uses))
+    block.register_additional_tower(inputs, outputs)
+    self._block_params_set(block, params)
+    return block
+
   def _embedding_approx(self, params, approx):
     from_default = approx is None
     if from_default:

@@ -75,7 +75,10 @@ class MultiUseRegistrationMixin:
         default), kron_indep_in_diag, kron_indep_out_diag,
         kron_indep_both_diag, kron_series_1 or kron_series_2. The series
         approximations treat the uses as ordered in time.
-      dense_inputs: must be True (embedding ids per use are not supported).
+      dense_inputs: False registers an embedding table looked up once per
+        use: inputs are integer ids ([batch] or a bag [batch, k] per use),
+        params the table W [vocab, dim]; only kron_indep (see
+        `EmbeddingMultiIndepFB`).
       reuse: True adds a tower (with the same number of uses) to an existing
         registration of `params`.
 
@@ -84,10 +87,8 @@ class MultiUseRegistrationMixin:
     """
     names = registration_base.describe(params)
     if not dense_inputs:
-      raise NotImplementedError(
-          "register_fully_connected_multi with dense_inputs=False (embedding "
-          "ids per use) is not supported (layer %s); register a dense layer "
-          "or the embedding with register_fully_connected." % names)
+      return self._register_embedding_multi(params, inputs, outputs,
+                                            num_uses, approx, reuse)
     approx = self._resolve_approx(params, approx, "fully_connected_multi",
                                   _FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK)
     inputs, outputs, num_uses = _normalize_uses(names, inputs, outputs,
