@@ -50,8 +50,8 @@ from kfac.python.ops import linalg
 from kfac.python.ops import patches as patches_lib
 from kfac.python.ops import utils
 from kfac.python.ops.factor_base import DenseSquareFactor
-from kfac.python.ops.factor_base import DiagonalFactor
 from kfac.python.ops.factor_base import FisherFactor
+from kfac.python.ops.factor_base import InputsGradsDiagonalFactor
 from kfac.python.ops.factor_base import MatmulProductsMixin
 from kfac.python.ops.factor_base import SymmetricSqrtCholeskyMixin
 from kfac.python.ops.factor_base import normalize_sources
@@ -313,31 +313,20 @@ def _per_example_patches(x, spec, patch_size):
   return tf.reshape(p, [tf.shape(p)[0], -1, patch_size])
 
 
-class ConvDiagonalFactor(DiagonalFactor):
+class ConvDiagonalFactor(InputsGradsDiagonalFactor):
   """Exact diagonal of a conv layer's Fisher as a [K*C(+1), O] matrix:
   sum_s w_s mean over n of (sum_t p_{n,t} g_{n,t}^T)^2."""
 
   def __init__(self, inputs, outputs_grads, filter_shape, strides=None,
                padding="VALID", data_format=None, dilations=None,
                has_bias=False, weights=None, patch_mask=None, name=None):
-    super().__init__(name=name)
-    self._inputs = utils.ensure_sequence(inputs)
-    self._grads = normalize_sources(outputs_grads)
-    self._weights = normalize_weights(weights, len(self._grads))
     self._spec = _spec(filter_shape, padding, strides, dilations, data_format)
     self._patch_size = self._spec.num_taps * int(filter_shape[-2])
     self._has_bias = has_bias
     self._patch_mask = patch_mask
-    self._shape = [self._patch_size + (1 if has_bias else 0),
-                   int(filter_shape[-1])]
-
-  @property
-  def _cov_shape(self):
-    return self._shape
-
-  @property
-  def _dtype(self):
-    return self._inputs[0].dtype
+    super().__init__(inputs, outputs_grads, weights,
+                     [self._patch_size + (1 if has_bias else 0),
+                      int(filter_shape[-1])], name=name)
 
   def _compute_new_cov(self):
     first = self._spec.channels_first
@@ -562,7 +551,7 @@ def _depthwise_patches(x, spec, channels):
   return tf.reshape(p, [tf.shape(p)[0], -1, spec.num_taps, channels])
 
 
-class DepthwiseConvDiagonalFactor(DiagonalFactor):
+class DepthwiseConvDiagonalFactor(InputsGradsDiagonalFactor):
   """Exact diagonal of a depthwise conv layer's Fisher, shaped [K(+1), C, M]
   (the filter [k.., C, M] viewed as [K, C, M], the bias [C*M] as the last
   row): sum_s w_s mean over n of (sum_t p_{n,t,k,c} g_{n,t,c*M+m})^2."""
@@ -570,24 +559,13 @@ class DepthwiseConvDiagonalFactor(DiagonalFactor):
   def __init__(self, inputs, outputs_grads, filter_shape, strides=None,
                padding="VALID", dilations=None, data_format=None,
                has_bias=False, weights=None, name=None):
-    super().__init__(name=name)
-    self._inputs = utils.ensure_sequence(inputs)
-    self._grads = normalize_sources(outputs_grads)
-    self._weights = normalize_weights(weights, len(self._grads))
     self._spec = _spec(filter_shape, padding, strides, dilations, data_format)
     self._channels = int(filter_shape[-2])
     self._mult = int(filter_shape[-1])
     self._has_bias = has_bias
-    self._shape = [self._spec.num_taps + (1 if has_bias else 0),
-                   self._channels, self._mult]
-
-  @property
-  def _cov_shape(self):
-    return self._shape
-
-  @property
-  def _dtype(self):
-    return self._inputs[0].dtype
+    super().__init__(inputs, outputs_grads, weights,
+                     [self._spec.num_taps + (1 if has_bias else 0),
+                      self._channels, self._mult], name=name)
 
   def _compute_new_cov(self):
     first = self._spec.channels_first

@@ -6,6 +6,7 @@ import tensorflow as tf
 from kfac.python.ops import utils
 from kfac.python.ops.factor_base import DenseSquareFactor
 from kfac.python.ops.factor_base import DiagonalFactor
+from kfac.python.ops.factor_base import InputsGradsDiagonalFactor
 from kfac.python.ops.factor_base import concat_towers
 from kfac.python.ops.factor_base import normalize_sources
 from kfac.python.ops.factor_base import normalize_weights
@@ -65,7 +66,7 @@ class DiagonalKroneckerFactor(_SecondMomentMixin, DiagonalFactor):
     return weighted_sum(terms, self._weights)
 
 
-class FullyConnectedDiagonalFactor(DiagonalFactor):
+class FullyConnectedDiagonalFactor(InputsGradsDiagonalFactor):
   """Exact diagonal of a dense layer's Fisher, the "sum of squares" estimator,
   as an [in(+1), out] matrix.
 
@@ -79,21 +80,12 @@ class FullyConnectedDiagonalFactor(DiagonalFactor):
 
   def __init__(self, inputs, outputs_grads, has_bias=False, weights=None,
                name=None):
-    super().__init__(name=name)
-    self._inputs = utils.ensure_sequence(inputs)
-    self._grads = normalize_sources(outputs_grads)
-    self._weights = normalize_weights(weights, len(self._grads))
+    first_input = utils.ensure_sequence(inputs)[0]
+    first_grad = normalize_sources(outputs_grads)[0][0]
+    super().__init__(inputs, outputs_grads, weights,
+                     [int(first_input.shape[-1]) + (1 if has_bias else 0),
+                      int(first_grad.shape[-1])], name=name)
     self._has_bias = has_bias
-    self._shape = [int(self._inputs[0].shape[-1]) + (1 if has_bias else 0),
-                   int(self._grads[0][0].shape[-1])]
-
-  @property
-  def _cov_shape(self):
-    return self._shape
-
-  @property
-  def _dtype(self):
-    return self._inputs[0].dtype
 
   def _compute_new_cov(self):
     if all(x.shape.rank == 2 for x in self._inputs):

@@ -355,3 +355,25 @@ class DiagonalFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
   def right_multiply_matpower(self, x, exp, damping_func):
     power = self.get_matpower(exp, damping_func)
     return x * (power[tf.newaxis, :] if power.shape.rank == 1 else power)
+
+
+class InputsGradsDiagonalFactor(DiagonalFactor):
+  """Base of the exact-diagonal factors of a layer: statistics of the layer
+  inputs (a tuple over towers) and of the output-gradient sources (with
+  per-source weights). The statistic has the static shape `shape` and the
+  inputs' dtype."""
+
+  def __init__(self, inputs, outputs_grads, weights, shape, name=None):
+    super().__init__(name=name)
+    self._inputs = utils.ensure_sequence(inputs)
+    self._grads = normalize_sources(outputs_grads)
+    self._weights = normalize_weights(weights, len(self._grads))
+    self._shape = list(shape)
+
+  @property
+  def _cov_shape(self):
+    return self._shape
+
+  @property
+  def _dtype(self):
+    return self._inputs[0].dtype
