@@ -50,11 +50,9 @@ __all__ = [
 def _num_locations(outputs, channels_first):
   """Output locations per example: an int for static shapes, else a
   scalar tensor."""
-  spatial = outputs.shape[2:] if channels_first else outputs.shape[1:-1]
-  if spatial.is_fully_defined():
-    return int(np.prod(spatial.as_list(), dtype=np.int64))
-  dyn = tf.shape(outputs)
-  return tf.reduce_prod(dyn[2:] if channels_first else dyn[1:-1])
+  if channels_first:
+    return utils.dims_product(outputs, 2, outputs.shape.rank)
+  return utils.dims_product(outputs, 1, -1)
 
 
 def _as_mask_tensor(patch_mask):

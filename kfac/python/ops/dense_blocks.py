@@ -1,8 +1,6 @@
 """Blocks of dense layers: K-FAC (with diagonal variants) and the exact
 diagonal."""
 
-import tensorflow as tf
-
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import dense_factors
 from kfac.python.ops import utils
@@ -98,10 +96,7 @@ def num_shared_positions(inputs):
   A Python int when the shape is static, else a scalar tensor."""
   if inputs.shape.rank is None:
     raise ValueError("Dense layer inputs need a known rank, got %s." % inputs)
-  middle = inputs.shape[1:-1]
-  if middle.is_fully_defined():
-    return int(middle.num_elements())
-  return tf.reduce_prod(tf.shape(inputs)[1:-1])
+  return utils.dims_product(inputs, 1, -1)
 
 
 class FullyConnectedDiagonalFB(ElementwiseDiagonalBlockMixin,

@@ -182,6 +182,7 @@ class EmbeddingMultiIndepFB(EmbeddingKFACFB):
   def __init__(self, layer_collection, vocab_size, num_uses, params=None):
     EmbeddingKFACFB.__init__(self, layer_collection, vocab_size, params=params)
     self._num_uses = int(num_uses)
+    self._num_towers = 0
 
   @property
   def num_uses(self):
@@ -198,8 +199,8 @@ class EmbeddingMultiIndepFB(EmbeddingKFACFB):
     outputs_uses = tuple(utils.ensure_sequence(outputs_uses))
     self._ids_rows.extend(ids_uses)
     self._outputs.extend(outputs_uses)
-    self._towers = getattr(self, "_towers", 0) + 1
+    self._num_towers += 1
 
   @property
   def num_registered_towers(self):
-    return getattr(self, "_towers", 0)
+    return self._num_towers

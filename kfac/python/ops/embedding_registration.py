@@ -219,10 +219,6 @@ def _ids_layouts(ids, outputs, bag):
   else:
     k = 1
     rows = tf.reshape(ids, [-1]) if ids.shape.rank > 1 else ids
-  middle = outputs.shape[1:-1]
-  if middle.is_fully_defined():
-    positions = int(middle.num_elements())
-  else:
-    positions = tf.reduce_prod(tf.shape(outputs)[1:-1])
+  positions = utils.dims_product(outputs, 1, -1)
   per_example = tf.reshape(ids, tf.stack([tf.shape(ids)[0], positions, k]))
   return rows, per_example

@@ -118,6 +118,16 @@ def cast(value, dtype):
   return tf.cast(value, dtype)
 
 
+def dims_product(tensor, start, stop):
+  """Product of the dimensions tensor.shape[start:stop] (e.g. the positions
+  a layer shares its weights over): a Python int when they are static, else
+  a scalar int32 tensor."""
+  dims = tensor.shape[start:stop]
+  if dims.is_fully_defined():
+    return int(dims.num_elements())
+  return tf.reduce_prod(tf.shape(tensor)[start:stop])
+
+
 def exclude_from_autograph(cls):
   """Class decorator: tf.function's autograph calls the public methods of
   `cls` (its own and inherited kfac ones) as plain Python.
