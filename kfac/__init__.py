@@ -24,8 +24,17 @@ PeriodicInvCovUpdateKfacOpt = (
 
 __version__ = "0.3.0.dev0"
 
+
+def __getattr__(name):
+  # kfac.keras imports Keras, so it is loaded on first use only.
+  if name == "keras":
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("kfac.keras")
+  raise AttributeError("module 'kfac' has no attribute %r" % name)
+
 __all__ = [
     "LayerCollection", "KfacOptimizer", "PeriodicInvCovUpdateKfacOpt",
     "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
     "loss_functions", "optimizer", "placement", "state", "utils", "StateStore",
+    "keras",
 ]

@@ -245,8 +245,35 @@ def _normal_nll(targets, mean, var):
                 tf.math.log(var) + math.log(2.0 * math.pi))
 
 
+def _is_stateless_seed(seed):
+  """A seed of shape [2] (a Tensor, or a list/tuple of two ints) selects the
+  stateless random ops: the same seed gives the same sample in every run,
+  trace and process (what an exactly resumable training step needs)."""
+  if isinstance(seed, (tf.Tensor, tf.Variable)):
+    return True
+  return isinstance(seed, (list, tuple)) and len(seed) == 2
+
+
+def _random_normal(shape, seed, dtype):
+  if _is_stateless_seed(seed):
+    return tf.random.stateless_normal(shape, seed, dtype=dtype)
+  return tf.random.normal(shape, seed=seed, dtype=dtype)
+
+
+def _random_uniform(shape, seed, dtype):
+  if _is_stateless_seed(seed):
+    return tf.random.stateless_uniform(shape, seed, dtype=dtype)
+  return tf.random.uniform(shape, seed=seed, dtype=dtype)
+
+
+def _random_categorical(logits, seed):
+  if _is_stateless_seed(seed):
+    return tf.random.stateless_categorical(logits, 1, seed)
+  return tf.random.categorical(logits, 1, seed=seed)
+
+
 def _normal_sample(mean, var, seed):
-  noise = tf.random.normal(tf.shape(mean), seed=seed, dtype=mean.dtype)
+  noise = _random_normal(tf.shape(mean), seed, mean.dtype)
   return mean + tf.sqrt(var) * noise
 
 
@@ -291,7 +318,7 @@ class CategoricalLogitsNegativeLogProbLoss(_LogitsLoss):
   def _sample_ids(self, seed):
     logits = self._logits
     flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
-    ids = tf.random.categorical(flat, 1, seed=seed)[:, 0]
+    ids = _random_categorical(flat, seed)[:, 0]
     return tf.reshape(ids, tf.shape(logits)[:-1])
 
   def _sample(self, seed):
@@ -350,8 +377,8 @@ class MultiBernoulliNegativeLogProbLoss(_LogitsLoss):
     return tfd.Bernoulli(logits=self._logits, dtype=self._logits.dtype)
 
   def _sample(self, seed):
-    uniform = tf.random.uniform(tf.shape(self._logits), seed=seed,
-                                dtype=self._logits.dtype)
+    uniform = _random_uniform(tf.shape(self._logits), seed,
+                              self._logits.dtype)
     return tf.cast(uniform < tf.sigmoid(self._logits), self._logits.dtype)
 
   @property

@@ -21,6 +21,9 @@ class StateStore(tf.Module):
   def __init__(self, name="kfac_state"):
     super().__init__(name=name)
     self._store_vars = {}
+    # Restored values waiting for their variable (not a checkpoint
+    # dependency: tf.train.Checkpoint restores the variables themselves).
+    object.__setattr__(self, "_pending", {})
 
   def get_or_create(self, key, shape, dtype, initial_value=0.0):
     """Returns the variable `key`, creating it (filled with `initial_value`)
@@ -40,13 +43,46 @@ class StateStore(tf.Module):
     if not shape.is_fully_defined():
       raise ValueError("K-FAC state %r needs a fully defined shape, got %s." %
                        (key, shape))
+    pending = self._pending.pop(key, None)
+    if pending is not None and tuple(pending.shape) != tuple(shape.as_list()):
+      raise ValueError(
+          "Restored K-FAC state %r has shape %s but the model now needs %s. "
+          "Was it saved from a different model?" % (key, pending.shape, shape))
     with tf.init_scope():
+      if pending is not None:
+        value = tf.constant(pending, dtype=dtype)
+      else:
+        value = tf.fill(shape.as_list(), tf.cast(initial_value, dtype))
       var = tf.Variable(
-          tf.fill(shape.as_list(), tf.cast(initial_value, dtype)),
+          value,
           trainable=False,
           name=_sanitize(self.name + "/" + key))
     self._store_vars[key] = var
     return var
+
+  def restore(self, values):
+    """Sets the state from a {key: numpy array} map (a saved `numpy_state`).
+
+    Variables that exist are assigned now; the others are created with
+    their restored value when first requested (K-FAC state is created on
+    the first traced step, which may come after loading)."""
+    for key, value in values.items():
+      var = self._store_vars.get(key)
+      if var is None:
+        self._pending[key] = value
+      else:
+        if tuple(var.shape) != tuple(value.shape):
+          raise ValueError(
+              "Restored K-FAC state %r has shape %s but the variable has "
+              "shape %s." % (key, value.shape, var.shape))
+        var.assign(value)
+
+  def numpy_state(self):
+    """{key: numpy array} of every variable, plus values restored but not
+    yet used (so saving right after loading loses nothing)."""
+    out = dict(self._pending)
+    out.update({k: v.numpy() for k, v in self._store_vars.items()})
+    return out
 
   def get(self, key):
     return self._store_vars[key]

@@ -1,0 +1,68 @@
+"""Which Keras is in use, and the few places where the two flavours differ.
+
+TensorFlow 2.21 ships Keras 3 (`import keras`) as `tf.keras`; with the
+environment variable TF_USE_LEGACY_KERAS=1, `tf.keras` is `tf_keras`
+(Keras 2). kfac.keras follows the same switch. Layers are recognised by the
+names of the classes in their MRO (so a subclass of Dense is a Dense), which
+works for both flavours without importing the other one.
+"""
+
+import importlib
+import os
+
+import tensorflow as tf
+
+
+def legacy_keras_active():
+  """True when TF_USE_LEGACY_KERAS selects tf_keras, as tf.keras does."""
+  return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+
+
+def keras_module():
+  """The `keras` package of the active flavour (`keras` or `tf_keras`)."""
+  if legacy_keras_active():
+    try:
+      return importlib.import_module("tf_keras")
+    except ImportError as e:
+      raise ImportError(
+          "TF_USE_LEGACY_KERAS=1 but tf_keras is not installed: "
+          "pip install --no-deps tf-keras==<your TensorFlow version>") from e
+  return importlib.import_module("keras")
+
+
+def class_names(obj):
+  """Names of the classes `obj` is an instance of (most derived first)."""
+  return [cls.__name__ for cls in type(obj).__mro__]
+
+
+def is_instance_by_name(obj, name):
+  return name in class_names(obj)
+
+
+def unwrap_variable(var):
+  """The tf.Variable behind a Keras 3 variable (tf_keras uses tf.Variables)."""
+  if isinstance(var, tf.Variable):
+    return var
+  value = getattr(var, "value", None)
+  if isinstance(value, tf.Variable):
+    return value
+  raise TypeError("Expected a tf.Variable or a Keras variable, got %r." %
+                  (var,))
+
+
+def own_trainable_variables(layer):
+  """The trainable variables created by `layer` itself (not sublayers)."""
+  own = getattr(layer, "_trainable_variables", None)  # Keras 3
+  if own is None:
+    own = getattr(layer, "_trainable_weights", [])  # tf_keras
+  return [v for v in own if getattr(v, "trainable", True)]
+
+
+def leaf_layers(model):
+  """Every layer inside `model`, nested models included, model excluded."""
+  return list(model._flatten_layers(include_self=False, recursive=True))  # pylint: disable=protected-access
+
+
+def layer_path(layer):
+  """A readable name of the layer for reports and errors."""
+  return getattr(layer, "path", None) or layer.name

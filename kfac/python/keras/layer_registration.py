@@ -1,0 +1,398 @@
+"""Registers Keras layers on a LayerCollection from a recorded forward pass.
+
+`plan_layers` decides, from the layers alone, how each one is registered
+(the registration report users can print before training). `register_layers`
+then registers them on a `LayerCollection` with the tensors a
+`ModelRecorder` captured in the current trace.
+
+Supported layers and what K-FAC sees:
+  Dense, EinsumDense (when it is a dense layer: a 2-d kernel contracting the
+    input's last axis, bias on the output axis)  register_fully_connected,
+    inputs [batch, ..., in] and the pre-activations (fused activations are
+    skipped); used several times in one step: register_fully_connected_multi
+  Conv1D/2D/3D (groups=1)   register_conv1d / register_convolution
+  DepthwiseConv2D           register_depthwise_conv2d
+  Embedding                 register_embedding
+  BatchNormalization, LayerNormalization (trailing normalised axes)
+                            register_scale_and_shift on the normalised inputs
+                            (recomputed from the layer's input as the layer
+                            does) and the layer's outputs
+Anything else with trainable weights (and any case above the layer's options
+put out of reach, e.g. grouped convolutions, masks, renorm) falls back to
+`register_generic` with the GENERIC_FALLBACK approximation, and a warning
+names the layer and the reason.
+"""
+
+import collections
+import re
+import warnings
+
+import tensorflow as tf
+
+from kfac.python.keras import keras_flavor
+
+GENERIC_FALLBACK = "diagonal"
+CLASS_KEY_PREFIX = "__class__:"
+
+Plan = collections.namedtuple(
+    "Plan", ["layer", "kind", "approx", "params", "reason"])
+
+_CONV_CLASSES = ("Conv1D", "Conv2D", "Conv3D")
+_DENSE_EQUATION = re.compile(r"^(\.\.\.|[a-z]*)([a-z]),\2([a-z])->\1\3$")
+
+
+class RegistrationError(ValueError):
+  """A layer or loss that kfac.keras cannot register."""
+
+
+# ---------------------------------------------------------------- fisher_approx
+def resolve_fisher_approx(fisher_approx, layer):
+  """The approximation `fisher_approx` asks for `layer` (None: default).
+
+  Keys are layer names, layer classes, or "__class__:Name" strings (how a
+  class key is stored in a config); a name wins over a class, and a more
+  derived class over its bases."""
+  if not fisher_approx:
+    return None
+  if layer.name in fisher_approx:
+    return fisher_approx[layer.name]
+  for cls in type(layer).__mro__:
+    if cls in fisher_approx:
+      return fisher_approx[cls]
+    key = CLASS_KEY_PREFIX + cls.__name__
+    if key in fisher_approx:
+      return fisher_approx[key]
+  return None
+
+
+def check_fisher_approx(fisher_approx, model):
+  """Raises unless every key of fisher_approx names some layer of model."""
+  if not fisher_approx:
+    return
+  layers = keras_flavor.leaf_layers(model)
+  names = {layer.name for layer in layers}
+  class_names = set()
+  for layer in layers:
+    class_names.update(keras_flavor.class_names(layer))
+  for key, value in fisher_approx.items():
+    if not isinstance(value, str):
+      raise RegistrationError("fisher_approx[%r] must be an approximation "
+                              "name (a string), got %r." % (key, value))
+    if isinstance(key, type):
+      found = key.__name__ in class_names
+    elif isinstance(key, str) and key.startswith(CLASS_KEY_PREFIX):
+      found = key[len(CLASS_KEY_PREFIX):] in class_names
+    elif isinstance(key, str):
+      found = key in names
+    else:
+      raise RegistrationError("fisher_approx keys must be layer names or "
+                              "layer classes, got %r." % (key,))
+    if not found:
+      raise RegistrationError(
+          "fisher_approx key %r matches no layer of model %r (layers: %s)." %
+          (key, model.name, ", ".join(sorted(names))))
+
+
+# ---------------------------------------------------------------- planning
+def _kind_of(layer):
+  """(kind, reason): the registration kind of a layer, or "generic" with the
+  reason it cannot have a specific one."""
+  names = keras_flavor.class_names(layer)
+  name = type(layer).__name__
+  if getattr(layer, "lora_enabled", False) or getattr(
+      layer, "quantization_mode", None):
+    return "generic", "LoRA / quantized %s" % name
+  if any("Transpose" in n for n in names):
+    return "generic", "%s (transposed convolution) has no K-FAC block" % name
+  if "Dense" in names:
+    return "dense", None
+  if "EinsumDense" in names:
+    kernel = getattr(layer, "kernel", None)
+    if (_DENSE_EQUATION.match(getattr(layer, "equation", "") or "")
+        and kernel is not None and len(kernel.shape) == 2):
+      bias = getattr(layer, "bias", None)
+      if bias is None or tuple(bias.shape) == (kernel.shape[-1],):
+        return "dense", None
+    return "generic", ("EinsumDense equation %r is not a dense layer" %
+                       getattr(layer, "equation", None))
+  if "DepthwiseConv2D" in names:
+    return "depthwise_conv", None
+  if any(n in names for n in _CONV_CLASSES):
+    if getattr(layer, "groups", 1) != 1:
+      return "generic", "grouped convolution (groups=%d)" % layer.groups
+    return "conv", None
+  if "Embedding" in names:
+    return "embedding", None
+  if "BatchNormalization" in names:
+    if getattr(layer, "renorm", False) or getattr(
+        layer, "virtual_batch_size", None):
+      return "generic", "BatchNormalization with renorm/virtual batches"
+    axis = layer.axis
+    if isinstance(axis, (list, tuple)) and len(axis) != 1:
+      return "generic", "BatchNormalization over several axes %s" % (axis,)
+    if not getattr(layer, "scale", True):
+      return "generic", "BatchNormalization without scale"
+    return "batch_norm", None
+  if "LayerNormalization" in names:
+    if not getattr(layer, "scale", True):
+      return "generic", "LayerNormalization without scale"
+    return "layer_norm", None
+  return "generic", "no K-FAC block for layer class %s" % name
+
+
+def _layer_params(layer, kind):
+  """The layer's parameters in the order the registration takes them."""
+  if kind == "dense" or kind == "conv":
+    params = [layer.kernel, getattr(layer, "bias", None)]
+  elif kind == "depthwise_conv":
+    params = [layer.depthwise_kernel, getattr(layer, "bias", None)]
+  elif kind == "embedding":
+    params = [layer.embeddings]
+  elif kind in ("batch_norm", "layer_norm"):
+    params = [layer.gamma, getattr(layer, "beta", None)]
+    if kind == "layer_norm" and getattr(layer, "rms_scaling", False):
+      params = [layer.gamma]
+  else:
+    params = keras_flavor.own_trainable_variables(layer)
+  return [p for p in params if p is not None]
+
+
+def plan_layer(layer, fisher_approx=None, trainable=None):
+  """The Plan of one layer, or None if it has no trainable parameters
+  (in `trainable`, a set of variable refs, when given)."""
+  own = keras_flavor.own_trainable_variables(layer)
+  if trainable is not None:
+    own = [v for v in own
+           if keras_flavor.unwrap_variable(v).ref() in trainable]
+  if not own:
+    return None
+  kind, reason = _kind_of(layer)
+  params = _layer_params(layer, kind) if kind != "generic" else own
+  own_refs = {keras_flavor.unwrap_variable(v).ref() for v in own}
+  param_refs = {keras_flavor.unwrap_variable(v).ref() for v in params}
+  if kind != "generic" and own_refs != param_refs:
+    kind, reason = "generic", "only some of its parameters are trainable"
+    params = own
+  approx = resolve_fisher_approx(fisher_approx, layer)
+  if kind == "generic" and approx is None:
+    approx = GENERIC_FALLBACK
+  return Plan(layer, kind, approx, [keras_flavor.unwrap_variable(p)
+                                    for p in params], reason)
+
+
+def plan_layers(model, fisher_approx=None, trainable=None):
+  plans = []
+  for layer in keras_flavor.leaf_layers(model):
+    plan = plan_layer(layer, fisher_approx, trainable)
+    if plan is not None:
+      plans.append(plan)
+  return plans
+
+
+def _param_arg(params):
+  return params[0] if len(params) == 1 else tuple(params)
+
+
+# ---------------------------------------------------------------- registering
+def _conv_data_format(layer, rank):
+  if getattr(layer, "data_format", "channels_last") == "channels_first":
+    return {1: "NCW", 2: "NCHW", 3: "NCDHW"}[rank]
+  return None
+
+
+def _padding(layer):
+  return layer.padding.upper()
+
+
+def _register_dense(lc, plan, calls):
+  params = _param_arg(plan.params)
+  if len(calls) == 1:
+    return lc.register_fully_connected(params, calls[0].inputs,
+                                       calls[0].preactivations,
+                                       approx=plan.approx)
+  return lc.register_fully_connected_multi(
+      params, [c.inputs for c in calls], [c.preactivations for c in calls],
+      approx=plan.approx)
+
+
+def _register_conv(lc, plan, calls):
+  layer = plan.layer
+  rank = len(layer.kernel.shape) - 2
+  params = _param_arg(plan.params)
+  data_format = _conv_data_format(layer, rank)
+  if len(calls) > 1:
+    if rank != 2:
+      raise RegistrationError(
+          "Layer %s (%s) is called %d times in one step; only Conv2D layers "
+          "can be registered as multi-use convolutions." %
+          (keras_flavor.layer_path(layer), type(layer).__name__, len(calls)))
+    return lc.register_conv2d_multi(
+        params, list(layer.strides), _padding(layer),
+        [c.inputs for c in calls], [c.preactivations for c in calls],
+        data_format=data_format, dilations=list(layer.dilation_rate),
+        approx=plan.approx)
+  call = calls[0]
+  if rank == 1:
+    return lc.register_conv1d(
+        params, list(layer.strides), _padding(layer), call.inputs,
+        call.preactivations, dilations=list(layer.dilation_rate),
+        approx=plan.approx, data_format=data_format)
+  return lc.register_convolution(
+      params, call.inputs, call.preactivations, _padding(layer),
+      strides=list(layer.strides), dilation_rate=list(layer.dilation_rate),
+      data_format=data_format, approx=plan.approx)
+
+
+def _register_depthwise(lc, plan, calls):
+  layer = plan.layer
+  _single_call(plan, calls)
+  return lc.register_depthwise_conv2d(
+      _param_arg(plan.params), calls[0].inputs, calls[0].preactivations,
+      list(layer.strides), _padding(layer),
+      rate=list(layer.dilation_rate),
+      data_format=_conv_data_format(layer, 2), approx=plan.approx)
+
+
+def _register_embedding(lc, plan, calls):
+  def ids(call):
+    inputs = tf.convert_to_tensor(call.inputs)
+    return inputs if inputs.dtype.is_integer else tf.cast(inputs, tf.int32)
+  if len(calls) == 1:
+    return lc.register_embedding(plan.params[0], ids(calls[0]),
+                                 calls[0].outputs, approx=plan.approx)
+  return lc.register_fully_connected_multi(
+      plan.params[0], [ids(c) for c in calls], [c.outputs for c in calls],
+      approx=plan.approx, dense_inputs=False)
+
+
+def _move_axis_last(x, axis):
+  rank = x.shape.rank
+  axis = axis % rank
+  if axis == rank - 1:
+    return x
+  perm = [i for i in range(rank) if i != axis] + [axis]
+  return tf.transpose(x, perm)
+
+
+def _register_batch_norm(lc, plan, calls):
+  layer = plan.layer
+  call = _single_call(plan, calls)
+  if call.mask is not None:
+    raise _Fallback("BatchNormalization called with a mask")
+  x = tf.convert_to_tensor(call.inputs)
+  axis = layer.axis
+  axis = axis[0] if isinstance(axis, (list, tuple)) else axis
+  axis = axis % x.shape.rank
+  compute = x.dtype if x.dtype.size >= 4 else tf.float32
+  x = tf.cast(x, compute)
+  if call.training and layer.trainable:
+    reduce_axes = [i for i in range(x.shape.rank) if i != axis]
+    mean, variance = tf.nn.moments(x, reduce_axes, keepdims=True)
+  else:
+    shape = [1] * x.shape.rank
+    shape[axis] = -1
+    mean = tf.reshape(tf.cast(layer.moving_mean, compute), shape)
+    variance = tf.reshape(tf.cast(layer.moving_variance, compute), shape)
+  normalized = tf.stop_gradient((x - mean) * tf.math.rsqrt(
+      variance + layer.epsilon))
+  outputs = tf.convert_to_tensor(call.outputs)
+  normalized = tf.cast(normalized, outputs.dtype)
+  return lc.register_scale_and_shift(
+      _param_arg(plan.params), _move_axis_last(normalized, axis),
+      _move_axis_last(outputs, axis), approx=plan.approx)
+
+
+def _register_layer_norm(lc, plan, calls):
+  layer = plan.layer
+  call = _single_call(plan, calls)
+  x = tf.convert_to_tensor(call.inputs)
+  rank = x.shape.rank
+  axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+  axes = sorted(a % rank for a in axes)
+  if axes != list(range(rank - len(axes), rank)):
+    raise _Fallback("LayerNormalization over non-trailing axes %s" % (axes,))
+  compute = x.dtype if x.dtype.size >= 4 else tf.float32
+  x = tf.cast(x, compute)
+  if getattr(layer, "rms_scaling", False):
+    normalized = x * tf.math.rsqrt(
+        tf.reduce_mean(tf.square(x), axes, keepdims=True) + layer.epsilon)
+  else:
+    mean, variance = tf.nn.moments(x, axes, keepdims=True)
+    normalized = (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+  outputs = tf.convert_to_tensor(call.outputs)
+  normalized = tf.cast(tf.stop_gradient(normalized), outputs.dtype)
+  return lc.register_scale_and_shift(_param_arg(plan.params), normalized,
+                                     outputs, approx=plan.approx)
+
+
+class _Fallback(Exception):
+  """Raised by a registration that must fall back to the generic block."""
+
+
+def _single_call(plan, calls):
+  if len(calls) != 1:
+    raise _Fallback("%s called %d times in one step" %
+                    (type(plan.layer).__name__, len(calls)))
+  return calls[0]
+
+
+_REGISTER = {
+    "dense": _register_dense,
+    "conv": _register_conv,
+    "depthwise_conv": _register_depthwise,
+    "embedding": _register_embedding,
+    "batch_norm": _register_batch_norm,
+    "layer_norm": _register_layer_norm,
+}
+
+Row = collections.namedtuple(
+    "Row", ["layer", "layer_class", "registration", "approx", "params",
+            "calls", "note"])
+
+
+def register_layers(lc, plans, recorder, batch_size, warn=None):
+  """Registers every plan on `lc` from the calls `recorder` holds for the
+  current graph. Returns the report rows. `warn(key, message)` reports a
+  generic fallback (default: warnings.warn)."""
+  warn = warn or (lambda key, message: warnings.warn(message, stacklevel=3))
+  rows = []
+  for plan in plans:
+    layer = plan.layer
+    calls = recorder.calls(layer)
+    kind, approx, reason = plan.kind, plan.approx, plan.reason
+    if kind != "generic" and not calls:
+      kind, reason = "generic", "its parameters are used outside its call"
+    if kind != "generic":
+      try:
+        block = _REGISTER[kind](lc, plan, calls)
+      except _Fallback as e:
+        kind, reason = "generic", str(e)
+    if kind == "generic":
+      approx = (plan.approx if plan.kind == "generic" and plan.approx
+                else GENERIC_FALLBACK)
+      block = lc.register_generic(_param_arg(plan.params), batch_size,
+                                  approx=approx)
+      warn(keras_flavor.layer_path(layer),
+           "kfac: layer %r (%s) is registered with the generic %r "
+           "approximation: %s." % (keras_flavor.layer_path(layer),
+                                   type(layer).__name__, approx, reason))
+    rows.append(Row(keras_flavor.layer_path(layer), type(layer).__name__,
+                    type(block).__name__, approx or "default",
+                    ", ".join(p.name for p in plan.params), len(calls),
+                    "fallback: " + reason if kind == "generic" else ""))
+  return rows
+
+
+def format_report(rows, losses=()):
+  """The registration report: one line per layer, then the losses."""
+  header = ("layer", "class", "block", "approx", "calls", "parameters",
+            "note")
+  table = [header] + [(r.layer, r.layer_class, r.registration, r.approx,
+                       str(r.calls), r.params, r.note) for r in rows]
+  widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+           for row in table]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  for loss in losses:
+    lines.append("loss: " + loss)
+  return "\n".join(lines)

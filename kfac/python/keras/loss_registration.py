@@ -1,0 +1,219 @@
+"""Registers a Keras loss as K-FAC predictive distributions.
+
+A Keras loss (a string, a loss function or a loss object) maps to:
+  mean_squared_error / mse         register_squared_error_loss
+  categorical_crossentropy,
+  sparse_categorical_crossentropy  register_categorical_predictive_distribution
+  binary_crossentropy              register_sigmoid_cross_entropy_loss
+The coefficient makes the registered loss the Keras loss per example: Keras
+averages the elementwise squared error / Bernoulli losses over every
+non-batch axis and the categorical losses over every non-batch axis but the
+last, then averages over the batch ("sum_over_batch_size"); K-FAC sums over
+non-batch entries and averages its statistics over the batch.
+
+With from_logits=False the logits are found from the prediction: the tensor
+Keras's softmax / sigmoid records on its output (`_keras_logits`), or the
+recorded pre-activation of the layer that produced it.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from kfac.python.keras.layer_registration import RegistrationError
+
+_ALIASES = {
+    "mse": "mean_squared_error",
+    "mean_squared_error": "mean_squared_error",
+    "meansquarederror": "mean_squared_error",
+    "categorical_crossentropy": "categorical_crossentropy",
+    "categoricalcrossentropy": "categorical_crossentropy",
+    "sparse_categorical_crossentropy": "sparse_categorical_crossentropy",
+    "sparsecategoricalcrossentropy": "sparse_categorical_crossentropy",
+    "binary_crossentropy": "binary_crossentropy",
+    "binarycrossentropy": "binary_crossentropy",
+    "bce": "binary_crossentropy",
+}
+_ACTIVATION_OP = {
+    "categorical_crossentropy": "Softmax",
+    "sparse_categorical_crossentropy": "Softmax",
+    "binary_crossentropy": "Sigmoid",
+}
+_REDUCTIONS = (None, "auto", "sum_over_batch_size", "mean")
+
+
+class LossSpec:
+  """What kfac needs to know about one Keras loss."""
+
+  def __init__(self, kind, from_logits=False, reduction="sum_over_batch_size",
+               description=""):
+    self.kind = kind
+    self.from_logits = from_logits
+    self.reduction = reduction
+    self.description = description or kind
+
+
+def loss_spec(loss):
+  """The LossSpec of a Keras loss, or a RegistrationError naming it."""
+  if isinstance(loss, LossSpec):
+    return loss
+  config = {}
+  if isinstance(loss, str):
+    name = loss
+  elif hasattr(loss, "get_config") and not isinstance(loss, type):
+    name = type(loss).__name__
+    config = loss.get_config() or {}
+    fn = getattr(loss, "fn", None)
+    if name == "LossFunctionWrapper" and fn is not None:
+      name = getattr(fn, "__name__", name)
+  elif callable(loss):
+    name = getattr(loss, "__name__", repr(loss))
+  else:
+    raise RegistrationError("Unsupported loss %r." % (loss,))
+  kind = _ALIASES.get(name.lower())
+  if kind is None:
+    raise RegistrationError(
+        "kfac cannot register the loss %r: supported losses are mse, "
+        "categorical_crossentropy, sparse_categorical_crossentropy and "
+        "binary_crossentropy (strings, functions or loss objects). Register "
+        "other losses yourself with kfac.keras.utils.register_loss." % name)
+  reduction = config.get("reduction", "sum_over_batch_size")
+  if reduction not in _REDUCTIONS:
+    raise RegistrationError(
+        "Loss %s has reduction=%r; kfac supports the batch mean "
+        "('sum_over_batch_size'), whose curvature scale it knows." %
+        (name, reduction))
+  axis = config.get("axis", -1)
+  if axis not in (-1, None):
+    raise RegistrationError("Loss %s with axis=%r: kfac needs the class axis "
+                            "to be the last one." % (name, axis))
+  if config.get("ignore_class") is not None:
+    raise RegistrationError("Loss %s with ignore_class is not supported." %
+                            name)
+  return LossSpec(kind, bool(config.get("from_logits", False)), reduction,
+                  name)
+
+
+def _static_size(shape, what):
+  dims = shape.as_list()
+  if any(d is None for d in dims):
+    raise RegistrationError(
+        "kfac needs the non-batch shape of %s to be static, got %s." %
+        (what, shape))
+  return int(np.prod(dims)) if dims else 1
+
+
+def find_logits(spec, prediction):
+  """The logits behind a softmax / sigmoid prediction."""
+  if spec.from_logits or spec.kind == "mean_squared_error":
+    return prediction
+  expected = _ACTIVATION_OP[spec.kind]
+  op_type = getattr(getattr(prediction, "op", None), "type", None)
+  if op_type != expected:
+    raise RegistrationError(
+        "Loss %s with from_logits=False needs predictions that come out of "
+        "a %s activation (to find the logits), but the model output %s comes "
+        "from a %s op. Use from_logits=True with a linear last layer, or end "
+        "the model with a %s activation." %
+        (spec.description, expected.lower(), getattr(prediction, "name", ""),
+         op_type, expected.lower()))
+  logits = getattr(prediction, "_keras_logits", None)
+  if logits is not None:
+    return logits
+  # The op's input is the logits (Keras 2 does not tag the tensor).
+  return prediction.op.inputs[0]
+
+
+def _targets(spec, targets, logits):
+  """Targets in the form the registered loss expects (for empirical)."""
+  if targets is None:
+    return None
+  targets = tf.convert_to_tensor(targets)
+  if spec.kind == "sparse_categorical_crossentropy":
+    if targets.shape.rank == logits.shape.rank:
+      targets = tf.squeeze(targets, -1)
+    return tf.cast(targets, tf.int32)
+  if spec.kind == "categorical_crossentropy":
+    return tf.argmax(targets, axis=-1, output_type=tf.int32)
+  return tf.cast(targets, logits.dtype)
+
+
+def register_keras_loss(lc, loss, prediction, targets=None,
+                        coeff=1.0, seed=None, name=None):
+  """Registers `loss` applied to `prediction` (the model output) on lc.
+
+  Returns a one-line description for the registration report."""
+  spec = loss_spec(loss)
+  prediction = tf.convert_to_tensor(prediction)
+  if prediction.shape.rank is None or prediction.shape.rank < 2:
+    raise RegistrationError(
+        "kfac needs model outputs of shape [batch, ...] (rank >= 2) for loss "
+        "%s, got %s." % (spec.description, prediction.shape))
+  logits = find_logits(spec, prediction)
+  targets = _targets(spec, targets, logits)
+  if spec.kind == "mean_squared_error":
+    size = _static_size(prediction.shape[1:], "the prediction")
+    flat = tf.reshape(prediction, [-1, size])
+    if targets is not None:
+      targets = tf.reshape(targets, [-1, size])
+    lc.register_squared_error_loss(flat, seed=seed, targets=targets,
+                                   coeff=coeff / size, name=name)
+    what = "squared error on %s, coeff %g" % (prediction.shape, coeff / size)
+  elif spec.kind == "binary_crossentropy":
+    size = _static_size(logits.shape[1:], "the logits")
+    flat = tf.reshape(logits, [-1, size])
+    if targets is not None:
+      targets = tf.reshape(targets, [-1, size])
+    lc.register_sigmoid_cross_entropy_loss(flat, seed=seed, targets=targets,
+                                           coeff=coeff / size, name=name)
+    what = "sigmoid cross-entropy on logits %s, coeff %g" % (logits.shape,
+                                                              coeff / size)
+  else:
+    positions = _static_size(logits.shape[1:-1], "the logits")
+    lc.register_categorical_predictive_distribution(
+        logits, seed=seed, targets=targets, coeff=coeff / positions,
+        name=name)
+    what = "categorical on logits %s, coeff %g" % (logits.shape,
+                                                    coeff / positions)
+  source = "" if spec.from_logits or spec.kind == "mean_squared_error" else (
+      " (logits found behind the %s)" % _ACTIVATION_OP[spec.kind].lower())
+  return "%s: %s%s" % (spec.description, what, source)
+
+
+def flatten_outputs(loss, loss_weights, y_pred, output_names=None):
+  """Pairs (loss, weight, prediction, index) for single or multi outputs."""
+  if isinstance(y_pred, dict):
+    keys = sorted(y_pred)
+    preds = [y_pred[k] for k in keys]
+    losses = ([loss[k] for k in keys] if isinstance(loss, dict)
+              else [loss] * len(keys))
+    weights = ([loss_weights.get(k, 1.0) for k in keys]
+               if isinstance(loss_weights, dict) else
+               [1.0] * len(keys) if loss_weights is None else loss_weights)
+  elif isinstance(y_pred, (list, tuple)):
+    preds = list(y_pred)
+    if isinstance(loss, dict):
+      if output_names is None:
+        raise RegistrationError("A dict of losses needs the model's output "
+                                "names.")
+      losses = [loss[n] for n in output_names]
+    elif isinstance(loss, (list, tuple)):
+      losses = list(loss)
+    else:
+      losses = [loss] * len(preds)
+    if isinstance(loss_weights, dict):
+      weights = [loss_weights.get(n, 1.0) for n in output_names]
+    else:
+      weights = [1.0] * len(preds) if loss_weights is None else list(
+          loss_weights)
+  else:
+    preds = [y_pred]
+    losses = [loss[0] if isinstance(loss, (list, tuple)) and len(loss) == 1
+              else loss]
+    weights = [1.0 if loss_weights is None else (
+        loss_weights[0] if isinstance(loss_weights, (list, tuple))
+        else loss_weights)]
+  if not len(losses) == len(preds) == len(weights):
+    raise RegistrationError(
+        "The model has %d outputs but %d losses and %d loss weights were "
+        "given." % (len(preds), len(losses), len(weights)))
+  return list(zip(losses, weights, preds))

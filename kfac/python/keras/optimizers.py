@@ -1,0 +1,548 @@
+"""`kfac.keras.optimizers.Kfac`: K-FAC as a Keras optimizer.
+
+    model.compile(optimizer=kfac.keras.optimizers.Kfac(
+        learning_rate=0.1, damping=0.01, model=model,
+        loss="sparse_categorical_crossentropy"), loss=...)
+    model.fit(...)
+
+How it works. Creating the optimizer with `model=` installs a recorder on the
+model's layers (layer_recorder). Keras traces `fit`'s train step into one
+graph: the forward pass records each layer's inputs and pre-activations, and
+the optimizer's update, which runs in the same graph, registers the layers
+and the loss on a fresh LayerCollection (kfac.keras.utils.
+get_layer_collection) and applies one `PeriodicInvCovUpdateKfacOpt` step:
+statistics every `cov_update_every` steps, inverses every `invert_every`
+steps, then the preconditioned update. All K-FAC state lives in the core
+optimizer's StateStore, created on the first step and found again on every
+retrace; it is saved by `model.save(...)` (with the Keras optimizer
+variables) and by `tf.train.Checkpoint`.
+
+Sampled targets use stateless random ops seeded with (seed, iteration), so a
+run restored from a checkpoint continues on exactly the same trajectory.
+
+Both Keras flavours: `Kfac` subclasses the optimizer base class of the Keras
+that `tf.keras` resolves to (Keras 3, or tf_keras with
+TF_USE_LEGACY_KERAS=1).
+"""
+
+import random
+import warnings
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+from kfac.python.keras import keras_flavor
+from kfac.python.keras import layer_registration
+from kfac.python.keras import utils as keras_utils
+from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
+from kfac.python.ops import utils as kfac_utils
+
+# Hyperparameters kept in variables, so that callbacks and users can change
+# them between steps without retracing.
+MUTABLE_HYPERPARAMETERS = ("learning_rate", "damping", "momentum",
+                           "weight_decay_coeff", "norm_constraint")
+_CORE_DEFAULTS = {"momentum": 0.9, "weight_decay_coeff": 0.1}
+# Keras optimizer options that do not make sense for K-FAC: rejected.
+_KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+                       "ema_momentum", "ema_overwrite_frequency",
+                       "loss_scale_factor", "gradient_accumulation_steps",
+                       "weight_decay", "jit_compile", "is_legacy_optimizer")
+_STATE_PREFIX = "kfac_state:"
+
+
+def _check_kwargs(kfac_kwargs):
+  bad = [k for k in kfac_kwargs if k in _KERAS_ONLY_OPTIONS]
+  if bad:
+    raise ValueError(
+        "Kfac does not support the Keras optimizer option(s) %s. K-FAC "
+        "bounds its steps with norm_constraint=... and decays weights with "
+        "use_weight_decay=True, weight_decay_coeff=..." % ", ".join(bad))
+  for key in ("layer_collection", "var_list", "name"):
+    if key in kfac_kwargs:
+      raise ValueError("Pass %s as an argument of Kfac, not in kfac_kwargs."
+                       % key)
+  for key in ("loss", "loss_fn", "prev_train_batch"):
+    if key in kfac_kwargs:
+      raise ValueError("%s=... is part of adaptive K-FAC (damping "
+                       "adaptation), which this version does not provide."
+                       % key)
+
+
+class KfacKerasMixin:
+  """Everything of the Keras optimizer that does not depend on the flavour.
+
+  Subclasses call `_kfac_init` from `__init__` and `_kfac_apply` where their
+  base class applies gradients."""
+
+  # -------------------------------------------------------------- set-up
+  def _kfac_init(self, learning_rate, damping, model, loss, loss_weights,
+                 fisher_approx, layer_collection, adaptive, train_batch,
+                 seed, kfac_kwargs):
+    if adaptive:
+      raise ValueError(
+          "adaptive=True needs the quadratic-model learning rate and "
+          "damping adaptation, which this version of kfac does not provide; "
+          "pass learning_rate and damping.")
+    if train_batch is not None:
+      raise ValueError("train_batch is used by adaptive K-FAC only, which "
+                       "this version of kfac does not provide.")
+    if learning_rate is None:
+      raise ValueError("Kfac needs learning_rate (adaptive=False).")
+    if damping is None:
+      raise ValueError("Kfac needs damping (adaptive=False).")
+    if layer_collection is not None:
+      raise ValueError(
+          "layer_collection=... is not used by the Keras optimizer: its "
+          "collection is rebuilt from the model on every trace. Register "
+          "extra layers through fisher_approx, or write a custom loop with "
+          "kfac.PeriodicInvCovUpdateKfacOpt.")
+    _check_kwargs(kfac_kwargs)
+    self._kfac_kwargs = dict(kfac_kwargs)
+    self._kfac_loss = loss
+    self._kfac_loss_weights = loss_weights
+    self._kfac_fisher_approx = dict(fisher_approx or {})
+    if seed is None:
+      seed = random.randrange(2**31 - 1)
+    self._kfac_seed = int(seed)
+    object.__setattr__(self, "_kfac_model_ref", None)
+    self._kfac_report = None
+    self._kfac_warned = set()
+    self._kfac_hyper = {}
+    values = dict(_CORE_DEFAULTS)
+    values.update({k: kfac_kwargs[k] for k in MUTABLE_HYPERPARAMETERS
+                   if k in kfac_kwargs})
+    values["damping"] = damping
+    for name in ("damping", "momentum", "weight_decay_coeff",
+                 "norm_constraint"):
+      value = values.get(name)
+      if value is None:
+        continue
+      if not kfac_utils.is_python_number(value):
+        raise ValueError("Kfac's %s must be a number (schedules: use "
+                         "kfac.keras.callbacks), got %r." % (name, value))
+      self._kfac_hyper[name] = self._kfac_make_variable(name, float(value))
+    core_kwargs = {k: v for k, v in kfac_kwargs.items()
+                   if k not in MUTABLE_HYPERPARAMETERS}
+    for name, var in self._kfac_hyper.items():
+      core_kwargs[name] = var
+    core = periodic_lib.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=self._kfac_lr_tensor, name=self.name, **core_kwargs)
+    # Not a checkpoint dependency (its state is, through _kfac_state).
+    object.__setattr__(self, "_kfac_core", core)
+    self._kfac_state = core.state_store
+    if model is not None:
+      self.register_model(model)
+
+  def _kfac_lr_tensor(self):
+    return tf.convert_to_tensor(
+        keras_flavor.unwrap_variable(self._learning_rate))
+
+  def register_model(self, model):
+    """Uses `model` (its layers are watched from now on)."""
+    current = self._kfac_model
+    if current is not None and current is not model:
+      raise ValueError("This Kfac optimizer already serves model %r." %
+                       current.name)
+    layer_registration.check_fisher_approx(self._kfac_fisher_approx, model)
+    keras_utils.watch(model)
+    # A weak reference: the model owns the optimizer, not the reverse (and
+    # the model must not become a checkpoint dependency of the optimizer).
+    object.__setattr__(self, "_kfac_model_ref", weakref.ref(model))
+
+  @property
+  def _kfac_model(self):
+    ref = self._kfac_model_ref
+    return None if ref is None else ref()
+
+  @property
+  def model(self):
+    return self._kfac_model
+
+  @property
+  def kfac_optimizer(self):
+    """The core PeriodicInvCovUpdateKfacOpt doing the work."""
+    return self._kfac_core
+
+  @property
+  def state_store(self):
+    """The K-FAC state (factors, inverses, velocities, counter)."""
+    return self._kfac_state
+
+  @property
+  def registration_report(self):
+    """What each layer was registered as, from the last traced step (or the
+    plan, before the first step)."""
+    if self._kfac_report is not None:
+      return self._kfac_report
+    if self._kfac_model is None:
+      return "(no model yet)"
+    plans = layer_registration.plan_layers(self._kfac_model,
+                                           self._kfac_fisher_approx)
+    rows = [layer_registration.Row(
+        keras_flavor.layer_path(p.layer), type(p.layer).__name__,
+        "(" + p.kind + ")", p.approx or "default",
+        ", ".join(v.name for v in p.params), 0,
+        "fallback: " + p.reason if p.kind == "generic" else "")
+            for p in plans]
+    return layer_registration.format_report(rows) + (
+        "\n(planned; blocks and losses are known after the first step)")
+
+  # -------------------------------------------------------------- hyperparameters
+  def _kfac_get(self, name):
+    var = self._kfac_hyper.get(name)
+    return None if var is None else var
+
+  def _kfac_set(self, name, value):
+    var = self._kfac_hyper.get(name)
+    if var is None:
+      raise ValueError(
+          "%s was not set when the optimizer was created, so it is not a "
+          "variable and cannot be changed now; pass %s=... to Kfac." %
+          (name, name))
+    var.assign(value)
+
+  # -------------------------------------------------------------- the step
+  def _kfac_warn(self, key, message):
+    if key not in self._kfac_warned:
+      self._kfac_warned.add(key)
+      warnings.warn(message, UserWarning, stacklevel=4)
+
+  def _kfac_apply(self, grads, variables, iteration):
+    """One K-FAC step for Keras (grads, variables); returns the op."""
+    if tf.executing_eagerly():
+      raise RuntimeError(
+          "Kfac needs the forward pass and the update in one traced step: "
+          "model.fit with run_eagerly=True, or an eager custom loop, is not "
+          "supported. Trace the step with tf.function.")
+    if self._kfac_model is None:
+      raise ValueError(
+          "Kfac has no model: create it with Kfac(..., model=model), call "
+          "optimizer.register_model(model), or load a saved model with "
+          "kfac.keras.saving_utils.load_model.")
+    seed = tf.stack([tf.constant(self._kfac_seed, tf.int64),
+                     tf.cast(iteration, tf.int64)])
+    lc, report = keras_utils.get_layer_collection(
+        self._kfac_model, self._kfac_loss, self._kfac_loss_weights,
+        fisher_approx=self._kfac_fisher_approx, seed=seed,
+        variables=variables, warn=self._kfac_warn)
+    self._kfac_report = report
+    tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
+    op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
+                                         layer_collection=lc)
+    with tf.control_dependencies([op]):
+      self._kfac_summaries(iteration)
+    return op
+
+  def _kfac_summaries(self, iteration):
+    """TensorBoard scalars when a default summary writer is active (a no-op
+    otherwise, and inside XLA, which cannot compile summary writes)."""
+    if _in_xla_context():
+      return
+    step = tf.cast(iteration, tf.int64)
+    _write_scalar("kfac/learning_rate", self._kfac_lr_tensor(), step)
+    for name in ("damping", "momentum"):
+      var = self._kfac_hyper.get(name)
+      if var is not None:
+        _write_scalar("kfac/" + name, var, step)
+
+  # -------------------------------------------------------------- config
+  def _kfac_config(self, learning_rate):
+    config = {
+        "learning_rate": learning_rate,
+        "damping": float(self._kfac_hyper["damping"].numpy()),
+        "loss": _serialize_loss(self._kfac_loss),
+        "loss_weights": self._kfac_loss_weights,
+        "fisher_approx": {
+            (layer_registration.CLASS_KEY_PREFIX + k.__name__
+             if isinstance(k, type) else k): v
+            for k, v in self._kfac_fisher_approx.items()},
+        "seed": self._kfac_seed,
+        "name": self.name,
+    }
+    kwargs = dict(self._kfac_kwargs)
+    for name, var in self._kfac_hyper.items():
+      if name != "damping":
+        kwargs[name] = float(var.numpy())
+    config.update(kwargs)
+    return config
+
+  # -------------------------------------------------------------- state
+  def _kfac_save_state(self, store):
+    for key, value in self._kfac_state.numpy_state().items():
+      store[_STATE_PREFIX + _encode(key)] = value
+
+  def _kfac_load_state(self, store):
+    """Loads the K-FAC entries of `store`; returns the other keys."""
+    values, rest = {}, []
+    for key in store.keys():
+      if key.startswith(_STATE_PREFIX):
+        values[_decode(key[len(_STATE_PREFIX):])] = np.asarray(store[key])
+      else:
+        rest.append(key)
+    self._kfac_state.restore(values)
+    return rest
+
+
+def _encode(key):
+  return key.replace("|", "||").replace("/", "|")
+
+
+def _decode(key):
+  out, i = [], 0
+  while i < len(key):
+    if key.startswith("||", i):
+      out.append("|")
+      i += 2
+    elif key[i] == "|":
+      out.append("/")
+      i += 1
+    else:
+      out.append(key[i])
+      i += 1
+  return "".join(out)
+
+
+def _serialize_loss(loss):
+  if loss is None or isinstance(loss, str):
+    return loss
+  if isinstance(loss, (list, tuple)):
+    return [_serialize_loss(l) for l in loss]
+  if isinstance(loss, dict):
+    return {k: _serialize_loss(v) for k, v in loss.items()}
+  return keras_flavor.keras_module().losses.serialize(loss)
+
+
+def _deserialize_loss(loss):
+  if loss is None or isinstance(loss, str):
+    return loss
+  if isinstance(loss, list):
+    return [_deserialize_loss(l) for l in loss]
+  if isinstance(loss, dict) and "class_name" not in loss:
+    return {k: _deserialize_loss(v) for k, v in loss.items()}
+  return keras_flavor.keras_module().losses.deserialize(loss)
+
+
+def _write_scalar(tag, value, step):
+  """tf.summary.scalar without needing the tensorboard package: a float32
+  scalar tagged for TensorBoard's scalars plugin (a no-op without a default
+  writer)."""
+  metadata = summary_pb2.SummaryMetadata()
+  metadata.plugin_data.plugin_name = "scalars"
+  tf.summary.write(tag, tf.cast(value, tf.float32), step=step,
+                   metadata=metadata)
+
+
+def _in_xla_context():
+  try:
+    from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())
+
+
+_CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
+
+  Args:
+    learning_rate: the step size (a float; change it with
+      `optimizer.learning_rate = ...` or kfac.keras.callbacks).
+    damping: Tikhonov damping added to the Fisher blocks (a float, kept in a
+      variable like learning_rate).
+    model: the Keras model to train (its layers are watched from now on).
+    loss: the model's Keras loss(es) (default: the loss given to compile).
+    loss_weights: per-output loss coefficients (as in compile).
+    fisher_approx: {layer name or layer class: approximation name}.
+    layer_collection: not supported (the collection is built from the
+      model); must be None.
+    adaptive, train_batch: adaptive K-FAC, not provided by this version;
+      must be False / None.
+    name: the optimizer's name (also the prefix of its state variables).
+    seed: seed of the sampled targets (default: drawn at random and kept
+      in the config).
+    **kfac_kwargs: arguments of kfac.PeriodicInvCovUpdateKfacOpt
+      (momentum, momentum_type, invert_every, cov_update_every,
+      num_burnin_steps, cov_ema_decay, estimation_mode, norm_constraint,
+      use_weight_decay, weight_decay_coeff, l2_reg, precon_damping_mult,
+      ...).
+  """
+
+
+def _make_keras3_class(keras):
+  """The Keras 3 optimizer class."""
+
+  @keras.saving.register_keras_serializable(package="kfac", name="Kfac")
+  class Kfac(KfacKerasMixin, keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
+    __doc__ = _CONSTRUCTOR_DOC
+
+    def __init__(self, learning_rate=None, damping=None, model=None,
+                 loss=None, loss_weights=None, fisher_approx=None,
+                 layer_collection=None, adaptive=False, train_batch=None,
+                 name="Kfac", seed=None, **kfac_kwargs):
+      if learning_rate is None and not adaptive:
+        raise ValueError("Kfac needs learning_rate (adaptive=False).")
+      _check_kwargs(kfac_kwargs)
+      super().__init__(learning_rate=float(learning_rate or 0.0), name=name)
+      self._kfac_init(learning_rate, damping, model, loss, loss_weights,
+                      fisher_approx, layer_collection, adaptive,
+                      train_batch, seed, kfac_kwargs)
+
+    def _kfac_make_variable(self, name, value):
+      var = keras.Variable(value, name=name, dtype="float32",
+                           trainable=False)
+      self._track_variable(var)
+      return keras_flavor.unwrap_variable(var)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+      self._kfac_apply(grads, trainable_variables,
+                       keras_flavor.unwrap_variable(self._iterations))
+
+    def update_step(self, gradient, variable, learning_rate):
+      raise NotImplementedError("Kfac updates all variables at once.")
+
+    def stateless_apply(self, optimizer_variables, grads,
+                        trainable_variables):
+      raise NotImplementedError("Kfac runs on the TensorFlow backend only.")
+
+    def get_config(self):
+      return self._kfac_config(float(self._kfac_lr_tensor().numpy()))
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+      config = dict(config)
+      config["loss"] = _deserialize_loss(config.get("loss"))
+      return cls(**config)
+
+    def save_own_variables(self, store):
+      super().save_own_variables(store)
+      self._kfac_save_state(store)
+
+    def load_own_variables(self, store):
+      rest = self._kfac_load_state(store)
+      if len(rest) != len(self.variables):
+        raise ValueError(
+            "The saved optimizer has %d Keras variables but Kfac %r has %d: "
+            "was it saved with different Kfac arguments?" %
+            (len(rest), self.name, len(self.variables)))
+      for i, variable in enumerate(self.variables):
+        variable.assign(store[str(i)])
+
+    damping = property(lambda self: self._kfac_get("damping"),
+                       lambda self, v: self._kfac_set("damping", v))
+    momentum = property(lambda self: self._kfac_get("momentum"),
+                        lambda self, v: self._kfac_set("momentum", v))
+    weight_decay_coeff = property(
+        lambda self: self._kfac_get("weight_decay_coeff"),
+        lambda self, v: self._kfac_set("weight_decay_coeff", v))
+    norm_constraint = property(
+        lambda self: self._kfac_get("norm_constraint"),
+        lambda self, v: self._kfac_set("norm_constraint", v))
+
+  return Kfac
+
+
+def _make_legacy_class(tf_keras):
+  """The tf_keras (Keras 2) optimizer class."""
+
+  @tf_keras.saving.register_keras_serializable(package="kfac", name="Kfac")
+  class Kfac(KfacKerasMixin, tf_keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
+    __doc__ = _CONSTRUCTOR_DOC
+
+    def __init__(self, learning_rate=None, damping=None, model=None,
+                 loss=None, loss_weights=None, fisher_approx=None,
+                 layer_collection=None, adaptive=False, train_batch=None,
+                 name="Kfac", seed=None, **kfac_kwargs):
+      if learning_rate is None and not adaptive:
+        raise ValueError("Kfac needs learning_rate (adaptive=False).")
+      _check_kwargs(kfac_kwargs)
+      super().__init__(name=name, jit_compile=False)
+      self._learning_rate = self._build_learning_rate(float(learning_rate))
+      self._kfac_init(learning_rate, damping, model, loss, loss_weights,
+                      fisher_approx, layer_collection, adaptive,
+                      train_batch, seed, kfac_kwargs)
+
+    def _kfac_make_variable(self, name, value):
+      with tf.init_scope():
+        var = tf.Variable(value, name=name, dtype=tf.float32,
+                          trainable=False)
+      self._variables.append(var)
+      return var
+
+    def build(self, var_list):
+      super().build(var_list)
+      self._built = True
+
+    def apply_gradients(self, grads_and_vars, name=None,
+                        skip_gradients_aggregation=False, **kwargs):
+      del name, skip_gradients_aggregation, kwargs
+      grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+      grads, variables = zip(*grads_and_vars)
+      if not self._built:
+        with tf.init_scope():
+          self.build(list(variables))
+      op = self._kfac_apply(list(grads), list(variables), self.iterations)
+      with tf.control_dependencies([op]):
+        return self.iterations.assign_add(1)
+
+    def update_step(self, gradient, variable):
+      raise NotImplementedError("Kfac updates all variables at once.")
+
+    def get_config(self):
+      return self._kfac_config(float(self._kfac_lr_tensor().numpy()))
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+      config = dict(config)
+      config["loss"] = _deserialize_loss(config.get("loss"))
+      return cls(**config)
+
+    def save_own_variables(self, store):
+      for i, variable in enumerate(self.variables):
+        store[str(i)] = variable.numpy()
+      self._kfac_save_state(store)
+
+    def load_own_variables(self, store):
+      rest = self._kfac_load_state(store)
+      if len(rest) != len(self.variables):
+        raise ValueError(
+            "The saved optimizer has %d Keras variables but Kfac %r has %d." %
+            (len(rest), self.name, len(self.variables)))
+      for i, variable in enumerate(self.variables):
+        variable.assign(store[str(i)])
+
+    damping = property(lambda self: self._kfac_get("damping"),
+                       lambda self, v: self._kfac_set("damping", v))
+    momentum = property(lambda self: self._kfac_get("momentum"),
+                        lambda self, v: self._kfac_set("momentum", v))
+    weight_decay_coeff = property(
+        lambda self: self._kfac_get("weight_decay_coeff"),
+        lambda self, v: self._kfac_set("weight_decay_coeff", v))
+    norm_constraint = property(
+        lambda self: self._kfac_get("norm_constraint"),
+        lambda self, v: self._kfac_set("norm_constraint", v))
+
+  return Kfac
+
+
+_CLASSES = {}
+
+
+def kfac_class(legacy=None):
+  """The Kfac class of the Keras 3 (legacy=False) or tf_keras flavour
+  (default: the one tf.keras resolves to)."""
+  if legacy is None:
+    legacy = keras_flavor.legacy_keras_active()
+  if legacy not in _CLASSES:
+    if legacy:
+      import tf_keras  # pylint: disable=g-import-not-at-top
+      _CLASSES[legacy] = _make_legacy_class(tf_keras)
+    else:
+      import keras  # pylint: disable=g-import-not-at-top
+      _CLASSES[legacy] = _make_keras3_class(keras)
+  return _CLASSES[legacy]
+
+
+Kfac = kfac_class()
+
+__all__ = ["Kfac", "kfac_class", "MUTABLE_HYPERPARAMETERS"]
