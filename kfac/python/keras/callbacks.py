@@ -1,0 +1,335 @@
+"""Keras callbacks that schedule an optimizer hyperparameter by step.
+
+`PolynomialDecay` and `ExponentialDecay` set one attribute of
+`model.optimizer` (named by the string `hyperparameter`: "learning_rate",
+"damping", "momentum", "weight_decay_coeff", "norm_constraint", ...) from
+the optimizer's step counter, at the start of every training batch:
+
+    t = int(model.optimizer.iterations)       # steps taken so far
+    setattr(model.optimizer, hyperparameter, schedule(t))
+
+The schedule is a function of t only, so resuming training (a second `fit`,
+a restored optimizer) continues where the counter is. The new value reaches
+a compiled train step only if the attribute is backed by a variable (a
+property whose setter assigns to a `tf.Variable` / `keras.Variable`, as for
+`kfac.keras.optimizers.Kfac`'s `learning_rate`, `damping`, `momentum`,
+`weight_decay_coeff`, `norm_constraint` and every Keras optimizer's
+`learning_rate`); a plain Python number attribute is baked into the traced
+step, and the callbacks warn when they are asked to drive one.
+
+Keras flavours: the callbacks derive from `tf.keras.callbacks.Callback` of
+the flavour `tf.keras` resolves to (Keras 3 by default; `tf_keras` when
+TF_USE_LEGACY_KERAS=1), and also carry the few private hooks `tf_keras`'s
+`CallbackList` asks of a callback, so one instance works in the `fit` of
+either flavour. `tf_keras` is never imported by this module.
+"""
+
+import math
+import numbers
+import warnings
+
+import numpy as np
+
+__all__ = ["HyperparameterDecay", "PolynomialDecay", "ExponentialDecay"]
+
+
+def _callback_base():
+  """`Callback` of the Keras flavour that `tf.keras` resolves to."""
+  try:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.keras.callbacks.Callback
+  except (ImportError, AttributeError):
+    # TF_USE_LEGACY_KERAS=1 without tf_keras installed: tf.keras is broken,
+    # but Keras 3 models still work.
+    import keras  # pylint: disable=g-import-not-at-top
+    return keras.callbacks.Callback
+
+
+_Callback = _callback_base()
+
+
+def _to_int(value):
+  """A Python int from an int, numpy value, tensor or (Keras) variable."""
+  if hasattr(value, "numpy"):
+    value = value.numpy()
+  return int(np.asarray(value))
+
+
+def _check_number(name, value, positive=False):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError("%s must be a real number, got %r." % (name, value))
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError("%s must be finite, got %r." % (name, value))
+  if positive and value <= 0:
+    raise ValueError("%s must be > 0, got %r." % (name, value))
+  return value
+
+
+def _check_int(name, value, minimum):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError("%s must be an integer, got %r." % (name, value))
+  value = int(value)
+  if value < minimum:
+    raise ValueError("%s must be >= %d, got %d." % (name, minimum, value))
+  return value
+
+
+class HyperparameterDecay(_Callback):
+  """Base class: sets `optimizer.<hyperparameter>` from its step counter.
+
+  Subclasses implement `value_at(step)`. On `on_train_begin` the optimizer
+  is checked (it must have the attribute and an `iterations` counter, else
+  ValueError) and the value for the current step is set; on every
+  `on_train_batch_begin` the value for the current step
+  t = int(optimizer.iterations) is set with `setattr`. With `verbose > 0`
+  the value is printed at the start of every epoch; at the end of every
+  epoch it is added to the epoch logs under the hyperparameter's name (so
+  `History` records it).
+  """
+
+  # What tf_keras's CallbackList reads from every callback (Keras 3 ignores
+  # them), so an instance also works in the other flavour's `fit`.
+  _supports_tf_logs = False
+  _chief_worker_only = None
+
+  def __init__(self, hyperparameter, num_delay_steps=0, verbose=0):
+    super().__init__()
+    if not isinstance(hyperparameter, str) or not hyperparameter:
+      raise ValueError("hyperparameter must be the name of an optimizer "
+                       "attribute (a non-empty string), got %r." %
+                       (hyperparameter,))
+    self._hyperparameter = hyperparameter
+    self._num_delay_steps = _check_int("num_delay_steps", num_delay_steps, 0)
+    self.verbose = int(verbose)
+    self._last_value = None
+
+  # -- the schedule ---------------------------------------------------------
+
+  @property
+  def hyperparameter(self):
+    return self._hyperparameter
+
+  def value_at(self, step):
+    """The hyperparameter's value at optimizer step `step` (an int >= 0)."""
+    raise NotImplementedError
+
+  def get_config(self):
+    """The constructor arguments: `type(self)(**get_config())` is a copy."""
+    raise NotImplementedError
+
+  # -- Keras hooks ----------------------------------------------------------
+
+  def _optimizer(self):
+    model = self.model
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+      raise ValueError("%s(%r) needs a compiled model with an optimizer." %
+                       (type(self).__name__, self._hyperparameter))
+    return optimizer
+
+  def _set_value(self):
+    optimizer = self._optimizer()
+    value = self.value_at(_to_int(optimizer.iterations))
+    setattr(optimizer, self._hyperparameter, value)
+    self._last_value = value
+    return value
+
+  def on_train_begin(self, logs=None):
+    optimizer = self._optimizer()
+    name = type(optimizer).__name__
+    if not hasattr(optimizer, self._hyperparameter):
+      raise ValueError(
+          "%s cannot schedule %r: the optimizer %s has no attribute %r." %
+          (type(self).__name__, self._hyperparameter, name,
+           self._hyperparameter))
+    if not hasattr(optimizer, "iterations"):
+      raise ValueError(
+          "%s needs the optimizer's step counter, but the optimizer %s has "
+          "no 'iterations' attribute." % (type(self).__name__, name))
+    if not isinstance(getattr(type(optimizer), self._hyperparameter, None),
+                      property):
+      current = getattr(optimizer, self._hyperparameter)
+      if isinstance(current, (numbers.Number, np.number)):
+        warnings.warn(
+            "%s: %s.%s is a plain Python number, not a variable; a train "
+            "step that was already traced keeps using the old value." %
+            (type(self).__name__, name, self._hyperparameter), stacklevel=2)
+    self._set_value()
+
+  def on_epoch_begin(self, epoch, logs=None):
+    value = self._set_value()
+    if self.verbose > 0:
+      print("Epoch %05d: %s is %.6g." %
+            (epoch + 1, self._hyperparameter, value))
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self._set_value()
+
+  def on_epoch_end(self, epoch, logs=None):
+    if logs is not None and self._last_value is not None:
+      logs[self._hyperparameter] = self._last_value
+
+  # tf_keras's CallbackList asks which batch hooks a callback implements.
+  def _implements_train_batch_hooks(self):
+    return True
+
+  def _implements_test_batch_hooks(self):
+    return False
+
+  def _implements_predict_batch_hooks(self):
+    return False
+
+
+class PolynomialDecay(HyperparameterDecay):
+  """Polynomial decay of an optimizer hyperparameter over optimizer steps.
+
+  At optimizer step t (the optimizer's `iterations` when a training batch
+  begins):
+
+      s = clip(t - num_delay_steps, 0, num_decay_steps)
+      value = (init_value - final_value) * (1 - s / num_decay_steps)**power
+              + final_value
+
+  so the value is `init_value` until the delay ends, moves to `final_value`
+  over `num_decay_steps` steps (linearly for power=1), and stays there.
+  `final_value` may be larger than `init_value` (a polynomial increase).
+  """
+
+  def __init__(self, hyperparameter, init_value, final_value, power=1.0,
+               num_decay_steps=None, num_delay_steps=0, verbose=0):
+    """Creates the callback.
+
+    Args:
+      hyperparameter: name of the optimizer attribute to set, e.g.
+        "learning_rate" or "damping".
+      init_value: value before and at the start of the decay.
+      final_value: value at and after the end of the decay.
+      power: exponent of the polynomial, > 0.
+      num_decay_steps: number of steps the decay lasts, a positive int
+        (required; it follows `power` to keep the original argument order).
+      num_delay_steps: steps to wait (at init_value) before decaying, >= 0.
+      verbose: if > 0, print the value at the start of every epoch.
+
+    Raises:
+      ValueError: on a missing or invalid argument.
+    """
+    super().__init__(hyperparameter, num_delay_steps=num_delay_steps,
+                     verbose=verbose)
+    self._init_value = _check_number("init_value", init_value)
+    self._final_value = _check_number("final_value", final_value)
+    self._power = _check_number("power", power, positive=True)
+    if num_decay_steps is None:
+      raise ValueError("PolynomialDecay needs num_decay_steps.")
+    self._num_decay_steps = _check_int("num_decay_steps", num_decay_steps, 1)
+
+  def value_at(self, step):
+    n = self._num_decay_steps
+    s = min(max(int(step) - self._num_delay_steps, 0), n)
+    if s == n:
+      return self._final_value
+    return ((self._init_value - self._final_value) * (1.0 - s / n)**self._power
+            + self._final_value)
+
+  def get_config(self):
+    return {"hyperparameter": self._hyperparameter,
+            "init_value": self._init_value,
+            "final_value": self._final_value,
+            "power": self._power,
+            "num_decay_steps": self._num_decay_steps,
+            "num_delay_steps": self._num_delay_steps,
+            "verbose": self.verbose}
+
+
+class ExponentialDecay(HyperparameterDecay):
+  """Exponential decay of an optimizer hyperparameter over optimizer steps.
+
+  At optimizer step t, with s = max(t - num_delay_steps, 0), the schedule is
+  given in exactly one of two ways:
+
+  (a) `decay_rate` given:
+          value = init_value * decay_rate**s
+      with s further capped at `num_decay_steps` if that is given (the
+      value stops changing after that many steps), and, if `final_value` is
+      given, the value never passes it in the direction of the decay
+      (max(value, final_value) for decay_rate < 1, min for decay_rate > 1;
+      decay_rate = 1 keeps init_value). A final_value on the wrong side of
+      init_value for the direction of decay_rate is a ValueError.
+  (b) `final_value` and `num_decay_steps` given, no `decay_rate`:
+          value = init_value * (final_value / init_value)**(s' / num_decay_steps)
+      with s' = min(s, num_decay_steps): the rate
+      (final_value / init_value)**(1 / num_decay_steps) per step brings the
+      value to `final_value` exactly at the end of the decay; it stays
+      there.
+
+  Any other combination of final_value / decay_rate / num_decay_steps is a
+  ValueError. Values must be > 0.
+  """
+
+  def __init__(self, hyperparameter, init_value, final_value=None,
+               decay_rate=None, num_decay_steps=None, num_delay_steps=0,
+               verbose=0):
+    """Creates the callback.
+
+    Args:
+      hyperparameter: name of the optimizer attribute to set.
+      init_value: value before and at the start of the decay, > 0.
+      final_value: the bound (mode a) or the value at the end (mode b), > 0.
+      decay_rate: factor per step, > 0 (mode a).
+      num_decay_steps: positive int: steps the decay lasts.
+      num_delay_steps: steps to wait (at init_value) before decaying, >= 0.
+      verbose: if > 0, print the value at the start of every epoch.
+
+    Raises:
+      ValueError: on an invalid argument or combination of arguments.
+    """
+    super().__init__(hyperparameter, num_delay_steps=num_delay_steps,
+                     verbose=verbose)
+    self._init_value = _check_number("init_value", init_value, positive=True)
+    self._final_value = (None if final_value is None else
+                         _check_number("final_value", final_value,
+                                       positive=True))
+    self._decay_rate = (None if decay_rate is None else
+                        _check_number("decay_rate", decay_rate, positive=True))
+    self._num_decay_steps = (None if num_decay_steps is None else
+                             _check_int("num_decay_steps", num_decay_steps, 1))
+    if self._decay_rate is None and (self._final_value is None or
+                                     self._num_decay_steps is None):
+      raise ValueError(
+          "ExponentialDecay needs either decay_rate (optionally with "
+          "final_value and/or num_decay_steps), or both final_value and "
+          "num_decay_steps; got final_value=%r, decay_rate=%r, "
+          "num_decay_steps=%r." % (final_value, decay_rate, num_decay_steps))
+    if self._decay_rate is not None and self._final_value is not None:
+      if ((self._decay_rate < 1 and self._final_value > self._init_value) or
+          (self._decay_rate > 1 and self._final_value < self._init_value)):
+        raise ValueError(
+            "ExponentialDecay: decay_rate=%r moves the value away from "
+            "final_value=%r (init_value=%r)." %
+            (decay_rate, final_value, init_value))
+
+  def value_at(self, step):
+    s = max(int(step) - self._num_delay_steps, 0)
+    if self._num_decay_steps is not None:
+      s = min(s, self._num_decay_steps)
+    init, final = self._init_value, self._final_value
+    if self._decay_rate is None:  # mode (b)
+      n = self._num_decay_steps
+      if s == n:
+        return final
+      return init * (final / init)**(s / n)
+    value = init * self._decay_rate**s
+    if final is not None and self._decay_rate < 1:
+      value = max(value, final)
+    elif final is not None and self._decay_rate > 1:
+      value = min(value, final)
+    return value
+
+  def get_config(self):
+    return {"hyperparameter": self._hyperparameter,
+            "init_value": self._init_value,
+            "final_value": self._final_value,
+            "decay_rate": self._decay_rate,
+            "num_decay_steps": self._num_decay_steps,
+            "num_delay_steps": self._num_delay_steps,
+            "verbose": self.verbose}
