@@ -24,9 +24,9 @@ Tensors otherwise. Vectors in factor space are a Tensor of shape
 import abc
 import math
 
-import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops import counter_random
 from kfac.python.ops import utils
 
 
@@ -247,8 +247,9 @@ def _normal_nll(targets, mean, var):
 
 def _is_stateless_seed(seed):
   """A seed of shape [2] (a Tensor, or a list/tuple of two ints) selects the
-  stateless random ops: the same seed gives the same sample in every run,
-  trace and process (what an exactly resumable training step needs)."""
+  stateless counter-based generator: the same seed gives the same sample in
+  every run, trace, process, Session or tf.function, with or without XLA
+  (what an exactly resumable training step needs)."""
   if isinstance(seed, (tf.Tensor, tf.Variable)):
     return True
   return isinstance(seed, (list, tuple)) and len(seed) == 2
@@ -256,19 +257,23 @@ def _is_stateless_seed(seed):
 
 def _random_normal(shape, seed, dtype):
   if _is_stateless_seed(seed):
-    return tf.random.stateless_normal(shape, seed, dtype=dtype)
+    return counter_random.normal(shape, seed, dtype)
   return tf.random.normal(shape, seed=seed, dtype=dtype)
 
 
 def _random_uniform(shape, seed, dtype):
   if _is_stateless_seed(seed):
-    return tf.random.stateless_uniform(shape, seed, dtype=dtype)
+    return counter_random.uniform(shape, seed, dtype)
   return tf.random.uniform(shape, seed=seed, dtype=dtype)
 
 
 def _random_categorical(logits, seed):
+  """[n, 1] class ids drawn from the rows of `logits`. The stateless path
+  uses the Gumbel-max trick (argmax of logits + Gumbel noise)."""
   if _is_stateless_seed(seed):
-    return tf.random.stateless_categorical(logits, 1, seed)
+    uniform = counter_random.uniform(tf.shape(logits), seed, logits.dtype)
+    gumbel = -tf.math.log(-tf.math.log(uniform))
+    return tf.argmax(logits + gumbel, axis=-1)[:, tf.newaxis]
   return tf.random.categorical(logits, 1, seed=seed)
 
 
