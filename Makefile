@@ -37,6 +37,11 @@ $(STAMP): setup.py
 	fi
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --progress-bar off -e ".[$(EXTRAS)]"
+	@# tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1 users) requires the full
+	@# `tensorflow` wheel; --no-deps installs it beside tensorflow-cpu. Its
+	@# version must match TensorFlow's.
+	tfv=$$($(VPY) -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))") && \
+	  $(VPY) -m pip install --progress-bar off --no-deps "tf-keras==$$tfv.*"
 	@touch $@
 
 # Best effort: never fails the build. Puts the Debian Fashion-MNIST files

@@ -1,0 +1,391 @@
+"""Tests of kfac.keras.optimizers.Kfac in model.fit and custom loops.
+
+Runs under the Keras of `tf.keras` (Keras 3 by default); `test_tf_keras`
+runs most of this file again in a subprocess with TF_USE_LEGACY_KERAS=1
+(tf_keras).
+
+What is checked, and how tightly (float32 models, so the tolerances are a
+few float32 ulps of the accumulated steps):
+* the weights after 3 `fit` steps equal 3 steps of
+  kfac.PeriodicInvCovUpdateKfacOpt on the same model written with raw TF
+  ops in a TF1 Session graph and registered by hand (rtol 2e-5), in the
+  "exact" mode and in the sampled "gradients" mode (the same stateless
+  (seed, step) samples);
+* Sequential, functional, subclassed and nested models give the same steps
+  (atol 1e-6);
+* model.save + kfac.keras.saving_utils.load_model and tf.train.Checkpoint
+  resume on exactly the same trajectory (losses and weights bit-identical);
+* get_config / from_config round trip, and the rebuilt optimizer takes the
+  same steps;
+* jit_compile=True gives the same steps as jit_compile=False (rtol 1e-5);
+* a custom tf.function loop (with and without XLA) takes the same steps as
+  fit;
+* a damping change between steps takes effect without retracing;
+* TensorBoard scalars are written when a summary writer is active;
+* bad input raises clear errors.
+"""
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac
+import kfac.keras
+from kfac.python.keras import keras_flavor
+
+keras = keras_flavor.keras_module()
+LEGACY = keras_flavor.legacy_keras_active()
+
+N, D_IN, D_H, D_OUT, BATCH = 48, 6, 8, 3, 16
+LR, DAMPING, SEED = 0.05, 0.01, 7
+
+
+def _data():
+  rng = np.random.RandomState(0)
+  x = rng.randn(N, D_IN).astype(np.float32)
+  y = rng.randint(0, D_OUT, size=N).astype(np.int32)
+  return x, y
+
+
+def _weights():
+  rng = np.random.RandomState(1)
+  return [(rng.randn(D_IN, D_H) * 0.5).astype(np.float32),
+          (rng.randn(D_H) * 0.1).astype(np.float32),
+          (rng.randn(D_H, D_OUT) * 0.5).astype(np.float32),
+          (rng.randn(D_OUT) * 0.1).astype(np.float32)]
+
+
+def _layers():
+  return (keras.layers.Dense(D_H, activation="tanh", name="hidden"),
+          keras.layers.Dense(D_OUT, activation="softmax", name="out"))
+
+
+def sequential_model():
+  hidden, out = _layers()
+  return keras.Sequential([keras.Input((D_IN,)), hidden, out], name="seq")
+
+
+def functional_model():
+  hidden, out = _layers()
+  inputs = keras.Input((D_IN,))
+  return keras.Model(inputs, out(hidden(inputs)), name="func")
+
+
+class Subclassed(keras.Model):
+
+  def __init__(self):
+    super().__init__(name="sub")
+    self.hidden, self.out = _layers()
+
+  def call(self, inputs):
+    return self.out(self.hidden(inputs))
+
+
+def subclassed_model():
+  model = Subclassed()
+  model(np.zeros((1, D_IN), np.float32))
+  return model
+
+
+def nested_model():
+  hidden, out = _layers()
+  inner = keras.Sequential([keras.Input((D_IN,)), hidden], name="inner")
+  inputs = keras.Input((D_IN,))
+  return keras.Model(inputs, out(inner(inputs)), name="outer")
+
+
+def _compile(model, jit_compile=False, **kwargs):
+  model.set_weights(_weights())
+  options = dict(learning_rate=LR, damping=DAMPING, model=model,
+                 loss="sparse_categorical_crossentropy", invert_every=1,
+                 momentum=0.9, seed=SEED)
+  options.update(kwargs)
+  opt = kfac.keras.optimizers.Kfac(**options)
+  compile_kwargs = {} if LEGACY and not jit_compile else {
+      "jit_compile": jit_compile}
+  model.compile(optimizer=opt, loss="sparse_categorical_crossentropy",
+                **compile_kwargs)
+  return model, opt
+
+
+class _Losses(keras.callbacks.Callback):
+
+  def __init__(self):
+    super().__init__()
+    self.values = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.values.append(float(logs["loss"]))
+
+
+def _fit(model, first, last):
+  """Steps first..last-1 (one fit call per batch: logs hold that batch's
+  loss, not a running mean)."""
+  x, y = _data()
+  losses = []
+  for i in range(first, last):
+    cb = _Losses()
+    model.fit(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH],
+              batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[cb])
+    losses.extend(cb.values)
+  return losses
+
+
+def _tf1_reference(steps, estimation_mode, dampings=None):
+  """Weights after `steps` K-FAC steps of the same model in a TF1 graph."""
+  x_all, y_all = _data()
+  dampings = dampings or [DAMPING] * steps
+  graph = tf.Graph()
+  with graph.as_default():
+    w1, b1, w2, b2 = [tf.compat.v1.Variable(w) for w in _weights()]
+    x = tf.compat.v1.placeholder(tf.float32, [BATCH, D_IN])
+    y = tf.compat.v1.placeholder(tf.int32, [BATCH])
+    step = tf.compat.v1.placeholder(tf.int64, [])
+    damping = tf.compat.v1.Variable(DAMPING, trainable=False)
+    pre1 = tf.matmul(x, w1) + b1
+    hidden = tf.tanh(pre1)
+    logits = tf.matmul(hidden, w2) + b2
+    loss = tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                       logits=logits))
+    lc = kfac.LayerCollection()
+    lc.register_fully_connected((w1, b1), x, pre1)
+    lc.register_fully_connected((w2, b2), hidden, logits)
+    lc.register_categorical_predictive_distribution(
+        logits, seed=tf.stack([tf.constant(SEED, tf.int64), step]))
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=LR, damping=damping, layer_collection=lc,
+        invert_every=1, momentum=0.9, estimation_mode=estimation_mode)
+    train = opt.minimize(loss, var_list=[w1, b1, w2, b2])
+    with tf.compat.v1.Session(graph=graph) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for i in range(steps):
+        damping.load(dampings[i], sess)
+        sess.run(train, {x: x_all[i * BATCH:(i + 1) * BATCH],
+                         y: y_all[i * BATCH:(i + 1) * BATCH], step: i})
+      return sess.run([w1, b1, w2, b2])
+
+
+def _assert_weights(actual, expected, rtol=2e-5, atol=1e-6):
+  assert len(actual) == len(expected)
+  for a, e in zip(actual, expected):
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mode", ["exact", "gradients"])
+def test_fit_equals_tf1_graph_steps(mode):
+  model, _ = _compile(sequential_model(), estimation_mode=mode)
+  _fit(model, 0, 3)
+  expected = _tf1_reference(3, mode)
+  _assert_weights(model.get_weights(), expected)
+  # The steps moved the weights well beyond the tolerance.
+  assert max(np.max(np.abs(a - b)) for a, b in
+             zip(expected, _weights())) > 0.05
+
+
+@pytest.mark.parametrize("make", [functional_model, subclassed_model,
+                                  nested_model])
+def test_model_styles_take_the_same_steps(make):
+  reference, _ = _compile(sequential_model())
+  _fit(reference, 0, 2)
+  model, opt = _compile(make())
+  _fit(model, 0, 2)
+  _assert_weights(model.get_weights(), reference.get_weights(), rtol=0,
+                  atol=1e-6)
+  report = opt.registration_report
+  assert report.count("FullyConnectedKFACBasicFB") == 2, report
+  assert "categorical on logits" in report, report
+
+
+def test_custom_loop_takes_the_same_steps_as_fit():
+  reference, _ = _compile(sequential_model())
+  _fit(reference, 0, 3)
+  x_all, y_all = _data()
+  for jit in (False, True):
+    model = sequential_model()
+    model.set_weights(_weights())
+    opt = kfac.keras.optimizers.Kfac(
+        learning_rate=LR, damping=DAMPING, model=model,
+        loss="sparse_categorical_crossentropy", invert_every=1,
+        momentum=0.9, seed=SEED)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function(jit_compile=jit)
+    def step(x, y):
+      with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))  # pylint: disable=cell-var-from-loop
+      grads = tape.gradient(loss, model.trainable_variables)  # pylint: disable=cell-var-from-loop
+      opt.apply_gradients(zip(grads, model.trainable_variables))  # pylint: disable=cell-var-from-loop
+      return loss
+
+    for i in range(3):
+      step(x_all[i * BATCH:(i + 1) * BATCH], y_all[i * BATCH:(i + 1) * BATCH])
+    _assert_weights(model.get_weights(), reference.get_weights(), rtol=1e-5)
+
+
+def test_xla_gives_the_same_steps():
+  plain, _ = _compile(sequential_model(), jit_compile=False)
+  _fit(plain, 0, 3)
+  xla, _ = _compile(sequential_model(), jit_compile=True)
+  _fit(xla, 0, 3)
+  _assert_weights(xla.get_weights(), plain.get_weights(), rtol=1e-5)
+
+
+def test_save_load_resumes_exactly(tmp_path):
+  full, _ = _compile(functional_model())
+  full_losses = _fit(full, 0, 3)
+  first, _ = _compile(functional_model())
+  losses = _fit(first, 0, 2)
+  path = str(tmp_path / "model.keras")
+  first.save(path)
+  loaded = kfac.keras.saving_utils.load_model(path)
+  assert isinstance(loaded.optimizer, kfac.keras.optimizers.Kfac)
+  assert loaded.optimizer.model is loaded
+  # All K-FAC state came back: factors, inverses, velocities, counter.
+  saved = first.optimizer.state_store.numpy_state()
+  restored = loaded.optimizer.state_store.numpy_state()
+  assert sorted(saved) == sorted(restored) and len(saved) > 10
+  for key in saved:
+    np.testing.assert_array_equal(saved[key], restored[key], err_msg=key)
+  losses += _fit(loaded, 2, 3)
+  assert losses == full_losses
+  for a, b in zip(loaded.get_weights(), full.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_resumes_exactly(tmp_path):
+  full, _ = _compile(sequential_model())
+  full_losses = _fit(full, 0, 3)
+  first, opt = _compile(sequential_model())
+  losses = _fit(first, 0, 2)
+  path = tf.train.Checkpoint(model=first, optimizer=opt).save(
+      str(tmp_path / "ckpt"))
+  second, opt2 = _compile(sequential_model())
+  tf.train.Checkpoint(model=second, optimizer=opt2).restore(
+      path).assert_existing_objects_matched()
+  losses += _fit(second, 2, 3)
+  assert losses == full_losses
+  for a, b in zip(second.get_weights(), full.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  assert int(opt2.kfac_optimizer.counter.numpy()) == 3
+
+
+def test_config_round_trip():
+  model, opt = _compile(sequential_model(), cov_ema_decay=0.9,
+                        norm_constraint=1.0,
+                        fisher_approx={"hidden": "kron_in_diag",
+                                       keras.layers.Dense: "kron"})
+  config = opt.get_config()
+  assert config["fisher_approx"] == {"hidden": "kron_in_diag",
+                                     "__class__:Dense": "kron"}
+  assert config["cov_ema_decay"] == 0.9 and config["seed"] == SEED
+  rebuilt = kfac.keras.optimizers.Kfac.from_config(config)
+  assert rebuilt.get_config() == config
+  # The rebuilt optimizer, given the model, takes the same steps.
+  other = sequential_model()
+  other.set_weights(_weights())
+  rebuilt.register_model(other)
+  other.compile(optimizer=rebuilt, loss="sparse_categorical_crossentropy")
+  _fit(other, 0, 2)
+  _fit(model, 0, 2)
+  _assert_weights(other.get_weights(), model.get_weights(), rtol=0, atol=0)
+  assert "FullyConnectedKFACBasicFB" in rebuilt.registration_report
+
+
+def test_hyperparameter_change_takes_effect_without_retracing():
+  model, opt = _compile(sequential_model(), estimation_mode="exact")
+  _fit(model, 0, 1)
+  train_function = model.train_function
+  opt.damping = 0.3
+  _fit(model, 1, 3)
+  assert model.train_function is train_function
+  assert float(opt.damping.numpy()) == pytest.approx(0.3)
+  _assert_weights(model.get_weights(),
+                  _tf1_reference(3, "exact", [DAMPING, 0.3, 0.3]))
+
+
+def test_tensorboard_scalars(tmp_path):
+  model, opt = _compile(sequential_model())
+  opt.damping = 0.02
+  writer = tf.summary.create_file_writer(str(tmp_path))
+  with writer.as_default():
+    _fit(model, 0, 2)
+  writer.flush()
+  seen = {}
+  for path in glob.glob(str(tmp_path / "events.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        seen.setdefault(value.tag, []).append(
+            (event.step, float(tf.make_ndarray(value.tensor))))
+  assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",
+                          "kfac/momentum"], seen
+  assert seen["kfac/damping"] == [(0, pytest.approx(0.02)),
+                                  (1, pytest.approx(0.02))]
+  assert seen["kfac/learning_rate"][0][1] == pytest.approx(LR)
+
+
+def test_errors():
+  model = sequential_model()
+  make = kfac.keras.optimizers.Kfac
+  with pytest.raises(ValueError, match="learning_rate"):
+    make(damping=0.1, model=model)
+  with pytest.raises(ValueError, match="damping"):
+    make(learning_rate=0.1, model=model)
+  with pytest.raises(ValueError, match="adaptive"):
+    make(learning_rate=0.1, damping=0.1, adaptive=True)
+  with pytest.raises(ValueError, match="clipnorm"):
+    make(learning_rate=0.1, damping=0.1, clipnorm=1.0)
+  with pytest.raises(ValueError, match="layer_collection"):
+    make(learning_rate=0.1, damping=0.1,
+         layer_collection=kfac.LayerCollection())
+  with pytest.raises(ValueError, match="momentum_type"):
+    make(learning_rate=0.1, damping=0.1, momentum_type="nesterov")
+  with pytest.raises(ValueError, match="no_such_layer"):
+    make(learning_rate=0.1, damping=0.1, model=model,
+         fisher_approx={"no_such_layer": "diagonal"})
+  opt = make(learning_rate=0.1, damping=0.1, model=model)
+  with pytest.raises(ValueError, match="norm_constraint"):
+    opt.norm_constraint = 1.0
+  with pytest.raises(ValueError, match="already serves"):
+    opt.register_model(sequential_model())
+
+
+def test_run_eagerly_is_rejected():
+  model, _ = _compile(sequential_model())
+  model.compile(optimizer=model.optimizer,
+                loss="sparse_categorical_crossentropy", run_eagerly=True)
+  with pytest.raises(RuntimeError, match="traced"):
+    _fit(model, 0, 1)
+
+
+def test_optimizer_without_model_says_how_to_fix():
+  model = sequential_model()
+  opt = kfac.keras.optimizers.Kfac(learning_rate=0.1, damping=0.1,
+                                   loss="sparse_categorical_crossentropy")
+  model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+  with pytest.raises(ValueError, match="register_model"):
+    _fit(model, 0, 1)
+
+
+def test_tf_keras():
+  """The fit, model-style, resume, config and error tests of this file
+  again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
+  if LEGACY:
+    return  # this is the run under tf_keras
+  env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+       "-k", "fit_equals or model_styles or resumes or config or errors "
+       "or without_model", os.path.abspath(__file__)],
+      env=env, cwd=root, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  assert " passed" in result.stdout
