@@ -229,6 +229,46 @@ def test_custom_loop_takes_the_same_steps_as_fit():
     _assert_weights(model.get_weights(), reference.get_weights(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("how", ["get_layer_collection", "register_layer"])
+def test_core_optimizer_with_keras_registration(how):
+  """kfac.keras.utils registrations drive the core optimizer in a custom
+  loop to the same steps as fit."""
+  reference, _ = _compile(sequential_model())
+  _fit(reference, 0, 3)
+  x_all, y_all = _data()
+  model = sequential_model()
+  model.set_weights(_weights())
+  kfac.keras.utils.watch(model)
+  variables = [keras_flavor.unwrap_variable(v)
+               for v in model.trainable_variables]
+  opt = kfac.PeriodicInvCovUpdateKfacOpt(
+      learning_rate=LR, damping=DAMPING, invert_every=1, momentum=0.9)
+  loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+  @tf.function
+  def step(x, y, i):
+    with tf.GradientTape() as tape:
+      probs = model(x, training=True)
+      loss = loss_fn(y, probs)
+    seed = tf.stack([tf.constant(SEED, tf.int64), i])
+    if how == "get_layer_collection":
+      lc, _ = kfac.keras.utils.get_layer_collection(
+          model, "sparse_categorical_crossentropy", seed=seed)
+    else:
+      lc = kfac.LayerCollection()
+      for layer in model.layers:
+        kfac.keras.utils.register_layer(lc, layer)
+      kfac.keras.utils.register_loss(lc, "sparse_categorical_crossentropy",
+                                     probs, seed=seed)
+    grads = tape.gradient(loss, variables)
+    opt.apply_gradients(list(zip(grads, variables)), layer_collection=lc)
+
+  for i in range(3):
+    step(x_all[i * BATCH:(i + 1) * BATCH], y_all[i * BATCH:(i + 1) * BATCH],
+         tf.constant(i, tf.int64))
+  _assert_weights(model.get_weights(), reference.get_weights(), rtol=1e-5)
+
+
 def test_xla_gives_the_same_steps():
   plain, _ = _compile(sequential_model(), jit_compile=False)
   _fit(plain, 0, 3)
