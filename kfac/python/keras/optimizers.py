@@ -70,6 +70,18 @@ def _check_kwargs(kfac_kwargs):
                        % key)
 
 
+def _check_before_base(learning_rate, adaptive, kfac_kwargs):
+  """The checks that must come before the Keras base class is built."""
+  if adaptive:
+    raise ValueError(
+        "adaptive=True needs the quadratic-model learning rate and damping "
+        "adaptation, which this version of kfac does not provide; pass "
+        "learning_rate and damping.")
+  if learning_rate is None:
+    raise ValueError("Kfac needs learning_rate (adaptive=False).")
+  _check_kwargs(kfac_kwargs)
+
+
 class KfacKerasMixin:
   """Everything of the Keras optimizer that does not depend on the flavour.
 
@@ -80,16 +92,10 @@ class KfacKerasMixin:
   def _kfac_init(self, learning_rate, damping, model, loss, loss_weights,
                  fisher_approx, layer_collection, adaptive, train_batch,
                  seed, kfac_kwargs):
-    if adaptive:
-      raise ValueError(
-          "adaptive=True needs the quadratic-model learning rate and "
-          "damping adaptation, which this version of kfac does not provide; "
-          "pass learning_rate and damping.")
+    _check_before_base(learning_rate, adaptive, kfac_kwargs)
     if train_batch is not None:
       raise ValueError("train_batch is used by adaptive K-FAC only, which "
                        "this version of kfac does not provide.")
-    if learning_rate is None:
-      raise ValueError("Kfac needs learning_rate (adaptive=False).")
     if damping is None:
       raise ValueError("Kfac needs damping (adaptive=False).")
     if layer_collection is not None:
@@ -98,7 +104,6 @@ class KfacKerasMixin:
           "collection is rebuilt from the model on every trace. Register "
           "extra layers through fisher_approx, or write a custom loop with "
           "kfac.PeriodicInvCovUpdateKfacOpt.")
-    _check_kwargs(kfac_kwargs)
     self._kfac_kwargs = dict(kfac_kwargs)
     self._kfac_loss = loss
     self._kfac_loss_weights = loss_weights
@@ -269,20 +274,50 @@ class KfacKerasMixin:
     return config
 
   # -------------------------------------------------------------- state
-  def _kfac_save_state(self, store):
+  def get_config(self):
+    return self._kfac_config(float(self._kfac_lr_tensor().numpy()))
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    del custom_objects
+    config = dict(config)
+    config["loss"] = _deserialize_loss(config.get("loss"))
+    return cls(**config)
+
+  def save_own_variables(self, store):
+    """The Keras variables by index (as Keras does), and every K-FAC state
+    variable under "kfac_state:<its key>"."""
+    for i, variable in enumerate(self.variables):
+      store[str(i)] = variable.numpy()
     for key, value in self._kfac_state.numpy_state().items():
       store[_STATE_PREFIX + _encode(key)] = value
 
-  def _kfac_load_state(self, store):
-    """Loads the K-FAC entries of `store`; returns the other keys."""
+  def load_own_variables(self, store):
     values, rest = {}, []
     for key in store.keys():
       if key.startswith(_STATE_PREFIX):
         values[_decode(key[len(_STATE_PREFIX):])] = np.asarray(store[key])
       else:
         rest.append(key)
+    if len(rest) != len(self.variables):
+      raise ValueError(
+          "The saved optimizer has %d Keras variables but Kfac %r has %d: "
+          "was it saved with different Kfac arguments?" %
+          (len(rest), self.name, len(self.variables)))
+    for i, variable in enumerate(self.variables):
+      variable.assign(store[str(i)])
     self._kfac_state.restore(values)
-    return rest
+
+  damping = property(lambda self: self._kfac_get("damping"),
+                     lambda self, v: self._kfac_set("damping", v))
+  momentum = property(lambda self: self._kfac_get("momentum"),
+                      lambda self, v: self._kfac_set("momentum", v))
+  weight_decay_coeff = property(
+      lambda self: self._kfac_get("weight_decay_coeff"),
+      lambda self, v: self._kfac_set("weight_decay_coeff", v))
+  norm_constraint = property(
+      lambda self: self._kfac_get("norm_constraint"),
+      lambda self, v: self._kfac_set("norm_constraint", v))
 
 
 def _encode(key):
@@ -380,9 +415,7 @@ def _make_keras3_class(keras):
                  loss=None, loss_weights=None, fisher_approx=None,
                  layer_collection=None, adaptive=False, train_batch=None,
                  name="Kfac", seed=None, **kfac_kwargs):
-      if learning_rate is None and not adaptive:
-        raise ValueError("Kfac needs learning_rate (adaptive=False).")
-      _check_kwargs(kfac_kwargs)
+      _check_before_base(learning_rate, adaptive, kfac_kwargs)
       super().__init__(learning_rate=float(learning_rate or 0.0), name=name)
       self._kfac_init(learning_rate, damping, model, loss, loss_weights,
                       fisher_approx, layer_collection, adaptive,
@@ -405,39 +438,6 @@ def _make_keras3_class(keras):
                         trainable_variables):
       raise NotImplementedError("Kfac runs on the TensorFlow backend only.")
 
-    def get_config(self):
-      return self._kfac_config(float(self._kfac_lr_tensor().numpy()))
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-      config = dict(config)
-      config["loss"] = _deserialize_loss(config.get("loss"))
-      return cls(**config)
-
-    def save_own_variables(self, store):
-      super().save_own_variables(store)
-      self._kfac_save_state(store)
-
-    def load_own_variables(self, store):
-      rest = self._kfac_load_state(store)
-      if len(rest) != len(self.variables):
-        raise ValueError(
-            "The saved optimizer has %d Keras variables but Kfac %r has %d: "
-            "was it saved with different Kfac arguments?" %
-            (len(rest), self.name, len(self.variables)))
-      for i, variable in enumerate(self.variables):
-        variable.assign(store[str(i)])
-
-    damping = property(lambda self: self._kfac_get("damping"),
-                       lambda self, v: self._kfac_set("damping", v))
-    momentum = property(lambda self: self._kfac_get("momentum"),
-                        lambda self, v: self._kfac_set("momentum", v))
-    weight_decay_coeff = property(
-        lambda self: self._kfac_get("weight_decay_coeff"),
-        lambda self, v: self._kfac_set("weight_decay_coeff", v))
-    norm_constraint = property(
-        lambda self: self._kfac_get("norm_constraint"),
-        lambda self, v: self._kfac_set("norm_constraint", v))
 
   return Kfac
 
@@ -453,9 +453,7 @@ def _make_legacy_class(tf_keras):
                  loss=None, loss_weights=None, fisher_approx=None,
                  layer_collection=None, adaptive=False, train_batch=None,
                  name="Kfac", seed=None, **kfac_kwargs):
-      if learning_rate is None and not adaptive:
-        raise ValueError("Kfac needs learning_rate (adaptive=False).")
-      _check_kwargs(kfac_kwargs)
+      _check_before_base(learning_rate, adaptive, kfac_kwargs)
       super().__init__(name=name, jit_compile=False)
       self._learning_rate = self._build_learning_rate(float(learning_rate))
       self._kfac_init(learning_rate, damping, model, loss, loss_weights,
@@ -469,16 +467,12 @@ def _make_legacy_class(tf_keras):
       self._variables.append(var)
       return var
 
-    def build(self, var_list):
-      super().build(var_list)
-      self._built = True
-
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
       del name, skip_gradients_aggregation, kwargs
       grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
       grads, variables = zip(*grads_and_vars)
-      if not self._built:
+      if not getattr(self, "_built", False):
         with tf.init_scope():
           self.build(list(variables))
       op = self._kfac_apply(list(grads), list(variables), self.iterations)
@@ -488,39 +482,6 @@ def _make_legacy_class(tf_keras):
     def update_step(self, gradient, variable):
       raise NotImplementedError("Kfac updates all variables at once.")
 
-    def get_config(self):
-      return self._kfac_config(float(self._kfac_lr_tensor().numpy()))
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-      config = dict(config)
-      config["loss"] = _deserialize_loss(config.get("loss"))
-      return cls(**config)
-
-    def save_own_variables(self, store):
-      for i, variable in enumerate(self.variables):
-        store[str(i)] = variable.numpy()
-      self._kfac_save_state(store)
-
-    def load_own_variables(self, store):
-      rest = self._kfac_load_state(store)
-      if len(rest) != len(self.variables):
-        raise ValueError(
-            "The saved optimizer has %d Keras variables but Kfac %r has %d." %
-            (len(rest), self.name, len(self.variables)))
-      for i, variable in enumerate(self.variables):
-        variable.assign(store[str(i)])
-
-    damping = property(lambda self: self._kfac_get("damping"),
-                       lambda self, v: self._kfac_set("damping", v))
-    momentum = property(lambda self: self._kfac_get("momentum"),
-                        lambda self, v: self._kfac_set("momentum", v))
-    weight_decay_coeff = property(
-        lambda self: self._kfac_get("weight_decay_coeff"),
-        lambda self, v: self._kfac_set("weight_decay_coeff", v))
-    norm_constraint = property(
-        lambda self: self._kfac_get("norm_constraint"),
-        lambda self, v: self._kfac_set("norm_constraint", v))
 
   return Kfac
 
