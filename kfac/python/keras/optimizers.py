@@ -236,6 +236,13 @@ class KfacKerasMixin:
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
     op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
                                          layer_collection=lc)
+    unused = self._kfac_state.unused_restored_keys
+    if unused:
+      self._kfac_warn("unused_state", (
+          "kfac: %d restored K-FAC state values match no variable of this "
+          "model (e.g. %s); they are not used. K-FAC state is keyed by "
+          "variable names: give the layers explicit names when rebuilding a "
+          "model in the same process." % (len(unused), unused[0])))
     with tf.control_dependencies([op]):
       self._kfac_summaries(iteration)
     return op

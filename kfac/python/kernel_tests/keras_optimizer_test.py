@@ -429,3 +429,19 @@ def test_tf_keras():
       env=env, cwd=root, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
   assert " passed" in result.stdout
+
+
+def test_restored_state_that_matches_nothing_is_reported():
+  model, opt = _compile(sequential_model())
+  _fit(model, 0, 1)
+  store = {}
+  opt.save_own_variables(store)
+  assert any(k.startswith("kfac_state:") for k in store)
+  renamed = {(k.replace("hidden", "renamed") if k.startswith("kfac_state:")
+              else k): v for k, v in store.items()}
+  other, opt2 = _compile(sequential_model())
+  opt2.load_own_variables(renamed)
+  with pytest.warns(UserWarning, match="match no variable"):
+    _fit(other, 0, 1)
+  with pytest.raises(ValueError, match="Keras variables"):
+    opt2.load_own_variables({"0": np.zeros(())})

@@ -77,6 +77,11 @@ class StateStore(tf.Module):
               "shape %s." % (key, value.shape, var.shape))
         var.assign(value)
 
+  @property
+  def unused_restored_keys(self):
+    """Keys restored by `restore` that no variable has asked for yet."""
+    return sorted(self._pending)
+
   def numpy_state(self):
     """{key: numpy array} of every variable, plus values restored but not
     yet used (so saving right after loading loses nothing)."""
