@@ -221,6 +221,13 @@ class KfacKerasMixin:
           "Kfac needs the forward pass and the update in one traced step: "
           "model.fit with run_eagerly=True, or an eager custom loop, is not "
           "supported. Trace the step with tf.function.")
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+      raise NotImplementedError(
+          "Kfac under a tf.distribute strategy with %d replicas: the factor "
+          "statistics would need cross-replica averaging, which this version "
+          "does not do. Use one replica (or the TF1 placement options of "
+          "kfac.PeriodicInvCovUpdateKfacOpt)." % replicas)
     if self._kfac_model is None:
       raise ValueError(
           "Kfac has no model: create it with Kfac(..., model=model), call "

@@ -445,3 +445,46 @@ def test_restored_state_that_matches_nothing_is_reported():
     _fit(other, 0, 1)
   with pytest.raises(ValueError, match="Keras variables"):
     opt2.load_own_variables({"0": np.zeros(())})
+
+
+_STRATEGY_SCRIPT = """
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import kfac.keras
+from kfac.python.keras import keras_flavor
+keras = keras_flavor.keras_module()
+x = np.random.RandomState(0).randn(32, 4).astype(np.float32)
+y = np.random.RandomState(1).randint(0, 2, 32)
+
+def fit(devices):
+  with tf.distribute.MirroredStrategy(devices).scope():
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = kfac.keras.optimizers.Kfac(learning_rate=0.05, damping=0.1,
+                                     model=m, loss=loss)
+    m.compile(optimizer=opt, loss=loss)
+  return m.fit(x, y, batch_size=8, epochs=1, verbose=0).history["loss"][0]
+
+print("one replica loss", fit(["/cpu:0"]))
+try:
+  fit(["/cpu:0", "/cpu:1"])
+except NotImplementedError as e:
+  print("two replicas:", e)
+"""
+
+
+def test_distribution_strategy():
+  """One replica trains; more replicas raise a clear error (subprocess:
+  logical devices must be set before TensorFlow starts)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  result = subprocess.run([sys.executable, "-c", _STRATEGY_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300)
+  out = result.stdout
+  assert result.returncode == 0, out + result.stderr[-3000:]
+  assert "one replica loss" in out
+  assert "two replicas:" in out and "2 replicas" in out, out
