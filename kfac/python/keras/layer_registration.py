@@ -9,18 +9,27 @@ Supported layers and what K-FAC sees:
   Dense, EinsumDense (when it is a dense layer: a 2-d kernel contracting the
     input's last axis, bias on the output axis)  register_fully_connected,
     inputs [batch, ..., in] and the pre-activations (fused activations are
-    skipped); used several times in one step: register_fully_connected_multi
-  Conv1D/2D/3D (groups=1)   register_conv1d / register_convolution
+    skipped); called several times in one step on [batch, in] inputs:
+    register_fully_connected_multi (kron_indep)
+  Conv1D/2D/3D (groups=1)   register_conv1d / register_convolution; a Conv2D
+                            called several times: register_conv2d_multi
   DepthwiseConv2D           register_depthwise_conv2d
-  Embedding                 register_embedding
-  BatchNormalization, LayerNormalization (trailing normalised axes)
-                            register_scale_and_shift on the normalised inputs
+  Embedding                 register_embedding; called several times with
+                            one id per example and call:
+                            register_fully_connected_multi(dense_inputs=False)
+  BatchNormalization (channel axis last), LayerNormalization (trailing
+    normalised axes)        register_scale_and_shift on the normalised inputs
                             (recomputed from the layer's input as the layer
                             does) and the layer's outputs
 Anything else with trainable weights (and any case above the layer's options
-put out of reach, e.g. grouped convolutions, masks, renorm) falls back to
+put out of reach: grouped or transposed convolutions, masks, renorm,
+BatchNormalization over another axis, layers called several times on inputs
+with positions, other layers called several times) falls back to
 `register_generic` with the GENERIC_FALLBACK approximation, and a warning
-names the layer and the reason.
+names the layer and the reason. Every registered tensor is one the loss
+depends on: K-FAC's output statistics are gradients w.r.t. them, and the
+gradient w.r.t. a tensor off that path (a transpose or a slice made here)
+would silently be zero.
 """
 
 import collections
@@ -111,7 +120,9 @@ def _kind_of(layer):
     if (_DENSE_EQUATION.match(getattr(layer, "equation", "") or "")
         and kernel is not None and len(kernel.shape) == 2):
       bias = getattr(layer, "bias", None)
-      if bias is None or tuple(bias.shape) == (kernel.shape[-1],):
+      bias_axes = getattr(layer, "bias_axes", None)
+      if bias is None or (tuple(bias.shape) == (kernel.shape[-1],) and
+                          bias_axes == layer.equation[-1]):
         return "dense", None
     return "generic", ("EinsumDense equation %r is not a dense layer" %
                        getattr(layer, "equation", None))
@@ -145,7 +156,11 @@ def _layer_params(layer, kind):
   if kind == "dense" or kind == "conv":
     params = [layer.kernel, getattr(layer, "bias", None)]
   elif kind == "depthwise_conv":
-    params = [layer.depthwise_kernel, getattr(layer, "bias", None)]
+    # tf_keras names the filter depthwise_kernel, Keras 3 kernel.
+    kernel = getattr(layer, "depthwise_kernel", None)
+    if kernel is None:
+      kernel = layer.kernel
+    params = [kernel, getattr(layer, "bias", None)]
   elif kind == "embedding":
     params = [layer.embeddings]
   elif kind in ("batch_norm", "layer_norm"):
@@ -204,12 +219,29 @@ def _padding(layer):
   return layer.padding.upper()
 
 
+def _check_multi_use_positions(plan, calls, shapes):
+  """Multi-use blocks take one [batch, ...] lookup / product per use: a
+  layer called several times on inputs with positions ([batch, T, in]) has
+  no multi-use registration (its outputs cannot be split per position
+  without leaving the loss's graph)."""
+  ranks = {s.rank for s in shapes}
+  if ranks != {2}:
+    raise _Fallback(
+        "%s called %d times in one step on inputs with positions (outputs "
+        "of rank %s); multi-use blocks take [batch, ...] outputs of rank 2 "
+        "per call" % (type(plan.layer).__name__, len(calls),
+                      "/".join(sorted(str(r) for r in ranks))))
+
+
 def _register_dense(lc, plan, calls):
   params = _param_arg(plan.params)
   if len(calls) == 1:
     return lc.register_fully_connected(params, calls[0].inputs,
                                        calls[0].preactivations,
                                        approx=plan.approx)
+  _check_multi_use_positions(
+      plan, calls, [tf.convert_to_tensor(c.preactivations).shape
+                    for c in calls])
   return lc.register_fully_connected_multi(
       params, [c.inputs for c in calls], [c.preactivations for c in calls],
       approx=plan.approx)
@@ -222,10 +254,9 @@ def _register_conv(lc, plan, calls):
   data_format = _conv_data_format(layer, rank)
   if len(calls) > 1:
     if rank != 2:
-      raise RegistrationError(
-          "Layer %s (%s) is called %d times in one step; only Conv2D layers "
-          "can be registered as multi-use convolutions." %
-          (keras_flavor.layer_path(layer), type(layer).__name__, len(calls)))
+      raise _Fallback(
+          "%s called %d times in one step; only Conv2D layers have a "
+          "multi-use convolution block" % (type(layer).__name__, len(calls)))
     return lc.register_conv2d_multi(
         params, list(layer.strides), _padding(layer),
         [c.inputs for c in calls], [c.preactivations for c in calls],
@@ -260,18 +291,11 @@ def _register_embedding(lc, plan, calls):
   if len(calls) == 1:
     return lc.register_embedding(plan.params[0], ids(calls[0]),
                                  calls[0].outputs, approx=plan.approx)
+  _check_multi_use_positions(
+      plan, calls, [tf.convert_to_tensor(c.outputs).shape for c in calls])
   return lc.register_fully_connected_multi(
       plan.params[0], [ids(c) for c in calls], [c.outputs for c in calls],
       approx=plan.approx, dense_inputs=False)
-
-
-def _move_axis_last(x, axis):
-  rank = x.shape.rank
-  axis = axis % rank
-  if axis == rank - 1:
-    return x
-  perm = [i for i in range(rank) if i != axis] + [axis]
-  return tf.transpose(x, perm)
 
 
 def _register_batch_norm(lc, plan, calls):
@@ -283,6 +307,13 @@ def _register_batch_norm(lc, plan, calls):
   axis = layer.axis
   axis = axis[0] if isinstance(axis, (list, tuple)) else axis
   axis = axis % x.shape.rank
+  if axis != x.shape.rank - 1:
+    # The scale-and-shift block broadcasts its [C] parameters over the last
+    # axis. Transposing the outputs would not do: the statistics need the
+    # loss's gradient w.r.t. them, and a transpose is not on the path from
+    # the parameters to the loss (its gradient would be zero).
+    raise _Fallback("BatchNormalization over axis %d, not the last axis "
+                    "of its inputs %s" % (axis, x.shape))
   compute = x.dtype if x.dtype.size >= 4 else tf.float32
   x = tf.cast(x, compute)
   if call.training and layer.trainable:
@@ -297,9 +328,8 @@ def _register_batch_norm(lc, plan, calls):
       variance + layer.epsilon))
   outputs = tf.convert_to_tensor(call.outputs)
   normalized = tf.cast(normalized, outputs.dtype)
-  return lc.register_scale_and_shift(
-      _param_arg(plan.params), _move_axis_last(normalized, axis),
-      _move_axis_last(outputs, axis), approx=plan.approx)
+  return lc.register_scale_and_shift(_param_arg(plan.params), normalized,
+                                     outputs, approx=plan.approx)
 
 
 def _register_layer_norm(lc, plan, calls):

@@ -11,9 +11,11 @@ non-batch axis and the categorical losses over every non-batch axis but the
 last, then averages over the batch ("sum_over_batch_size"); K-FAC sums over
 non-batch entries and averages its statistics over the batch.
 
-With from_logits=False the logits are found from the prediction: the tensor
-Keras's softmax / sigmoid records on its output (`_keras_logits`), or the
-recorded pre-activation of the layer that produced it.
+The cross-entropies are registered on the logits Keras computes them from
+(see `find_logits`): behind a softmax / sigmoid output (the tensor Keras
+records on it as `_keras_logits`, or the input of the Softmax / Sigmoid op),
+whatever from_logits says, as Keras does; else the prediction itself when
+from_logits=True.
 """
 
 import numpy as np
@@ -38,7 +40,12 @@ _ACTIVATION_OP = {
     "sparse_categorical_crossentropy": "Softmax",
     "binary_crossentropy": "Sigmoid",
 }
-_REDUCTIONS = (None, "auto", "sum_over_batch_size", "mean")
+# Reductions that average the per-element losses over the batch (without
+# sample weights, "mean_with_sample_weight" is the mean too). None / "none"
+# (Keras then sums the unreduced losses) and "sum" are not: their curvature
+# is N times larger.
+_REDUCTIONS = ("auto", "sum_over_batch_size", "mean",
+               "mean_with_sample_weight")
 
 
 class LossSpec:
@@ -74,8 +81,10 @@ def loss_spec(loss):
     raise RegistrationError(
         "kfac cannot register the loss %r: supported losses are mse, "
         "categorical_crossentropy, sparse_categorical_crossentropy and "
-        "binary_crossentropy (strings, functions or loss objects). Register "
-        "other losses yourself with kfac.keras.utils.register_loss." % name)
+        "binary_crossentropy (strings, functions or loss objects). For "
+        "another loss, register its predictive distribution yourself on a "
+        "LayerCollection (register_*_predictive_distribution) in a custom "
+        "training loop." % name)
   reduction = config.get("reduction", "sum_over_batch_size")
   if reduction not in _REDUCTIONS:
     raise RegistrationError(
@@ -103,24 +112,36 @@ def _static_size(shape, what):
 
 
 def find_logits(spec, prediction):
-  """The logits behind a softmax / sigmoid prediction."""
-  if spec.from_logits or spec.kind == "mean_squared_error":
+  """The logits the Keras loss `spec` computes its value from.
+
+  Keras's cross-entropies (both flavours, backend `_get_logits`) take the
+  logits behind a prediction that carries `_keras_logits` (set by Keras's
+  softmax / sigmoid) or comes out of a Softmax / Sigmoid op, whatever
+  from_logits says (from_logits=True on such a prediction only warns);
+  otherwise from_logits=True uses the prediction itself. kfac registers the
+  same logits."""
+  if spec.kind == "mean_squared_error":
     return prediction
+  keras_logits = getattr(prediction, "_keras_logits", None)
+  if keras_logits is not None:
+    return tf.convert_to_tensor(keras_logits)
   expected = _ACTIVATION_OP[spec.kind]
   op_type = getattr(getattr(prediction, "op", None), "type", None)
-  if op_type != expected:
-    raise RegistrationError(
-        "Loss %s with from_logits=False needs predictions that come out of "
-        "a %s activation (to find the logits), but the model output %s comes "
-        "from a %s op. Use from_logits=True with a linear last layer, or end "
-        "the model with a %s activation." %
-        (spec.description, expected.lower(), getattr(prediction, "name", ""),
-         op_type, expected.lower()))
-  logits = getattr(prediction, "_keras_logits", None)
-  if logits is not None:
-    return logits
-  # The op's input is the logits (Keras 2 does not tag the tensor).
-  return prediction.op.inputs[0]
+  if op_type == expected:
+    return prediction.op.inputs[0]
+  if spec.from_logits:
+    return prediction
+  raise RegistrationError(
+      "Loss %s with from_logits=False needs predictions that come out of "
+      "a %s activation (to find the logits), but the model output %s comes "
+      "from a %s op. Use from_logits=True with a linear last layer, or end "
+      "the model with a %s activation." %
+      (spec.description, expected.lower(), getattr(prediction, "name", ""),
+       op_type, expected.lower()))
+
+
+def _behind_activation(spec, prediction, logits):
+  return spec.kind != "mean_squared_error" and logits is not prediction
 
 
 def _targets(spec, targets, logits):
@@ -174,8 +195,9 @@ def register_keras_loss(lc, loss, prediction, targets=None,
         name=name)
     what = "categorical on logits %s, coeff %g" % (logits.shape,
                                                     coeff / positions)
-  source = "" if spec.from_logits or spec.kind == "mean_squared_error" else (
-      " (logits found behind the %s)" % _ACTIVATION_OP[spec.kind].lower())
+  source = ("" if not _behind_activation(spec, prediction, logits) else
+            " (logits found behind the %s)" %
+            _ACTIVATION_OP[spec.kind].lower())
   return "%s: %s%s" % (spec.description, what, source)
 
 
