@@ -35,6 +35,7 @@ from tensorflow.core.framework import summary_pb2
 
 from kfac.python.keras import keras_flavor
 from kfac.python.keras import layer_registration
+from kfac.python.keras import loss_registration
 from kfac.python.keras import utils as keras_utils
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
 from kfac.python.ops import utils as kfac_utils
@@ -104,6 +105,8 @@ class KfacKerasMixin:
           "collection is rebuilt from the model on every trace. Register "
           "extra layers through fisher_approx, or write a custom loop with "
           "kfac.PeriodicInvCovUpdateKfacOpt.")
+    for one_loss in ([] if loss is None else tf.nest.flatten(loss)):
+      loss_registration.loss_spec(one_loss)  # unsupported losses fail now
     self._kfac_kwargs = dict(kfac_kwargs)
     self._kfac_loss = loss
     self._kfac_loss_weights = loss_weights

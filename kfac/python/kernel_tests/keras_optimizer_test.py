@@ -384,6 +384,8 @@ def test_errors():
   with pytest.raises(ValueError, match="layer_collection"):
     make(learning_rate=0.1, damping=0.1,
          layer_collection=kfac.LayerCollection())
+  with pytest.raises(ValueError, match="huber"):
+    make(learning_rate=0.1, damping=0.1, loss="huber")
   with pytest.raises(ValueError, match="momentum_type"):
     make(learning_rate=0.1, damping=0.1, momentum_type="nesterov")
   with pytest.raises(ValueError, match="no_such_layer"):

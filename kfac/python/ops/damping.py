@@ -100,15 +100,16 @@ def pi_adjusted_damping_funcs(left_factor, right_factor, damping_func):
 def scaled_damping_func(damping_func, scale):
   """damping * scale, e.g. sqrt(damping) shares or normalisation by uses.
 
-  `scale` is a Python number or a scalar tensor (keyed by identity)."""
+  `scale` is a Python number or a scalar tensor (keyed by identity). A
+  tensor damping is scaled in float64 (a float32 damping variable divided by
+  3 would otherwise carry a 1e-8 relative error into a float64 model)."""
   key = ("scaled", utils.scalar_identity(scale), damping_func.key)
-  if utils.is_python_number(scale):
-    scale = float(scale)
-    return DampingFunc(lambda: damping_func() * scale, key)
 
   def fn():
     value = damping_func()
-    dtype = value.dtype if utils.is_tensor_or_variable(value) else tf.float64
-    return utils.cast(value, dtype) * tf.cast(scale, dtype)
+    if not utils.is_tensor_or_variable(value) and utils.is_python_number(
+        scale):
+      return value * float(scale)
+    return utils.cast(value, tf.float64) * utils.cast(scale, tf.float64)
 
   return DampingFunc(fn, key)
