@@ -3,7 +3,9 @@
 #   make demo      K-FAC vs Adam on a deep autoencoder (about 2 minutes)
 #   make demo-convnet  K-FAC vs Adam on a convnet classifier (about 2 minutes)
 #   make demo-rnn  K-FAC vs Adam on an RNN over image rows (about 1.5 minutes)
-#   make bench     ms/step of SGD, the old kfac 0.2.4 and this kfac (Session, tf.function)
+#   make demo-keras  K-FAC vs Adam with Keras model.fit on a CNN (about 2 minutes)
+#   make bench     ms/step of SGD, the old kfac 0.2.4 and this kfac (Session, tf.function),
+#                  and of Keras fit/custom loops with Kfac vs fit with Adam
 #   make test-all  all tests, including the ones marked slow
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make clean     remove build outputs; `make distclean` also removes .venv
@@ -23,7 +25,7 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 # Less TensorFlow start-up noise in every recipe below.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: all venv data test test-all demo demo-convnet demo-rnn bench clean distclean
+.PHONY: all venv data test test-all demo demo-convnet demo-rnn demo-keras bench clean distclean
 
 all: test
 
@@ -99,6 +101,9 @@ demo-convnet: venv data
 demo-rnn: venv data
 	$(VPY) examples/rnn_rows_classifier.py
 
+demo-keras: venv data
+	$(VPY) examples/keras_fit_classifier.py
+
 # The old library (kfac 0.2.4, frozen TF1 code) is the baseline of the step
 # benchmark. It goes into its own folder, without dependencies, so that it is
 # never imported by anything but the benchmark's worker for it.
@@ -110,6 +115,7 @@ $(OLD_KFAC)/kfac/__init__.py:
 
 bench: venv data $(OLD_KFAC)/kfac/__init__.py
 	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC)
+	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=bench_results
 
 clean:
 	rm -rf build dist *.egg-info bench_results .bench_deps .pytest_cache $(STAMP)
