@@ -73,10 +73,21 @@ LOSS_REL = 1e-9    # losses: coeff * GGN vs tape Hessian
 
 @pytest.fixture(autouse=True, scope="module")
 def float64_keras():
+  """floatx float64 for this module. Keras 3 also caches a global dtype
+  policy the first time any layer is built (from floatx at that moment), so
+  after other tests built layers, floatx alone would not change the layers'
+  dtype: the policy is set too, and both are restored."""
   old = keras.backend.floatx()
+  config = getattr(keras, "config", None)
+  set_policy = getattr(config, "set_dtype_policy", None)
+  old_policy = config.dtype_policy() if set_policy else None
   keras.backend.set_floatx("float64")
+  if set_policy:
+    set_policy("float64")
   yield
   keras.backend.set_floatx(old)
+  if set_policy:
+    set_policy(old_policy)
 
 
 def _rng(seed):

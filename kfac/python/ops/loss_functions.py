@@ -24,6 +24,7 @@ Tensors otherwise. Vectors in factor space are a Tensor of shape
 import abc
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops import counter_random
