@@ -22,7 +22,10 @@ while the model was called in that trace (an eager loop is refused).
 
 Damping schedule: between steps the loop assigns `opt.damping` (a
 variable, so the traced step is not retraced): exponential decay from
---damping to --final_damping over --damping_decay_steps steps. The learning
+--damping to --final_damping over --damping_decay_steps steps (default
+0.1 -> 0.03 at learning rate 0.01: a larger damping for the first steps,
+where keras_fit_classifier.py's grid saw K-FAC diverge with a too small
+one, ending at that grid's best setting). The learning
 rate (`opt.learning_rate`) and momentum (`opt.momentum`) can be assigned the
 same way.
 
@@ -43,7 +46,32 @@ trained ones, and the losses and weights are compared.
   python examples/keras_custom_loop.py --steps=200 --checkpoint_dir=/tmp/ck
       # the second run restores step 100 and trains steps 101..200
 
-RESULTS
+The K-FAC state is keyed by the model's variable names, so a model that
+restores a checkpoint must be built with the same layer names (the CNN
+here names its layers; two `Sequential` models built in one process with
+default names get different ones, and the K-FAC state would then not be
+restored: TensorFlow only warns about unrestored values).
+
+Measured on 2 shared AMD EPYC cores, TF 2.21, Keras 3.15, Fashion-MNIST
+(20000 training images, batch 256), default flags and --print_every=50:
+
+  300 steps in one run:      eval loss 0.5259 (step 50), 0.3068 (150),
+                             0.1618 (300); test accuracy 0.8895; 219 ms/step
+  150 steps, then a second   identical: 0.3068 at 150, then the second
+  process resuming to 300:   process restores ckpt-150 and prints
+                             0.2344 (200), 0.2127 (250), 0.1618 (300) and
+                             test accuracy 0.8895, as the single run;
+                             the restore check: loss 0.316460 vs 0.316460,
+                             weights and 33 K-FAC state variables equal
+                             (max |diff| 0) after one more step
+  --jit_compile, 60 steps:   works on CPU; eval loss 0.4745 at step 60
+                             vs 0.4744 without XLA; but the first step
+                             (trace + XLA compile) takes 28-36 s instead
+                             of 3.5-5 s, and the steps are slower: 688-739
+                             ms vs 256-374 ms without XLA (two runs each,
+                             interleaved, machine busy). XLA is slower on
+                             CPU for this CNN with Adam too, see
+                             benchmarks/keras_step_time.py
 """
 
 import os
@@ -80,9 +108,9 @@ flags.DEFINE_integer("steps", 300, "Train until this many steps in all (a "
 flags.DEFINE_integer("seed", 0, "Seed of the weights, batches and sampling.")
 flags.DEFINE_bool("jit_compile", False, "Compile the training step with "
                   "XLA (tf.function(jit_compile=True)).")
-flags.DEFINE_float("learning_rate", 0.03, "K-FAC learning rate.")
-flags.DEFINE_float("damping", 0.3, "Initial damping.")
-flags.DEFINE_float("final_damping", 0.1, "Damping after the decay.")
+flags.DEFINE_float("learning_rate", 0.01, "K-FAC learning rate.")
+flags.DEFINE_float("damping", 0.1, "Initial damping.")
+flags.DEFINE_float("final_damping", 0.03, "Damping after the decay.")
 flags.DEFINE_integer("damping_decay_steps", 150, "Steps of the exponential "
                      "damping decay from --damping to --final_damping.")
 flags.DEFINE_float("momentum", 0.9, "K-FAC momentum (type 'adam').")
