@@ -176,6 +176,13 @@ def describe(cfg, batch_norm):
       convs, cfg.padding, cfg.dense_units)
 
 
+def keras_version():
+  """Version of the Keras behind tf.keras (Keras 3, or tf_keras when
+  TF_USE_LEGACY_KERAS=1)."""
+  top = sys.modules.get(keras.__name__.split(".")[0])
+  return getattr(top, "__version__", "?")
+
+
 def load_data(prefer, max_examples):
   """(name, train LabelledData, test LabelledData); images [N, side, side]."""
   return common.load_classification_data(prefer, max_examples)
@@ -339,7 +346,7 @@ def main(argv):
             batches.batch_size, len(train), batches.per_epoch,
             "%d epochs per optimizer" % FLAGS.epochs if FLAGS.epochs else
             "budget %.0fs per optimizer" % cfg.seconds))
-  print("Keras %s, TensorFlow %s, model.fit" % (keras.__version__,
+  print("Keras %s, TensorFlow %s, model.fit" % (keras_version(),
                                                tf.__version__))
   side_by_side.print_hyperparameters(cfg)
   init_weights = build_model(image_shape, common.NUM_CLASSES,

@@ -478,7 +478,7 @@ def main(argv):
       "/".join(FLAGS.conv_channels), FLAGS.dense_units)
   print("CNN %s, batch %d, data: %s, TF %s, Keras %s, %d CPUs" % (
       model_text, FLAGS.batch_size, data_name, tf.__version__,
-      keras.__version__, os.cpu_count()), flush=True)
+      fit_example.keras_version(), os.cpu_count()), flush=True)
   start = time.perf_counter()
   names = list(FLAGS.configs)
   times = {n: [] for n in names}
@@ -508,7 +508,7 @@ def main(argv):
   lines = [
       "CNN %s on 28x28 images, batch %d, %s; TF %s, Keras %s, Python %s, %d "
       "CPUs (%s)." % (model_text, FLAGS.batch_size, data_name,
-                      tf.__version__, keras.__version__,
+                      tf.__version__, fit_example.keras_version(),
                       platform.python_version(), os.cpu_count(),
                       platform.machine()),
       "K-FAC: invert_every %d, cov_update_every 1, momentum 0.9 (adam), "
