@@ -155,6 +155,7 @@ class KfacKerasMixin:
                        current.name)
     layer_registration.check_fisher_approx(self._kfac_fisher_approx, model)
     keras_utils.watch(model)
+    keras_utils.name_state_by_structure(model)
     # A weak reference: the model owns the optimizer, not the reverse (and
     # the model must not become a checkpoint dependency of the optimizer).
     object.__setattr__(self, "_kfac_model_ref", weakref.ref(model))
@@ -238,6 +239,7 @@ class KfacKerasMixin:
           "kfac.keras.saving_utils.load_model.")
     seed = tf.stack([tf.constant(self._kfac_seed, tf.int64),
                      tf.cast(iteration, tf.int64)])
+    keras_utils.name_state_by_structure(self._kfac_model)
     lc, report = keras_utils.get_layer_collection(
         self._kfac_model, self._kfac_loss, self._kfac_loss_weights,
         fisher_approx=self._kfac_fisher_approx, seed=seed,

@@ -38,6 +38,39 @@ def watch(model):
   return recorder
 
 
+def name_state_by_structure(model):
+  """Keys the K-FAC state of `model`'s variables by structure, not by name.
+
+  Each trainable variable gets the state name "keras/<i>_<LayerClass>/<v>",
+  with i the layer's position among the model's layers (nested ones
+  included, in Keras's traversal order) and v the variable's own short name;
+  weights of no layer get "keras/model/<v>". A model rebuilt with the same
+  architecture (in the same process its automatic layer names differ) then
+  finds the state a checkpoint saved for the first one."""
+  used = set()
+
+  def assign(var, name):
+    var = keras_flavor.unwrap_variable(var)
+    base, i = name, 1
+    while name in used:
+      name = "%s_%d" % (base, i)
+      i += 1
+    used.add(name)
+    var._kfac_state_name = name  # pylint: disable=protected-access
+
+  def short(var):
+    return keras_flavor.unwrap_variable(var).name.split(":")[0].split("/")[-1]
+
+  owned = set()
+  for i, layer in enumerate(keras_flavor.leaf_layers(model)):
+    for var in keras_flavor.own_trainable_variables(layer):
+      owned.add(keras_flavor.unwrap_variable(var).ref())
+      assign(var, "keras/%02d_%s/%s" % (i, type(layer).__name__, short(var)))
+  for var in model.trainable_variables:
+    if keras_flavor.unwrap_variable(var).ref() not in owned:
+      assign(var, "keras/model/%s" % short(var))
+
+
 def _require_trace(what):
   if tf.executing_eagerly():
     raise RuntimeError(

@@ -316,6 +316,30 @@ def test_checkpoint_resumes_exactly(tmp_path):
   assert int(opt2.kfac_optimizer.counter.numpy()) == 3
 
 
+def _unnamed_model():
+  return keras.Sequential([keras.Input((D_IN,)),
+                           keras.layers.Dense(D_H, activation="tanh"),
+                           keras.layers.Dense(D_OUT, activation="softmax")])
+
+
+def test_checkpoint_resumes_into_a_rebuilt_model_with_other_names(tmp_path):
+  """K-FAC state is keyed by layer position, so a model rebuilt in the same
+  process (other automatic layer names) gets all of it back."""
+  full, _ = _compile(_unnamed_model())
+  full_losses = _fit(full, 0, 3)
+  first, opt = _compile(_unnamed_model())
+  losses = _fit(first, 0, 2)
+  path = tf.train.Checkpoint(model=first, optimizer=opt).save(
+      str(tmp_path / "ckpt"))
+  second, opt2 = _compile(_unnamed_model())
+  assert second.layers[0].name != first.layers[0].name
+  tf.train.Checkpoint(model=second, optimizer=opt2).restore(path)
+  losses += _fit(second, 2, 3)
+  assert losses == full_losses
+  saved = opt.state_store.numpy_state()
+  assert sorted(saved) == sorted(opt2.state_store.numpy_state())
+
+
 def test_config_round_trip():
   model, opt = _compile(sequential_model(), cov_ema_decay=0.9,
                         norm_constraint=1.0,
@@ -439,7 +463,9 @@ def test_restored_state_that_matches_nothing_is_reported():
   store = {}
   opt.save_own_variables(store)
   assert any(k.startswith("kfac_state:") for k in store)
-  renamed = {(k.replace("hidden", "renamed") if k.startswith("kfac_state:")
+  # State saved from a model whose first Dense sat elsewhere.
+  assert any("01_Dense" in k for k in store), sorted(store)
+  renamed = {(k.replace("01_Dense", "07_Dense") if k.startswith("kfac_state:")
               else k): v for k, v in store.items()}
   other, opt2 = _compile(sequential_model())
   opt2.load_own_variables(renamed)

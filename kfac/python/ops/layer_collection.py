@@ -281,7 +281,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
             (utils.variable_name(var),
              _describe(self._block_params[self._var_owner[var.ref()]])))
     self._check_linked(layer_key)
-    base = utils.variable_name(utils.ensure_sequence(layer_key)[0])
+    base = utils.state_name(utils.ensure_sequence(layer_key)[0])
     fisher_block.set_name(self._unique(base, self._block_names))
     self._blocks[key] = fisher_block
     self._block_params[key] = layer_key

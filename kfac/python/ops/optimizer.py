@@ -406,7 +406,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     key = self._var_keys.get(var.ref())
     if key is None:
       used = set(self._var_keys.values())
-      base = "velocity/" + utils.variable_name(var)
+      base = "velocity/" + utils.state_name(var)
       key, i = base, 1
       while key in used:
         key = "%s_%d" % (base, i)

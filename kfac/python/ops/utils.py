@@ -36,6 +36,14 @@ def variable_name(var):
   return name.split(":")[0]
 
 
+def state_name(var):
+  """The name K-FAC state of `var` is keyed by: the variable's name, unless
+  an integration set a more stable one as `var._kfac_state_name` (the Keras
+  optimizer names variables by their layer's position in the model, so that
+  a rebuilt model with other automatic layer names finds its state)."""
+  return getattr(var, "_kfac_state_name", None) or variable_name(var)
+
+
 def append_homog(tensor):
   """Appends a column of ones to a [batch, n] tensor (bias input)."""
   ones = tf.ones_like(tensor[:, :1])
