@@ -45,6 +45,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autoencoder_model as model
 import datasets
+import step_time_plot  # this script's own folder
 
 FLAGS = flags.FLAGS
 
@@ -228,26 +229,9 @@ def spawn_worker(name):
 
 
 def write_plot(path, names, medians, spreads, title):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6.5, 3.6))
-  y = np.arange(len(names))
-  ax.barh(y, medians, xerr=spreads, color=["#888888", "#1f77b4", "#ff7f0e",
-                                           "#2ca02c"][:len(names)],
-          capsize=3)
-  ax.set_yticks(y)
-  ax.set_yticklabels(names)
-  ax.invert_yaxis()
-  ax.set_xlabel("ms per step (median; bars: interquartile range)")
-  ax.set_title(title, fontsize=9)
-  right = np.add(medians, spreads[1])
-  for yi, m, r in zip(y, medians, right):
-    ax.text(r, yi, "  %.1f" % m, va="center", fontsize=8)
-  ax.set_xlim(0, 1.15 * max(right))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  step_time_plot.write_step_time_plot(
+      path, names, medians, spreads, title,
+      ["#888888", "#1f77b4", "#ff7f0e", "#2ca02c"][:len(names)], label_format="%.1f", height=3.6)
 
 
 def main(argv):

@@ -96,6 +96,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import datasets
 import keras_fit_classifier as fit_example
+import step_time_plot  # this script's own folder
 
 keras = tf.keras
 FLAGS = flags.FLAGS
@@ -438,29 +439,13 @@ def spawn_worker(name):
 
 
 def write_plot(path, names, medians, spreads, title):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   colors = {"fit_adam": "#888888", "fit_kfac": "#1f77b4",
             "loop_kfac": "#2ca02c", "loop_kfac_xla": "#98df8a",
             "session_kfac": "#ff7f0e", "function_kfac": "#ffbb78",
             "loop_adam": "#aaaaaa", "loop_adam_xla": "#cccccc"}
-  fig, ax = plt.subplots(figsize=(7.5, 0.5 * len(names) + 1.6))
-  y = np.arange(len(names))
-  ax.barh(y, medians, xerr=spreads, capsize=3,
-          color=[colors.get(n, "#555555") for n in names])
-  ax.set_yticks(y)
-  ax.set_yticklabels(names)
-  ax.invert_yaxis()
-  ax.set_xlabel("ms per step (median; bars: interquartile range)")
-  ax.set_title(title, fontsize=9)
-  right = np.add(medians, spreads[1])
-  for yi, m, r in zip(y, medians, right):
-    ax.text(r, yi, "  %.0f" % m, va="center", fontsize=8)
-  ax.set_xlim(0, 1.15 * max(right))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  step_time_plot.write_step_time_plot(
+      path, names, medians, spreads, title,
+      [colors.get(n, "#555555") for n in names], label_format="%.0f")
 
 
 def main(argv):
