@@ -74,19 +74,18 @@ def resolve_fisher_approx(fisher_approx, layer):
   return None
 
 
-def check_fisher_approx(fisher_approx, model):
-  """Raises unless every key of fisher_approx names some layer of model."""
-  if not fisher_approx:
+def _check_layer_keys(mapping, model, what, check_value):
+  """Raises unless every key of `mapping` names some layer of `model` and
+  every value passes check_value(key, value)."""
+  if not mapping:
     return
   layers = keras_flavor.leaf_layers(model)
   names = {layer.name for layer in layers}
   class_names = set()
   for layer in layers:
     class_names.update(keras_flavor.class_names(layer))
-  for key, value in fisher_approx.items():
-    if not isinstance(value, str):
-      raise RegistrationError("fisher_approx[%r] must be an approximation "
-                              "name (a string), got %r." % (key, value))
+  for key, value in mapping.items():
+    check_value(key, value)
     if isinstance(key, type):
       found = key.__name__ in class_names
     elif isinstance(key, str) and key.startswith(CLASS_KEY_PREFIX):
@@ -94,12 +93,36 @@ def check_fisher_approx(fisher_approx, model):
     elif isinstance(key, str):
       found = key in names
     else:
-      raise RegistrationError("fisher_approx keys must be layer names or "
-                              "layer classes, got %r." % (key,))
+      raise RegistrationError("%s keys must be layer names or layer "
+                              "classes, got %r." % (what, key))
     if not found:
       raise RegistrationError(
-          "fisher_approx key %r matches no layer of model %r (layers: %s)." %
-          (key, model.name, ", ".join(sorted(names))))
+          "%s key %r matches no layer of model %r (layers: %s)." %
+          (what, key, model.name, ", ".join(sorted(names))))
+
+
+def check_fisher_approx(fisher_approx, model):
+  """Raises unless every key of fisher_approx names some layer of model."""
+  def check(key, value):
+    if not isinstance(value, str):
+      raise RegistrationError("fisher_approx[%r] must be an approximation "
+                              "name (a string), got %r." % (key, value))
+  _check_layer_keys(fisher_approx, model, "fisher_approx", check)
+
+
+# Options a convolution registration takes (see conv_registration).
+CONV_OPTIONS = ("sub_sample_inputs", "sub_sample_patches", "patch_mask")
+
+
+def check_registration_options(options, model):
+  """Raises unless options maps layers to dicts of CONV_OPTIONS."""
+  def check(key, value):
+    if not isinstance(value, dict) or any(k not in CONV_OPTIONS
+                                          for k in value):
+      raise RegistrationError(
+          "registration_options[%r] must be a dict with keys among %s, got "
+          "%r." % (key, ", ".join(CONV_OPTIONS), value))
+  _check_layer_keys(options, model, "registration_options", check)
 
 
 # ---------------------------------------------------------------- planning
@@ -247,12 +270,17 @@ def _register_dense(lc, plan, calls):
       approx=plan.approx)
 
 
-def _register_conv(lc, plan, calls):
+def _register_conv(lc, plan, calls, **options):
   layer = plan.layer
   rank = len(layer.kernel.shape) - 2
   params = _param_arg(plan.params)
   data_format = _conv_data_format(layer, rank)
   if len(calls) > 1:
+    if options:
+      raise RegistrationError(
+          "registration_options %s for %s: a convolution called several "
+          "times in one step (register_conv2d_multi) takes no options." %
+          (options, keras_flavor.layer_path(layer)))
     if rank != 2:
       raise _Fallback(
           "%s called %d times in one step; only Conv2D layers have a "
@@ -267,11 +295,11 @@ def _register_conv(lc, plan, calls):
     return lc.register_conv1d(
         params, list(layer.strides), _padding(layer), call.inputs,
         call.preactivations, dilations=list(layer.dilation_rate),
-        approx=plan.approx, data_format=data_format)
+        approx=plan.approx, data_format=data_format, **options)
   return lc.register_convolution(
       params, call.inputs, call.preactivations, _padding(layer),
       strides=list(layer.strides), dilation_rate=list(layer.dilation_rate),
-      data_format=data_format, approx=plan.approx)
+      data_format=data_format, approx=plan.approx, **options)
 
 
 def _register_depthwise(lc, plan, calls):
@@ -380,21 +408,31 @@ Row = collections.namedtuple(
             "calls", "note"])
 
 
-def register_layers(lc, plans, recorder, batch_size, warn=None):
+def register_layers(lc, plans, recorder, batch_size, warn=None,
+                    registration_options=None):
   """Registers every plan on `lc` from the calls `recorder` holds for the
   current graph. Returns the report rows. `warn(key, message)` reports a
-  generic fallback (default: warnings.warn)."""
+  generic fallback (default: warnings.warn). `registration_options` maps
+  layer names / classes to extra arguments of a convolution's registration
+  (CONV_OPTIONS)."""
   warn = warn or (lambda key, message: warnings.warn(message, stacklevel=3))
   rows = []
   for plan in plans:
     layer = plan.layer
     calls = recorder.calls(layer)
     kind, approx, reason = plan.kind, plan.approx, plan.reason
+    options = dict(resolve_fisher_approx(registration_options, layer) or {})
+    if options and kind != "conv":
+      raise RegistrationError(
+          "registration_options %s for layer %s (%s): only Conv1D/2D/3D "
+          "layers take options (%s)." %
+          (options, keras_flavor.layer_path(layer), type(layer).__name__,
+           ", ".join(CONV_OPTIONS)))
     if kind != "generic" and not calls:
       kind, reason = "generic", "its parameters are used outside its call"
     if kind != "generic":
       try:
-        block = _REGISTER[kind](lc, plan, calls)
+        block = _REGISTER[kind](lc, plan, calls, **options)
       except _Fallback as e:
         kind, reason = "generic", str(e)
     if kind == "generic":
@@ -409,7 +447,8 @@ def register_layers(lc, plans, recorder, batch_size, warn=None):
     rows.append(Row(keras_flavor.layer_path(layer), type(layer).__name__,
                     type(block).__name__, approx or "default",
                     ", ".join(p.name for p in plan.params), len(calls),
-                    "fallback: " + reason if kind == "generic" else ""))
+                    "fallback: " + reason if kind == "generic" else
+                    ", ".join("%s=%r" % kv for kv in sorted(options.items()))))
   return rows
 
 

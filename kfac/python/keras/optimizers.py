@@ -107,6 +107,9 @@ class KfacKerasMixin:
           "kfac.PeriodicInvCovUpdateKfacOpt.")
     for one_loss in ([] if loss is None else tf.nest.flatten(loss)):
       loss_registration.loss_spec(one_loss)  # unsupported losses fail now
+    kfac_kwargs = dict(kfac_kwargs)
+    self._kfac_options = dict(kfac_kwargs.pop("registration_options", None)
+                              or {})
     self._kfac_kwargs = dict(kfac_kwargs)
     self._kfac_loss = loss
     self._kfac_loss_weights = loss_weights
@@ -154,6 +157,7 @@ class KfacKerasMixin:
       raise ValueError("This Kfac optimizer already serves model %r." %
                        current.name)
     layer_registration.check_fisher_approx(self._kfac_fisher_approx, model)
+    layer_registration.check_registration_options(self._kfac_options, model)
     keras_utils.watch(model)
     keras_utils.name_state_by_structure(model)
     # A weak reference: the model owns the optimizer, not the reverse (and
@@ -243,7 +247,8 @@ class KfacKerasMixin:
     lc, report = keras_utils.get_layer_collection(
         self._kfac_model, self._kfac_loss, self._kfac_loss_weights,
         fisher_approx=self._kfac_fisher_approx, seed=seed,
-        variables=variables, warn=self._kfac_warn)
+        variables=variables, warn=self._kfac_warn,
+        registration_options=self._kfac_options)
     self._kfac_report = report
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
     op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
@@ -278,10 +283,7 @@ class KfacKerasMixin:
         "damping": float(self._kfac_hyper["damping"].numpy()),
         "loss": _serialize_loss(self._kfac_loss),
         "loss_weights": self._kfac_loss_weights,
-        "fisher_approx": {
-            (layer_registration.CLASS_KEY_PREFIX + k.__name__
-             if isinstance(k, type) else k): v
-            for k, v in self._kfac_fisher_approx.items()},
+        "fisher_approx": _encode_layer_keys(self._kfac_fisher_approx),
         "seed": self._kfac_seed,
         "name": self.name,
     }
@@ -289,6 +291,8 @@ class KfacKerasMixin:
     for name, var in self._kfac_hyper.items():
       if name != "damping":
         kwargs[name] = float(var.numpy())
+    if self._kfac_options:
+      kwargs["registration_options"] = _encode_layer_keys(self._kfac_options)
     config.update(kwargs)
     return config
 
@@ -337,6 +341,12 @@ class KfacKerasMixin:
   norm_constraint = property(
       lambda self: self._kfac_get("norm_constraint"),
       lambda self, v: self._kfac_set("norm_constraint", v))
+
+
+def _encode_layer_keys(mapping):
+  """Layer-class keys as "__class__:Name" strings (JSON-able configs)."""
+  return {(layer_registration.CLASS_KEY_PREFIX + k.__name__
+           if isinstance(k, type) else k): v for k, v in mapping.items()}
 
 
 def _encode(key):
@@ -415,7 +425,10 @@ _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
     name: the optimizer's name (also the prefix of its state variables).
     seed: seed of the sampled targets (default: drawn at random and kept
       in the config).
-    **kfac_kwargs: arguments of kfac.PeriodicInvCovUpdateKfacOpt
+    **kfac_kwargs: registration_options={layer name or class: {option:
+      value}} (convolution statistics options: sub_sample_inputs,
+      sub_sample_patches, patch_mask), and the arguments of
+      kfac.PeriodicInvCovUpdateKfacOpt
       (momentum, momentum_type, invert_every, cov_update_every,
       num_burnin_steps, cov_ema_decay, estimation_mode, norm_constraint,
       use_weight_decay, weight_decay_coeff, l2_reg, precon_damping_mult,

@@ -91,7 +91,7 @@ def _seed_for(seed, index):
 def get_layer_collection(model, loss=None, loss_weights=None,
                          layer_collection=None, fisher_approx=None, seed=None,
                          y_pred=None, targets=None, variables=None,
-                         warn=None):
+                         warn=None, registration_options=None):
   """Registers `model`'s layers and loss on a LayerCollection.
 
   Args:
@@ -113,6 +113,9 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       unowned ones with the generic fallback.
     warn: callable(key, message) for generic fallbacks (default: a
       UserWarning).
+    registration_options: {layer name or class: {option: value}}, extra
+      arguments of a convolution's registration: sub_sample_inputs,
+      sub_sample_patches, patch_mask (see docs/convolutions.md).
 
   Returns:
     (layer_collection, report): report is the text of the registration
@@ -122,6 +125,7 @@ def get_layer_collection(model, loss=None, loss_weights=None,
   recorder = watch(model)
   lc = layer_collection or lc_lib.LayerCollection()
   layer_registration.check_fisher_approx(fisher_approx, model)
+  layer_registration.check_registration_options(registration_options, model)
   if variables is None:
     variables = model.trainable_variables
   tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
@@ -149,8 +153,9 @@ def get_layer_collection(model, loss=None, loss_weights=None,
   first = tf.nest.flatten(y_pred)[0]
   batch_size = tf.shape(first)[0]
 
-  rows = layer_registration.register_layers(lc, plans, recorder, batch_size,
-                                            warn)
+  rows = layer_registration.register_layers(
+      lc, plans, recorder, batch_size, warn,
+      registration_options=registration_options)
   covered = {p.ref() for plan in plans for p in plan.params}
   orphans = [v for v in tf_vars if v.ref() not in covered]
   if orphans:

@@ -516,3 +516,42 @@ def test_distribution_strategy():
   assert result.returncode == 0, out + result.stderr[-3000:]
   assert "one replica loss" in out
   assert "two replicas:" in out and "2 replicas" in out, out
+
+
+def _conv_fit(**kfac_kwargs):
+  """Two fit steps of a small conv model (exact mode); its weights."""
+  rng = np.random.RandomState(3)
+  x = rng.randn(8, 6, 6, 2).astype(np.float32)
+  y = rng.randint(0, 3, size=8)
+  model = keras.Sequential([
+      keras.Input((6, 6, 2)),
+      keras.layers.Conv2D(3, 3, activation="relu", name="conv"),
+      keras.layers.Flatten(), keras.layers.Dense(3, name="logits")])
+  model.set_weights([np.random.RandomState(i).randn(*w.shape).astype(
+      np.float32) * 0.3 for i, w in enumerate(model.get_weights())])
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  opt = kfac.keras.optimizers.Kfac(learning_rate=0.1, damping=0.05,
+                                   model=model, loss=loss, invert_every=1,
+                                   estimation_mode="exact", **kfac_kwargs)
+  model.compile(optimizer=opt, loss=loss)
+  model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  return model.get_weights(), opt
+
+
+def test_conv_registration_options_reach_the_registration():
+  plain, _ = _conv_fit()
+  # A patch budget above the number of patches keeps them all: same steps.
+  everything, opt = _conv_fit(registration_options={
+      keras.layers.Conv2D: {"sub_sample_patches": 10**6}})
+  _assert_weights(everything, plain, rtol=1e-5)
+  assert "sub_sample_patches=1000000" in opt.registration_report
+  assert opt.get_config()["registration_options"] == {
+      "__class__:Conv2D": {"sub_sample_patches": 10**6}}
+  # A budget of 8 of the 128 patches changes the statistic and the steps.
+  sampled, _ = _conv_fit(registration_options={
+      "conv": {"sub_sample_patches": 8}})
+  assert max(np.max(np.abs(a - b)) for a, b in zip(sampled, plain)) > 1e-3
+  with pytest.raises(ValueError, match="only Conv1D/2D/3D"):
+    _conv_fit(registration_options={"logits": {"sub_sample_patches": 8}})
+  with pytest.raises(ValueError, match="keys among"):
+    _conv_fit(registration_options={"conv": {"bogus": 1}})
