@@ -226,6 +226,27 @@ def make_core_kfac(layer_collection=None):
 
 
 # ------------------------------------------------------------------ runners
+class TracedStepTimingMixin(object):
+  """Timing of a traced train_step(images, labels) over the batches."""
+
+  def _use_traced_step(self, train_step):
+    self.train_step = train_step
+    self.tf_batches = [(tf.constant(x), tf.constant(y))
+                       for x, y in zip(self.images, self.labels)]
+    self.step = 0
+
+  def block_times(self, num_blocks, block):
+    times = []
+    for _ in range(num_blocks):
+      start = time.perf_counter()
+      for _ in range(block):
+        loss = self.train_step(*self.tf_batches[self.step % NUM_BATCHES])
+        self.step += 1
+      loss.numpy()
+      times.append((time.perf_counter() - start) / block)
+    return times
+
+
 class KerasFitRunner(object):
   """model.fit over all the steps at once; block times from callbacks."""
 
@@ -272,7 +293,7 @@ class KerasFitRunner(object):
         self.labels[0], probs)))
 
 
-class KerasLoopRunner(KerasFitRunner):
+class KerasLoopRunner(TracedStepTimingMixin, KerasFitRunner):
   """A custom tf.function step calling the optimizer's apply_gradients."""
 
   def __init__(self, use_kfac, jit_compile, weights, batches):
@@ -288,21 +309,8 @@ class KerasLoopRunner(KerasFitRunner):
       opt.apply_gradients(zip(grads, model.trainable_variables))
       return loss
 
-    self.train_step = train_step
-    self.tf_batches = [(tf.constant(x), tf.constant(y))
-                       for x, y in zip(self.images, self.labels)]
-    self.step = 0
+    self._use_traced_step(train_step)
 
-  def block_times(self, num_blocks, block):
-    times = []
-    for _ in range(num_blocks):
-      start = time.perf_counter()
-      for _ in range(block):
-        loss = self.train_step(*self.tf_batches[self.step % NUM_BATCHES])
-        self.step += 1
-      loss.numpy()
-      times.append((time.perf_counter() - start) / block)
-    return times
 
 
 class SessionRunner(object):
@@ -349,7 +357,7 @@ class SessionRunner(object):
                                            self.y: self.labels[0]}))
 
 
-class FunctionRunner(object):
+class FunctionRunner(TracedStepTimingMixin):
   """The raw network in a TF2 tf.function; the collection is built inside
   the traced step, the optimizer once outside (docs/tf2.md)."""
 
@@ -370,21 +378,8 @@ class FunctionRunner(object):
       opt.minimize(loss, var_list=variables, layer_collection=lc)
       return loss
 
-    self.train_step = train_step
-    self.tf_batches = [(tf.constant(x), tf.constant(y))
-                       for x, y in zip(self.images, self.labels)]
-    self.step = 0
+    self._use_traced_step(train_step)
 
-  def block_times(self, num_blocks, block):
-    times = []
-    for _ in range(num_blocks):
-      start = time.perf_counter()
-      for _ in range(block):
-        loss = self.train_step(*self.tf_batches[self.step % NUM_BATCHES])
-        self.step += 1
-      loss.numpy()
-      times.append((time.perf_counter() - start) / block)
-    return times
 
   def loss_value(self):
     logits = raw_forward(self.tf_batches[0][0], self.variables)
