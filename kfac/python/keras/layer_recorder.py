@@ -181,13 +181,3 @@ class ModelRecorder:
     if self._model_outputs is None or self._model_outputs[0] is not graph:
       return None
     return self._model_outputs[1]
-
-  def clear(self, graph=None):
-    """Forgets the records of `graph` (after they were used)."""
-    graph = graph or _tracing_graph()
-    for key in [k for k, (g, _) in self._calls.items() if g is graph]:
-      del self._calls[key]
-    if self._loss_args is not None and self._loss_args[0] is graph:
-      self._loss_args = None
-    if self._model_outputs is not None and self._model_outputs[0] is graph:
-      self._model_outputs = None

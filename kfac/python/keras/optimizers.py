@@ -204,8 +204,7 @@ class KfacKerasMixin:
 
   # -------------------------------------------------------------- hyperparameters
   def _kfac_get(self, name):
-    var = self._kfac_hyper.get(name)
-    return None if var is None else var
+    return self._kfac_hyper.get(name)
 
   def _kfac_set(self, name, value):
     var = self._kfac_hyper.get(name)
