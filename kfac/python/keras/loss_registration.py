@@ -171,23 +171,21 @@ def register_keras_loss(lc, loss, prediction, targets=None,
         "%s, got %s." % (spec.description, prediction.shape))
   logits = find_logits(spec, prediction)
   targets = _targets(spec, targets, logits)
-  if spec.kind == "mean_squared_error":
-    size = _static_size(prediction.shape[1:], "the prediction")
-    flat = tf.reshape(prediction, [-1, size])
-    if targets is not None:
-      targets = tf.reshape(targets, [-1, size])
-    lc.register_squared_error_loss(flat, seed=seed, targets=targets,
-                                   coeff=coeff / size, name=name)
-    what = "squared error on %s, coeff %g" % (prediction.shape, coeff / size)
-  elif spec.kind == "binary_crossentropy":
-    size = _static_size(logits.shape[1:], "the logits")
+  if spec.kind in ("mean_squared_error", "binary_crossentropy"):
+    # Elementwise losses: one distribution per output entry, averaged by
+    # Keras over the entries of an example.
+    mse = spec.kind == "mean_squared_error"
+    size = _static_size(logits.shape[1:],
+                        "the prediction" if mse else "the logits")
     flat = tf.reshape(logits, [-1, size])
     if targets is not None:
       targets = tf.reshape(targets, [-1, size])
-    lc.register_sigmoid_cross_entropy_loss(flat, seed=seed, targets=targets,
-                                           coeff=coeff / size, name=name)
-    what = "sigmoid cross-entropy on logits %s, coeff %g" % (logits.shape,
-                                                              coeff / size)
+    register = (lc.register_squared_error_loss if mse else
+                lc.register_sigmoid_cross_entropy_loss)
+    register(flat, seed=seed, targets=targets, coeff=coeff / size, name=name)
+    what = "%s %s, coeff %g" % (
+        "squared error on" if mse else "sigmoid cross-entropy on logits",
+        logits.shape, coeff / size)
   else:
     positions = _static_size(logits.shape[1:-1], "the logits")
     lc.register_categorical_predictive_distribution(
