@@ -11,6 +11,8 @@ and in the current graph under a TF1 Session, never inside a trace.
 
 import tensorflow as tf
 
+from kfac.python.ops import utils
+
 
 class StateStore(tf.Module):
   """A name -> variable map whose variables are created outside any trace.
@@ -52,7 +54,7 @@ class StateStore(tf.Module):
       if pending is not None:
         value = tf.constant(pending, dtype=dtype)
       else:
-        value = tf.fill(shape.as_list(), tf.cast(initial_value, dtype))
+        value = tf.fill(shape.as_list(), utils.cast(initial_value, dtype))
       var = tf.Variable(
           value,
           trainable=False,

@@ -121,7 +121,9 @@ def zeros_like_if_none(grads, like):
 def cast(value, dtype):
   """tf.cast that keeps full precision for Python numbers (tf.cast would
   round them through float32 first)."""
-  if isinstance(value, (int, float)) and not isinstance(value, bool):
+  dtype = tf.as_dtype(dtype)
+  if (isinstance(value, (int, float)) and not isinstance(value, bool) and
+      (dtype.is_floating or dtype.is_complex)):
     return tf.constant(value, dtype)
   return tf.cast(value, dtype)
 
@@ -156,3 +158,19 @@ def exclude_from_autograph(cls):
       continue
     setattr(cls, name, tf.autograph.experimental.do_not_convert(attr))
   return cls
+
+
+def cond_op(pred, make_op):
+  """An op that runs make_op() only when the scalar bool `pred` holds.
+
+  The result obeys the surrounding `tf.control_dependencies`, also in a TF1
+  graph: there `tf.cond` does not attach the context's control inputs to its
+  `If` op (only a tf.function orders it by program order), so the predicate
+  goes through an Identity created here, under that context."""
+  pred = tf.identity(pred)
+
+  def run():
+    with tf.control_dependencies([make_op()]):
+      return tf.constant(True)
+  return tf.cond(pred, run, lambda: tf.constant(False))
+
