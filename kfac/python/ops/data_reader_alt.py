@@ -1,0 +1,179 @@
+"""Gather-based readers: variable batch sizes without tf.data.
+
+The dataset stays in memory as constant tensors; each call draws
+`batch_size` example indices and returns `tf.gather` of every component.
+
+Indices come from a stream of random permutations of the examples, one per
+epoch (sampling without replacement): a call takes the next `batch_size`
+indices of the stream, continuing into the next epoch's permutation when the
+current one runs out (a batch larger than the dataset spans several epochs).
+Every example therefore appears exactly once in each consecutive block of
+`num_examples` drawn indices, whatever the batch sizes were; nothing is
+skipped. The permutation of epoch e is the stable argsort of kfac's
+counter-based uniforms for the seed (`counter_random`), so the stream depends
+only on `seed` and the batch sizes, in a TF1 graph, a `tf.function` or
+eagerly alike. The state (current permutation, epoch, position) lives in
+variables created outside any trace (see `kfac.data_reader`).
+
+`CachedDataReader` caches only the indices of the last batch (an int32
+variable [max_batch_size] and the batch size) and `cached_batch` gathers
+them again, with the ordering contract of `kfac.data_reader`: in a step that
+calls the reader once, `cached_batch` is the previous step's batch (0 rows
+before the first call), whether it is read before or after the call.
+"""
+
+import random
+
+import tensorflow as tf
+
+from kfac.python.ops import counter_random
+from kfac.python.ops import data_reader
+
+__all__ = ["VariableBatchReader", "CachedDataReader"]
+
+
+class VariableBatchReader:
+  """Batches of a variable size drawn by index from an in-memory dataset.
+
+  Args:
+    dataset: tuple or list of arrays (numpy arrays or eager tensors) with
+      the same leading dimension, e.g. (images, labels).
+    max_batch_size: positive int, the largest batch size a call may ask for.
+    seed: int or None (None: a random seed, see `seed`).
+
+  `reader(batch_size)` returns a list of tensors (one per component) with
+  `batch_size` rows, the examples at the next `batch_size` indices of the
+  epoch-wise permutation stream (module docstring). `batch_size` is a Python
+  int (checked now: ValueError outside [1, max_batch_size]) or a scalar
+  integer tensor (checked at run time).
+  """
+
+  _owner = "data_reader_alt.VariableBatchReader"
+
+  def __init__(self, dataset, max_batch_size, seed=None):
+    self._components = data_reader.as_components(dataset, self._owner)
+    self._max_batch_size = data_reader.check_max_batch_size(
+        max_batch_size, self._owner)
+    seed = data_reader.check_seed(seed, self._owner)
+    self._seed = random.SystemRandom().randrange(2**31) if seed is None \
+        else seed
+    self._state = {}  # outer context key -> (constants, perm, epoch, pos)
+    if tf.executing_eagerly():
+      self._get_state()
+
+  @property
+  def max_batch_size(self):
+    return self._max_batch_size
+
+  @property
+  def num_examples(self):
+    return self._components[0].shape[0]
+
+  @property
+  def seed(self):
+    """The seed in use (drawn at random when None was passed)."""
+    return self._seed
+
+  def _get_state(self):
+    key = data_reader.outer_context_key()
+    state = self._state.get(key)
+    if state is None:
+      n = self.num_examples
+      with tf.init_scope():
+        constants = [tf.constant(c) for c in self._components]
+        # Epoch -1 fully consumed: the first call starts epoch 0.
+        perm = tf.Variable(tf.range(n, dtype=tf.int32), trainable=False,
+                           name="data_reader_alt/permutation")
+        epoch = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                            name="data_reader_alt/epoch")
+        pos = tf.Variable(n, dtype=tf.int64, trainable=False,
+                          name="data_reader_alt/position")
+      state = (constants, perm, epoch, pos)
+      self._state[key] = state
+    return state
+
+  def _permutation(self, epoch):
+    """The permutation of `epoch` (int64 scalar) as int32 [num_examples]."""
+    n = self.num_examples
+    seed = tf.stack([tf.constant(self._seed, tf.int64), epoch])
+    hi = counter_random.uniform([n], seed, tf.float64, stream=0)
+    lo = counter_random.uniform([n], seed, tf.float64, stream=3)
+    # 48 random bits per key; ties (left to the stable sort) are rare.
+    return tf.argsort(hi + lo * (1.0 / 16777216.0), stable=True)
+
+  def _next_indices(self, size):
+    """Int32 [size] indices and the op that advances the stream."""
+    _, perm_var, epoch_var, pos_var = self._get_state()
+    n = tf.constant(self.num_examples, tf.int64)
+    perm = perm_var.read_value()
+    epoch = epoch_var.read_value()
+    pos = pos_var.read_value()
+    size64 = tf.cast(size, tf.int64)
+    rest = perm[pos:]
+    needed = tf.maximum(size64 - (n - pos), 0)
+    extra_epochs = (needed + n - 1) // n
+    epochs = epoch + 1 + tf.range(extra_epochs, dtype=tf.int64)
+    extra = tf.map_fn(
+        self._permutation, epochs,
+        fn_output_signature=tf.TensorSpec([self.num_examples], tf.int32))
+    stream = tf.concat([rest, tf.reshape(extra, [-1])], 0)
+    indices = stream[:size]
+    last = tf.concat([perm[None], extra], 0)[-1]
+    new_pos = tf.where(extra_epochs > 0, needed - (extra_epochs - 1) * n,
+                       pos + size64)
+    advance = tf.group(
+        perm_var.assign(last, read_value=False),
+        epoch_var.assign(epoch + extra_epochs, read_value=False),
+        pos_var.assign(new_pos, read_value=False))
+    return indices, advance
+
+  def _gather(self, indices):
+    constants = self._get_state()[0]
+    return [tf.gather(c, indices) for c in constants]
+
+  def __call__(self, batch_size):
+    size, checks = data_reader.batch_size_tensor(
+        batch_size, self._max_batch_size, self._owner)
+    with tf.control_dependencies(checks):
+      indices, advance = self._next_indices(size)
+    indices = self._after(indices, advance, size)
+    static = tf.get_static_value(size)
+    if static is not None:
+      indices = tf.reshape(indices, [int(static)])
+    return self._gather(indices)
+
+  def _after(self, indices, advance, size):
+    del size
+    with tf.control_dependencies([advance]):
+      return tf.identity(indices)
+
+
+class CachedDataReader(VariableBatchReader):
+  """A gather-based reader that keeps the last batch's indices.
+
+  `cached_batch` gathers the previous step's indices again (0 rows before
+  the first call); ordering contract as in `kfac.data_reader`.
+  """
+
+  _owner = "data_reader_alt.CachedDataReader"
+
+  def __init__(self, dataset, max_batch_size, seed=None):
+    super().__init__(dataset, max_batch_size, seed=seed)
+    self._cache = data_reader.StepCache(
+        [(self._max_batch_size,)], [tf.int32], "data_reader_alt")
+    if tf.executing_eagerly():
+      self._cache.variables()
+
+  def _after(self, indices, advance, size):
+    padded = tf.pad(indices, [[0, self._max_batch_size - size]])
+    with tf.control_dependencies([advance]):
+      write = self._cache.write([padded], size)
+    with tf.control_dependencies([advance] +
+                                 ([write] if write is not None else [])):
+      return tf.identity(indices)
+
+  @property
+  def cached_batch(self):
+    """The previous step's batch: a list of tensors, one per component."""
+    indices = self._cache.read()[0]
+    return self._gather(indices)
