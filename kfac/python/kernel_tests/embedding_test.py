@@ -369,7 +369,7 @@ def test_training_with_indexed_slices_equals_dense_one_hot_training(world,
 
 
 def test_zero_momentum_applies_a_sparse_update_and_clips_on_slices():
-  """momentum=0: the step is a scatter_sub of the touched rows; the norm
+  """momentum=0: the step is a scatter_add of the touched rows; the norm
   constraint's <g, F^-1 g> sums duplicate indices first (checked against
   the value computed from the densified vectors)."""
   with tf.Graph().as_default() as graph:
@@ -394,7 +394,7 @@ def test_zero_momentum_applies_a_sparse_update_and_clips_on_slices():
         grads_and_vars[1:], precon[1:])
     train_op = opt.apply_gradients(grads_and_vars)
     ops = [op.type for op in graph.get_operations()]
-    assert "ResourceScatterSub" in ops
+    assert "ResourceScatterAdd" in ops
     cov_op = tf.group(*[f.make_covariance_update_op(0.0)
                         for f in opt.factors])
     inv_op = tf.group(*[op for f in opt.factors

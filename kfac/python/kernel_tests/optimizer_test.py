@@ -384,21 +384,6 @@ def test_scripts_with_v2_behavior_disabled_train_the_same():
   np.testing.assert_allclose(losses["v1"], losses["v2"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(loss="tensor"), dict(adapt_damping=True),
-    dict(damping_adaptation_interval=10), dict(qmodel_update_rescale=0.5)])
-def test_adaptive_arguments_are_rejected_not_ignored(kwargs):
-  with tf.Graph().as_default():
-    if kwargs.get("loss") == "tensor":
-      kwargs = dict(loss=tf.constant(1.0))
-    name = list(kwargs)[0]
-    with pytest.raises(ValueError, match=name):
-      kfac.KfacOptimizer(learning_rate=0.1, damping=0.1, **kwargs)
-    # the defaults, spelled out, are accepted
-    kfac.KfacOptimizer(learning_rate=0.1, damping=0.1, adapt_damping=False,
-                       damping_adaptation_interval=5, loss=None)
-
-
 @pytest.mark.parametrize("cls", [kfac.LayerCollection, kfac.KfacOptimizer,
                                  kfac.PeriodicInvCovUpdateKfacOpt,
                                  kfac.estimator.FisherEstimator])

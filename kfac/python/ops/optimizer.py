@@ -20,11 +20,17 @@ decay) and w <- w - eta * step. The norm constraint scales p by
 min(1, sqrt(C / (eta^2 <g', p>))) where g' is the vector p came from, so the
 approximate squared Fisher norm of the update is at most C.
 
+"qmodel" / "qmodel_fixedmu" choose eta (and mu) from the exact quadratic
+model, and `adapt_damping` moves the damping by the Levenberg-Marquardt
+rule: see adaptive.py. A step is built in two halves: `_compute_update`
+makes the change of every variable without touching any state, and
+`_commit` applies it (after the damping rule's "before" ops, if any).
+
 Sparse gradients: a `tf.IndexedSlices` gradient (from `tf.gather` /
 `tf.nn.embedding_lookup`) stays sparse through a block that supports it (an
 embedding table; other blocks get it densified). With a Python momentum of
-0 the step is applied with `scatter_sub` to the touched rows only. With
-momentum, the velocity is dense (every row decays): it is updated as
+0 the change -eta * step is applied with `scatter_add` to the touched rows
+only. With momentum, the velocity is dense (every row decays): it is updated as
 mu * v followed by a scatter-add of the slices, so the dense gradient is
 never built, but the step is dense. Decoupled weight decay touches every
 row, so it densifies the step. The norm constraint's <g', p> is computed on
@@ -33,6 +39,7 @@ the slices after summing duplicate indices.
 
 import tensorflow as tf
 
+from kfac.python.ops import adaptive
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
@@ -40,25 +47,9 @@ from kfac.python.ops import utils
 
 _MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")
 
-# Arguments of the adaptive machinery (quadratic model, damping adaptation)
-# and their inert defaults. This version does not implement that machinery,
-# so any other value is rejected rather than silently ignored.
-_ADAPTIVE_DEFAULTS = {
-    "qmodel_update_rescale": None,
-    "adapt_damping": False,
-    "prev_train_batch": None,
-    "loss": None,
-    "loss_fn": None,
-    "train_batch": None,
-    "damping_adaptation_decay": 0.95,
-    "damping_adaptation_interval": 5,
-    "damping_decrease_rho_threshold": 0.75,
-    "damping_increase_rho_threshold": 0.25,
-}
-
 
 @utils.exclude_from_autograph
-class KfacOptimizer(tf.compat.v1.train.Optimizer):
+class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
 
   def __init__(self,
@@ -96,6 +87,10 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
                train_batch=None,
                print_logs=False,
                dtype="float32",
+               learning_rate_schedule=None,
+               momentum_schedule=None,
+               damping_schedule=None,
+               compute_norm_stats=False,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -103,39 +98,34 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     passed to `minimize` / `apply_gradients` on every trace instead.
     """
     super().__init__(use_locking=False, name=name)
-    given = dict(qmodel_update_rescale=qmodel_update_rescale,
-                 adapt_damping=adapt_damping,
-                 prev_train_batch=prev_train_batch, loss=loss,
-                 loss_fn=loss_fn, train_batch=train_batch,
-                 damping_adaptation_decay=damping_adaptation_decay,
-                 damping_adaptation_interval=damping_adaptation_interval,
-                 damping_decrease_rho_threshold=damping_decrease_rho_threshold,
-                 damping_increase_rho_threshold=damping_increase_rho_threshold)
-    for key, default in _ADAPTIVE_DEFAULTS.items():
-      value = given[key]
-      unchanged = value is default or (
-          utils.is_python_number(value) and utils.is_python_number(default)
-          and value == default)
-      if not unchanged:
-        raise ValueError(
-            "%s=%r needs the adaptive K-FAC machinery (quadratic model / "
-            "damping adaptation), which this version of kfac does not "
-            "provide; leave it at %r." % (key, value, default))
     if momentum_type not in _MOMENTUM_TYPES:
       raise ValueError("Unknown momentum_type %r; expected one of %s." %
                        (momentum_type, ", ".join(_MOMENTUM_TYPES)))
-    if momentum_type.startswith("qmodel"):
-      raise ValueError("momentum_type=%r (learning rate and momentum from the "
-                       "quadratic model) is not provided by this version of "
-                       "kfac; use 'regular' or 'adam'." % momentum_type)
-    if learning_rate is None:
+    learning_rate = self._from_schedule("learning_rate", learning_rate,
+                                        learning_rate_schedule)
+    momentum = self._from_schedule("momentum", momentum, momentum_schedule)
+    damping = self._from_schedule("damping", damping, damping_schedule)
+    if momentum_type == "qmodel":
+      for arg, value in (("learning_rate", learning_rate),
+                         ("momentum", momentum)):
+        if value is not None:
+          raise ValueError(
+              "momentum_type='qmodel' chooses the %s from the quadratic model "
+              "at every step: pass %s=None (got %r)." % (arg, arg, value))
+    elif momentum_type == "qmodel_fixedmu":
+      if learning_rate is not None:
+        raise ValueError(
+            "momentum_type='qmodel_fixedmu' chooses the learning rate from the "
+            "quadratic model (the momentum is fixed): pass learning_rate=None "
+            "(got %r)." % (learning_rate,))
+    elif learning_rate is None:
       raise ValueError("learning_rate is required with momentum_type=%r." %
+                       momentum_type)
+    if momentum is None and momentum_type != "qmodel":
+      raise ValueError("momentum is required with momentum_type=%r." %
                        momentum_type)
     if damping is None:
       raise ValueError("damping is required.")
-    if momentum is None:
-      raise ValueError("momentum is required with momentum_type=%r." %
-                       momentum_type)
     if norm_constraint is not None and utils.is_python_number(
         norm_constraint) and norm_constraint <= 0:
       raise ValueError("norm_constraint must be positive, got %s." %
@@ -161,18 +151,27 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     self._placement_strategy = placement_strategy
     self._placement_kwargs = placement_kwargs
     self._compute_params_stats = compute_params_stats
-    self._update_damping_immediately = update_damping_immediately
-    self._is_chief = is_chief
-    self._min_damping = min_damping
-    self._l2_reg = l2_reg
-    self._precon_damping_mult = precon_damping_mult
-    self._use_passed_loss = use_passed_loss
-    self._print_logs = print_logs
     self._dtype = tf.as_dtype(dtype)
     self._store = state.StateStore(name)
     self._var_keys = {}
     self._estimator = None
     self._exps = (-1,)
+    self._compute_norm_stats = compute_norm_stats
+    self._init_adaptive(
+        momentum_type=momentum_type,
+        qmodel_update_rescale=qmodel_update_rescale,
+        adapt_damping=adapt_damping,
+        update_damping_immediately=update_damping_immediately,
+        is_chief=is_chief, prev_train_batch=prev_train_batch, loss=loss,
+        loss_fn=loss_fn, min_damping=min_damping, l2_reg=l2_reg,
+        damping_adaptation_decay=damping_adaptation_decay,
+        damping_adaptation_interval=damping_adaptation_interval,
+        damping_decrease_rho_threshold=damping_decrease_rho_threshold,
+        damping_increase_rho_threshold=damping_increase_rho_threshold,
+        precon_damping_mult=precon_damping_mult,
+        use_passed_loss=use_passed_loss, train_batch=train_batch,
+        print_logs=print_logs, use_weight_decay=use_weight_decay,
+        norm_constraint=norm_constraint, damping_schedule=damping_schedule)
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
 
@@ -264,15 +263,24 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
 
   @property
   def damping(self):
-    return tf.convert_to_tensor(self._read(self._damping), self._dtype)
+    """The damping (the adapted value with adapt_damping=True)."""
+    return utils.cast(self._read(self._damping), self._dtype)
 
   @property
   def learning_rate(self):
-    return tf.convert_to_tensor(self._read(self._learning_rate), self._dtype)
+    """The learning rate; with momentum_type 'qmodel' / 'qmodel_fixedmu'
+    the one the quadratic model chose at the last step (0 before it)."""
+    if self._momentum_type.startswith("qmodel"):
+      return utils.cast(self._record("learning_rate"), self._dtype)
+    return utils.cast(self._read(self._learning_rate), self._dtype)
 
   @property
   def momentum(self):
-    return tf.convert_to_tensor(self._read(self._momentum), self._dtype)
+    """The momentum; with momentum_type 'qmodel' the one the quadratic
+    model chose at the last step (0 before it)."""
+    if self._momentum_type == "qmodel":
+      return utils.cast(self._record("momentum"), self._dtype)
+    return utils.cast(self._read(self._momentum), self._dtype)
 
   @property
   def counter(self):
@@ -323,8 +331,11 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         loss_value = loss()
       grads = tape.gradient(loss_value, var_list, output_gradients=grad_loss)
     else:
+      loss_value = loss
       grads = tf.gradients(loss, var_list, grad_ys=grad_loss,
                            aggregation_method=aggregation_method)
+    # The loss of this step, for the damping rule (use_passed_loss).
+    self._passed_loss = loss_value
     return list(zip(grads, var_list))
 
   def minimize(self, loss, global_step=None, var_list=None,
@@ -346,8 +357,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     """Applies one K-FAC step with the current factors/inverses."""
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
     with tf.name_scope(name or self.get_name()):
-      step_op = self._apply_steps(grads_and_vars)
-      return self._finish(step_op, global_step)
+      update = self._compute_update(grads_and_vars)
+      return self._finish(self._commit(update), global_step)
 
   def _prepare(self, grads_and_vars, layer_collection=None):
     """Checks the graph mode and the variables; densifies the gradients
@@ -362,45 +373,70 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
       raise ValueError("No gradient for variables %s: they do not affect the "
                        "loss." % ", ".join(none))
     self._layers.check_registration([v for _, v in grads_and_vars])
+    if self._momentum_type.startswith("qmodel") or self._adapt_damping:
+      # The quadratic model takes inner products with the gradient.
+      return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if _is_slices(g) else tf.convert_to_tensor(g), v)
             for g, v in grads_and_vars]
 
-  def _apply_steps(self, grads_and_vars):
-    steps_and_vars = self._compute_update_steps(grads_and_vars)
+  def _compute_update(self, grads_and_vars):
+    """Builds (without changing any state) what this step will do: an
+    `_Update` with the change of each variable, the new velocities, the
+    values to record, and the quadratic model's predicted change."""
+    if self._momentum_type.startswith("qmodel"):
+      return self._qmodel_update(grads_and_vars)
+    est = self._require_estimator()
+    update = _Update()
+    update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
+    if self._momentum_type == "regular":
+      precon = est.multiply_inverse(grads_and_vars)
+      if self._norm_constraint is not None:
+        precon = self._clip_updates(grads_and_vars, precon)
+      steps = self._new_velocities(precon, self._momentum, update)
+      update.precon = precon
+    else:  # adam
+      velocities = self._new_velocities(grads_and_vars, self._momentum,
+                                        update)
+      steps = est.multiply_inverse(velocities)
+      if self._norm_constraint is not None:
+        steps = self._clip_updates(velocities, steps)
+      update.precon = steps
+    if self._use_weight_decay:
+      coeff = self._read(self._weight_decay_coeff)
+      steps = [(_dense(s) + utils.cast(coeff, v.dtype) * v, v)
+               for s, v in steps]
     lr = self._read(self._learning_rate)
-    updates = []
-    for step, var in steps_and_vars:
-      if _is_slices(step):
-        updates.append(var.scatter_sub(_scale(step, utils.cast(lr,
-                                                                var.dtype))))
-        continue
-      updates.append(var.assign_sub(utils.cast(lr, var.dtype) * step))
-    return tf.group(*updates)
+    update.deltas = [(_scale(s, -utils.cast(lr, v.dtype)), v)
+                     for s, v in steps]
+    if self._adapt_damping:
+      update.model_change = self._model_change(grads_and_vars, update.deltas)
+    return update
+
+  def _commit(self, update):
+    """The op that carries out `update` (plus the damping rule)."""
+    # The damping rule may change the damping before the variables change:
+    # only once everything this step computes from it is ready.
+    with tf.control_dependencies(update.dependencies()):
+      before = self._adaptation_before_update(update)
+    with tf.control_dependencies(before):
+      ops = [velocity.assign(value)
+             for velocity, value in update.velocity_assigns]
+      for delta, var in update.deltas:
+        if _is_slices(delta):
+          ops.append(var.scatter_add(delta))
+        else:
+          ops.append(var.assign_add(delta))
+      ops.extend(self._record_ops(update))
+      step_op = tf.group(*ops)
+    return self._adaptation_after_update(update, step_op)
 
   def _finish(self, step_op, global_step):
+    self._passed_loss = None
     with tf.control_dependencies([step_op]):
       incs = [self.counter.assign_add(1)]
       if global_step is not None:
         incs.append(global_step.assign_add(1))
       return tf.group(*incs)
-
-  def _compute_update_steps(self, grads_and_vars):
-    est = self._require_estimator()
-    if self._momentum_type == "regular":
-      precon = est.multiply_inverse(grads_and_vars)
-      if self._norm_constraint is not None:
-        precon = self._clip_updates(grads_and_vars, precon)
-      steps = self._update_velocities(precon, self._momentum)
-    else:  # adam
-      velocities = self._update_velocities(grads_and_vars, self._momentum)
-      steps = est.multiply_inverse(velocities)
-      if self._norm_constraint is not None:
-        steps = self._clip_updates(velocities, steps)
-    if self._use_weight_decay:
-      coeff = self._read(self._weight_decay_coeff)
-      steps = [(_dense(s) + utils.cast(coeff, v.dtype) * v, v)
-               for s, v in steps]
-    return steps
 
   def _var_key(self, var):
     key = self._var_keys.get(var.ref())
@@ -418,8 +454,9 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     return self._store.get_or_create(self._var_key(var), var.shape,
                                      var.dtype.base_dtype)
 
-  def _update_velocities(self, vecs_and_vars, decay):
-    """v <- decay * v + vec for each variable; returns the new velocities."""
+  def _new_velocities(self, vecs_and_vars, decay, update):
+    """decay * v + vec for each variable: returns the new velocities and
+    adds their assignments to `update`."""
     out = []
     decay = self._read(decay)
     for vec, var in vecs_and_vars:
@@ -433,8 +470,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
                                        vec.values)
       else:
         new = new + vec
-      with tf.control_dependencies([velocity.assign(new)]):
-        out.append((tf.identity(new), var))
+      update.velocity_assigns.append((velocity, new))
+      out.append((new, var))
     return out
 
   def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
@@ -456,6 +493,25 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         one)
     return [(_scale(p, tf.cast(coeff, p.dtype)), v)
             for p, v in precon_and_vars]
+
+
+class _Update:
+  """What one step does (see KfacOptimizer._compute_update)."""
+
+  def __init__(self):
+    self.deltas = []            # (change, variable): variable += change
+    self.velocity_assigns = []  # (velocity variable, new value)
+    self.grads = []             # the gradients (dense)
+    self.precon = None          # (preconditioned vector, variable)
+    self.records = {}           # name -> float64 value to keep readable
+    self.model_change = None    # q(delta) for the damping rule
+
+  def dependencies(self):
+    """The tensors of the update (to order state changes after them)."""
+    out = [d.values if _is_slices(d) else d for d, _ in self.deltas]
+    if self.model_change is not None:
+      out.append(self.model_change)
+    return out
 
 
 def _is_slices(x):

@@ -18,14 +18,6 @@ from kfac.python.ops import optimizer
 from kfac.python.ops import utils
 
 
-def _cond_op(pred, make_op):
-  """Runs the op built by make_op() only when `pred` holds."""
-  def run():
-    with tf.control_dependencies([make_op()]):
-      return tf.constant(True)
-  return tf.cond(pred, run, lambda: tf.constant(False))
-
-
 @utils.exclude_from_autograph
 class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
   """KfacOptimizer that updates statistics and inverses periodically."""
@@ -69,18 +61,23 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
       in_burnin = counter < burnin
       do_cov = tf.logical_or(
           in_burnin, tf.equal(counter % self._cov_update_every, 0))
-      cov_done = _cond_op(do_cov,
+      cov_done = utils.cond_op(do_cov,
                           lambda: tf.group(*[t() for t in cov_thunks]))
       with tf.control_dependencies([cov_done]):
         do_inv = tf.logical_and(
             tf.logical_not(in_burnin),
             tf.equal((counter - burnin) % self._invert_every, 0))
-        inv_done = _cond_op(do_inv,
+        inv_done = utils.cond_op(do_inv,
                             lambda: tf.group(*[t() for t in inv_thunks]))
       with tf.control_dependencies([inv_done]):
+        # Built outside the burn-in condition: the quadratic model's
+        # curvature products are gradients, which tf.cond branches cannot
+        # take of tensors built outside them. Only the commit is skipped
+        # during burn-in.
+        update = self._compute_update(grads_and_vars)
         if self._num_burnin_steps > 0:
-          stepped = _cond_op(tf.logical_not(in_burnin),
-                             lambda: self._apply_steps(grads_and_vars))
+          stepped = utils.cond_op(tf.logical_not(in_burnin),
+                             lambda: self._commit(update))
         else:
-          stepped = self._apply_steps(grads_and_vars)
+          stepped = self._commit(update)
       return self._finish(stepped, global_step)
