@@ -5,6 +5,10 @@ formerly tf.contrib.kfac) and runs in TF1-style Session graphs and inside
 TF2 tf.function training steps.
 """
 
+from kfac.python.ops import batch_size_schedules
+from kfac.python.ops import curvature_matrix_vector_products
+from kfac.python.ops import data_reader
+from kfac.python.ops import data_reader_alt
 from kfac.python.ops import estimator
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import fisher_factors
@@ -13,10 +17,13 @@ from kfac.python.ops import loss_functions
 from kfac.python.ops import optimizer
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt
 from kfac.python.ops import placement
+from kfac.python.ops import schedules
 from kfac.python.ops import state
 from kfac.python.ops import utils
 
 LayerCollection = layer_collection.LayerCollection
+CurvatureMatrixVectorProductComputer = (
+    curvature_matrix_vector_products.CurvatureMatrixVectorProductComputer)
 KfacOptimizer = optimizer.KfacOptimizer
 StateStore = state.StateStore
 PeriodicInvCovUpdateKfacOpt = (
@@ -34,7 +41,9 @@ def __getattr__(name):
 
 __all__ = [
     "LayerCollection", "KfacOptimizer", "PeriodicInvCovUpdateKfacOpt",
-    "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
+    "CurvatureMatrixVectorProductComputer", "batch_size_schedules",
+    "curvature_matrix_vector_products", "data_reader", "data_reader_alt",
+    "schedules", "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
     "loss_functions", "optimizer", "placement", "state", "utils", "StateStore",
     "keras",
 ]
