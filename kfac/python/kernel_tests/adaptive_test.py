@@ -162,7 +162,8 @@ class Trainer:
 
   def __init__(self, world, inits, opt_kwargs, set_batches=True):
     self.world = world
-    self.set_batches = set_batches and opt_kwargs.get("adapt_damping")
+    self.set_batches = set_batches and (opt_kwargs.get("adapt_damping") or
+                                        opt_kwargs.get("calibrate_damping"))
     self.opt_kwargs = dict(opt_kwargs)
     if world == "graph":
       self.graph = tf.Graph()
@@ -175,7 +176,7 @@ class Trainer:
     kwargs = dict(invert_every=1, cov_ema_decay=0.5, estimation_mode="exact",
                   batch_size=N, dtype="float64")
     kwargs.update(self.opt_kwargs)
-    if kwargs.get("adapt_damping"):
+    if kwargs.get("adapt_damping") or kwargs.get("calibrate_damping"):
       kwargs.setdefault("loss_fn", lambda b: _loss(self.variables, *b))
     return kfac.PeriodicInvCovUpdateKfacOpt(**kwargs)
 
@@ -351,23 +352,52 @@ def test_immediate_damping_rule_on_the_same_batch(world, thresholds,
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("momentum_type", ["regular", "adam"])
-def test_model_change_of_a_fixed_learning_rate_update(world, momentum_type):
-  """With adapt_damping, regular / adam updates get the exact model change
-  1/2 delta^T (C + l2 I) delta + g^T delta."""
-  l2_reg = 0.02
+@pytest.mark.parametrize("exact", [False, True])
+def test_model_change_of_a_fixed_learning_rate_update(world, momentum_type,
+                                                      exact):
+  """With adapt_damping, regular / adam updates get the model change
+  1/2 delta^T B delta + g^T delta with B the damped K-FAC matrix (default),
+  or the exact 1/2 delta^T (C + l2 I) delta + g^T delta."""
+  l2_reg, damping = 0.02, 0.1
   trainer = Trainer(world, _inits(), dict(
       learning_rate=0.3, momentum=0.5, momentum_type=momentum_type,
-      damping=0.1, l2_reg=l2_reg, adapt_damping=True,
-      damping_adaptation_interval=1))
+      damping=damping, l2_reg=l2_reg, adapt_damping=True,
+      damping_adaptation_interval=1,
+      always_use_exact_qmodel_for_damping_adjustment=exact))
   for batch in _batches(2):
     before = trainer.params()
+    damping = trainer.records()["damping"]
     trainer.step(batch)
     delta = ref.flat(trainer.params()) - ref.flat(before)
     reference = Reference(before, *batch)
-    want = (0.5 * delta @ (reference.curvature() + l2_reg * np.eye(
-        delta.size)) @ delta + reference.grad() @ delta)
+    if exact:
+      curvature = reference.curvature() + l2_reg * np.eye(delta.size)
+    else:
+      curvature = trainer.precon_matrix(damping + l2_reg)
+    want = 0.5 * delta @ curvature @ delta + reference.grad() @ delta
     assert trainer.records()["qmodel_change"] == pytest.approx(want,
                                                                rel=RTOL)
+
+
+def test_kfac_model_change_needs_a_block_with_multiply():
+  """kron_series blocks define only their inverse: the default (K-FAC
+  matrix) model change says how to get the exact one instead."""
+  with tf.Graph().as_default():
+    w = tf.Variable(np.eye(3) * 0.5)
+    xs = [tf.constant(np.random.RandomState(i).randn(4, 3)) for i in range(2)]
+    outs = [tf.matmul(x, w) for x in xs]
+    lc = kfac.LayerCollection()
+    lc.register_fully_connected_multi(w, xs, outs, approx="kron_series_2")
+    for o in outs:
+      lc.register_squared_error_loss(o, name="l", reuse=True)
+    loss = tf.add_n([tf.reduce_sum(tf.square(o)) for o in outs])
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=0.1, damping=0.1, layer_collection=lc,
+        adapt_damping=True, loss_fn=lambda b: loss, train_batch=(),
+        damping_adaptation_interval=1, dtype="float64")
+    with pytest.raises(NotImplementedError,
+                       match="always_use_exact_qmodel_for_damping"):
+      opt.minimize(loss, var_list=[w])
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -431,6 +461,84 @@ def test_use_passed_loss_false_and_non_chief(world):
   assert np.isnan(rec["rho"])
 
 
+# ------------------------------------------------------------- calibration
+def test_calibration_rule_bisects_in_log_space():
+  """Hand-computed moves: x10 while rho is poor, then the step halves
+  (factor sqrt(10)) when the direction reverses; a rho between the
+  thresholds keeps the damping; the floor holds."""
+  ln10 = np.log(10.0)
+
+  def move(damping, rho, step, last, floor=1e-8):
+    return _np(*lm.calibrated_damping(damping, rho, step, last, 0.25, 0.75,
+                                      floor))
+
+  assert move(1.0, 0.1, ln10, 0.0) == pytest.approx([10.0, ln10, 1.0])
+  assert move(10.0, float("nan"), ln10, 1.0) == pytest.approx(
+      [100.0, ln10, 1.0])
+  assert move(100.0, 0.9, ln10, 1.0) == pytest.approx(
+      [100.0 / np.sqrt(10.0), ln10 / 2, -1.0])
+  assert move(31.6, 0.5, ln10 / 2, -1.0) == pytest.approx(
+      [31.6, ln10 / 2, -1.0])
+  assert move(31.6, 0.1, ln10 / 2, -1.0) == pytest.approx(
+      [31.6 * 10**0.25, ln10 / 4, 1.0])
+  assert move(1e-7, 0.9, ln10, -1.0, floor=1e-7) == pytest.approx(
+      [1e-7, ln10, -1.0])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("momentum_type, initial", [("qmodel", 1e3),
+                                                    ("regular", 1e-4)])
+def test_damping_calibration_during_burn_in(world, momentum_type, initial):
+  """Each burn-in step tries the step's update on its batch and puts the
+  parameters back bit for bit; rho of the trial equals the reference and
+  the damping moves as calibrated_damping says (replayed here on the
+  reference rho); the first real step uses the calibrated damping."""
+  burnin = 4
+  kwargs = dict(damping=initial, num_burnin_steps=burnin,
+                calibrate_damping=True)
+  if momentum_type == "qmodel":
+    kwargs.update(learning_rate=None, momentum=None, momentum_type="qmodel")
+  else:
+    kwargs.update(learning_rate=0.5, momentum=0.9, momentum_type="regular")
+  trainer = Trainer(world, _inits(), kwargs)
+  batches = _batches(burnin + 1)
+  log_step, direction = np.log(10.0), 0.0
+  start = trainer.params()
+  for batch in batches[:burnin]:
+    damping = trainer.records()["damping"]
+    trainer.step(batch)
+    for a, b in zip(trainer.params(), start):
+      np.testing.assert_array_equal(a, b)  # restored exactly
+    reference = Reference(start, *batch)
+    precon = trainer.precon_matrix(damping)
+    if momentum_type == "qmodel":
+      delta, _, _, change = _qmodel_reference(
+          reference, precon, np.zeros(precon.shape[0]), damping, 0.0)
+    else:
+      delta = -0.5 * np.linalg.solve(precon, reference.grad())
+      change = 0.5 * delta @ precon @ delta + reference.grad() @ delta
+    params = np.split(ref.flat(start) + delta,
+                      np.cumsum([p.size for p in start])[:-1])
+    trial = Reference([p.reshape(q.shape) for p, q in zip(params, start)],
+                      *batch)
+    rho = (trial.loss() - reference.loss()) / change
+    rec = trainer.records()
+    assert rec["rho"] == pytest.approx(rho, rel=1e-7)
+    assert rec["qmodel_change"] == pytest.approx(change, rel=1e-7)
+    want, log_step, direction = _np(*lm.calibrated_damping(
+        damping, rho, log_step, direction, 0.25, 0.75, 1e-8))
+    assert rec["damping"] == pytest.approx(want, rel=1e-7)
+  calibrated = trainer.records()["damping"]
+  # The far-off initial damping (too large for qmodel, whose trials then
+  # have rho ~ 1; too small for lr 0.5, rho < 0) moved by >= 100x.
+  assert abs(np.log10(calibrated / initial)) >= 2.0
+  assert (calibrated < initial) == (momentum_type == "qmodel")
+  trainer.step(batches[burnin])  # a real step with the calibrated damping
+  moved = ref.flat(trainer.params()) - ref.flat(start)
+  assert np.linalg.norm(moved) > 0
+  assert trainer.records()["damping"] == calibrated
+
+
 # ------------------------------------------------------------- arguments
 @pytest.mark.parametrize("kwargs, match", [
     (dict(learning_rate=0.1, momentum=None, momentum_type="qmodel"),
@@ -457,12 +565,23 @@ def test_use_passed_loss_false_and_non_chief(world):
           damping_schedule=lambda s: 0.1, damping=None), "choose one"),
     (dict(learning_rate=0.1, learning_rate_schedule=lambda s: 0.1),
      "not both"),
+    (dict(learning_rate=0.1, always_use_exact_qmodel_for_damping_adjustment=
+          True), "only matters with adapt_damping"),
+    (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=0),
+     "num_burnin_steps > 0"),
+    (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3),
+     "calibrate_damping=True needs loss_fn"),
+    (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3,
+          loss_fn=lambda b: 0.0, damping_adaptation_interval=2),
+     "only matters with adapt_damping=True: "),
 ])
 def test_argument_errors(kwargs, match):
   args = dict(damping=0.1)
   args.update(kwargs)
+  cls = (kfac.PeriodicInvCovUpdateKfacOpt if "calibrate_damping" in args
+         else kfac.KfacOptimizer)
   with pytest.raises(ValueError, match=match):
-    kfac.KfacOptimizer(**args)
+    cls(**args)
 
 
 @pytest.mark.parametrize("world", WORLDS)

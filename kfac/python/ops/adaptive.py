@@ -1,9 +1,12 @@
-"""Adaptive K-FAC: quadratic-model learning rate / momentum, LM damping.
+"""Adaptive K-FAC: quadratic-model learning rate and momentum.
 
-`AdaptiveMixin` is the part of `KfacOptimizer` that implements the
-momentum types "qmodel" / "qmodel_fixedmu" and `adapt_damping`; the math
-is in `quadratic_model.py` and `damping_adaptation.py`, the exact curvature
-products in `curvature_matrix_vector_products.py`.
+`AdaptiveMixin` is the part of `KfacOptimizer` that validates the adaptive
+arguments, keeps the readable records (learning rate, momentum, rho,
+qmodel_change, norms) and implements the momentum types "qmodel" /
+"qmodel_fixedmu". The damping rule and its calibration are in
+`adaptive_damping.py`, the scalar math in `quadratic_model.py` and
+`damping_adaptation.py`, the exact curvature products in
+`curvature_matrix_vector_products.py`.
 
 Quadratic model. With g the gradient of the mean loss, p = F^-1 g the
 K-FAC preconditioned gradient (F^-1 with the preconditioner damping
@@ -15,41 +18,32 @@ update is delta = alpha p + mu d where (alpha, mu) minimise
 and C is the exact mini-batch curvature of the mean loss: (1/N) times the
 summed-loss curvature from `CurvatureMatrixVectorProductComputer`, the
 Fisher for the Fisher / empirical-Fisher estimation modes and the GGN for
-the *_GGN modes. "qmodel_fixedmu" keeps mu = momentum and solves for alpha
-alone. `qmodel_update_rescale` s multiplies both coefficients after the
-solve. The recorded `learning_rate` is -alpha * s, `momentum` mu * s.
+the *_GGN modes. N is `batch_size` when given, else the number of rows of
+the first registered loss's inputs (summed over its towers): pass
+batch_size when the loss you minimise is not the mean over those rows.
+"qmodel_fixedmu" keeps mu = momentum and solves for alpha alone.
+`qmodel_update_rescale` s multiplies both coefficients after the solve.
+The recorded `learning_rate` is -alpha * s, `momentum` mu * s.
 
-The predicted change used for the damping rule, `qmodel_change`, is the
-model of the update actually applied with the curvature C + l2_reg I, i.e.
-without the damping term (as in Martens & Grosse 2015, sec. 6.5, and
-kfac-jax's default). With momentum types "regular" / "adam" and
-adapt_damping, it is 1/2 delta^T (C + l2_reg I) delta + g^T delta for the
-update delta = -learning_rate * step, which costs one exact curvature
-product per step (a gradient cannot be taken inside a tf.cond branch, so it
-is not limited to the adaptation steps).
+The predicted change used by the damping rule, `qmodel_change`, is the
+model of the update actually applied, without the damping term:
 
-Damping rule (`damping_adaptation.py`): rho = (loss after - loss before) /
-qmodel_change on the same mini-batch, every damping_adaptation_interval
-steps (the steps where the counter is a multiple of it).
-
-* update_damping_immediately=True: on such a step the loss before is the
-  passed loss (`minimize`'s loss or `set_loss`; with use_passed_loss=False,
-  loss_fn(train_batch) evaluated before the update), and the loss after is
-  loss_fn(train_batch) evaluated after the update, in the same step: one
-  extra forward pass on adaptation steps only.
-* update_damping_immediately=False: on such a step the loss before and the
-  predicted change are kept; on the next step loss_fn(prev_train_batch)
-  (the previous step's batch, e.g. `CachedDataReader.cached_batch`) is
-  evaluated at the current parameters before that step's update.
-
-Only the chief (is_chief=True) adapts the damping. The damping lives in a
-float64 state variable (`adaptive/damping`) floored at min_damping; the
-preconditioner adds l2_reg to it, so the effective damping never falls
-below l2_reg + min_damping * precon_damping_mult.
+* qmodel / qmodel_fixedmu: with the exact curvature, C + l2_reg I (as in
+  Martens & Grosse 2015, sec. 6.5, and kfac-jax's default); it comes with
+  the solve at no extra cost.
+* regular / adam (with adapt_damping or calibrate_damping): by default with
+  the K-FAC matrix B itself (the damped preconditioner, whose damping
+  includes l2_reg): 1/2 delta^T B delta + g^T delta, as the old TF library
+  and kfac-jax's default do. It is computed only on the steps that use it.
+  `always_use_exact_qmodel_for_damping_adjustment=True` uses the exact
+  1/2 delta^T (C + l2_reg I) delta + g^T delta instead; a gradient cannot be
+  taken inside a tf.cond branch, so that costs one exact curvature product
+  (about two backward passes) on every step.
 """
 
 import tensorflow as tf
 
+from kfac.python.ops import adaptive_damping
 from kfac.python.ops import damping_adaptation
 from kfac.python.ops import quadratic_model
 from kfac.python.ops import utils
@@ -67,16 +61,33 @@ _RECORDS = {
 }
 _NORM_RECORDS = ("grad_norm", "precon_grad_norm", "update_norm")
 
+# Arguments that only matter with adapt_damping (or calibrate_damping) and
+# their defaults.
+_DAMPING_RULE_DEFAULTS = (
+    ("damping_adaptation_decay", 0.95),
+    ("damping_adaptation_interval", 5),
+    ("update_damping_immediately", True),
+)
+_DAMPING_TARGET_DEFAULTS = (
+    ("damping_decrease_rho_threshold", 0.75),
+    ("damping_increase_rho_threshold", 0.25),
+    ("min_damping", 1e-8),
+    ("use_passed_loss", True),
+    ("always_use_exact_qmodel_for_damping_adjustment", False),
+)
 
-def _inner64(a, b):
+
+def inner64(a, b):
+  """sum(a * b) in float64."""
   return tf.reduce_sum(utils.cast(a, tf.float64) * utils.cast(b, tf.float64))
 
 
-def _sum_inner64(xs, ys):
-  return tf.add_n([_inner64(x, y) for x, y in zip(xs, ys)])
+def sum_inner64(xs, ys):
+  """sum_i <xs[i], ys[i]> in float64."""
+  return tf.add_n([inner64(x, y) for x, y in zip(xs, ys)])
 
 
-class AdaptiveMixin:
+class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
   """Quadratic model and damping adaptation for KfacOptimizer."""
 
   # ------------------------------------------------------------ set-up
@@ -100,8 +111,11 @@ class AdaptiveMixin:
                      damping_decrease_rho_threshold,
                      damping_increase_rho_threshold, precon_damping_mult,
                      use_passed_loss, train_batch, print_logs,
-                     use_weight_decay, norm_constraint, damping_schedule):
+                     use_weight_decay, norm_constraint, damping_schedule,
+                     always_use_exact_qmodel_for_damping_adjustment):
     qmodel = momentum_type.startswith("qmodel")
+    # Set by PeriodicInvCovUpdateKfacOpt before it calls this constructor.
+    calibrate = getattr(self, "_calibrate_damping", False)
     if qmodel_update_rescale is not None and not qmodel:
       raise ValueError("qmodel_update_rescale applies to the momentum types "
                        "'qmodel' / 'qmodel_fixedmu' only (momentum_type=%r)."
@@ -119,45 +133,52 @@ class AdaptiveMixin:
     if l2_reg < 0 or precon_damping_mult <= 0:
       raise ValueError("l2_reg must be >= 0 and precon_damping_mult > 0, got "
                        "%r and %r." % (l2_reg, precon_damping_mult))
-    if not adapt_damping:
-      for arg, value in (("loss", loss), ("loss_fn", loss_fn),
-                         ("train_batch", train_batch),
-                         ("prev_train_batch", prev_train_batch)):
-        if value is not None:
-          raise ValueError("%s=... is used by the damping adaptation only: "
-                           "pass adapt_damping=True, or drop it." % arg)
-      for arg, value, default in (
-          ("damping_adaptation_decay", damping_adaptation_decay, 0.95),
-          ("damping_adaptation_interval", damping_adaptation_interval, 5),
-          ("damping_decrease_rho_threshold", damping_decrease_rho_threshold,
-           0.75),
-          ("damping_increase_rho_threshold", damping_increase_rho_threshold,
-           0.25),
-          ("min_damping", min_damping, 1e-8),
-          ("update_damping_immediately", update_damping_immediately, True),
-          ("use_passed_loss", use_passed_loss, True)):
-        if value != default:
-          raise ValueError("%s=%r only matters with adapt_damping=True; pass "
-                           "adapt_damping=True or leave it at %r." %
-                           (arg, value, default))
-    else:
+    given = dict(
+        damping_adaptation_decay=damping_adaptation_decay,
+        damping_adaptation_interval=damping_adaptation_interval,
+        update_damping_immediately=update_damping_immediately,
+        damping_decrease_rho_threshold=damping_decrease_rho_threshold,
+        damping_increase_rho_threshold=damping_increase_rho_threshold,
+        min_damping=min_damping, use_passed_loss=use_passed_loss,
+        always_use_exact_qmodel_for_damping_adjustment=(
+            always_use_exact_qmodel_for_damping_adjustment))
+    unused = (() if adapt_damping else _DAMPING_RULE_DEFAULTS) + (
+        () if adapt_damping or calibrate else _DAMPING_TARGET_DEFAULTS)
+    for arg, default in unused:
+      if given[arg] != default:
+        raise ValueError("%s=%r only matters with adapt_damping=True%s: "
+                         "pass that too, or leave %s at %r." %
+                         (arg, given[arg], "" if arg in dict(
+                             _DAMPING_RULE_DEFAULTS) else
+                          " or calibrate_damping=True", arg, default))
+    if adapt_damping or calibrate:
+      what = "adapt_damping=True" if adapt_damping else (
+          "calibrate_damping=True")
       damping_adaptation.check_arguments(
           damping_adaptation_decay, damping_adaptation_interval,
           damping_increase_rho_threshold, damping_decrease_rho_threshold,
           min_damping)
       if damping_schedule is not None:
-        raise ValueError("damping_schedule and adapt_damping=True both set "
-                         "the damping: choose one.")
-      if not use_passed_loss and loss_fn is None:
-        raise ValueError("use_passed_loss=False needs loss_fn (the loss "
-                         "before the update is loss_fn(train_batch)).")
+        raise ValueError("damping_schedule and %s both set the damping: "
+                         "choose one." % what)
       if loss_fn is None:
         raise ValueError(
-            "adapt_damping=True needs loss_fn=..., a function of a batch that "
-            "returns the loss, to evaluate the loss after the update.")
-      self._damping = self._make_damping_variable(self._damping)
+            "%s needs loss_fn=..., a function of a batch that returns the "
+            "loss, to evaluate the loss after the update." % what)
+      self._damping = self._make_damping_variable(self._damping, what)
+    else:
+      for arg, value in (("loss", loss), ("loss_fn", loss_fn),
+                         ("train_batch", train_batch),
+                         ("prev_train_batch", prev_train_batch)):
+        if value is not None:
+          raise ValueError(
+              "%s=... is used by the damping adaptation only: pass "
+              "adapt_damping=True (or calibrate_damping=True to "
+              "PeriodicInvCovUpdateKfacOpt), or drop it." % arg)
     self._qmodel_update_rescale = qmodel_update_rescale
     self._adapt_damping = bool(adapt_damping)
+    self._exact_damping_model = bool(
+        always_use_exact_qmodel_for_damping_adjustment)
     self._update_damping_immediately = update_damping_immediately
     self._is_chief = is_chief
     self._prev_train_batch = prev_train_batch
@@ -175,34 +196,24 @@ class AdaptiveMixin:
     self._print_logs = print_logs
     self._passed_loss = None
 
-  def _make_damping_variable(self, damping):
+  def _make_damping_variable(self, damping, what):
     if isinstance(damping, tf.Variable):
       if not damping.dtype.is_floating or damping.shape.rank != 0:
-        raise ValueError("adapt_damping=True with a damping variable needs a "
-                         "floating-point scalar, got %s %s." %
-                         (damping.dtype.name, damping.shape))
+        raise ValueError("%s with a damping variable needs a floating-point "
+                         "scalar, got %s %s." %
+                         (what, damping.dtype.name, damping.shape))
       return damping
     if not utils.is_python_number(damping) or damping <= 0:
       raise ValueError(
-          "adapt_damping=True needs the initial damping as a positive Python "
-          "number (or a scalar tf.Variable to adapt in place), got %r." %
-          (damping,))
+          "%s needs the initial damping as a positive Python number (or a "
+          "scalar tf.Variable to adapt in place), got %r." % (what, damping))
     return self._store.get_or_create("adaptive/damping", [], tf.float64,
                                      initial_value=float(damping))
 
-  def set_loss(self, loss):
-    """The loss before the update for the damping rule (use_passed_loss);
-    in a tf.function call it on every trace. `minimize` sets it too."""
-    self._loss = loss
-
-  def set_train_batch(self, train_batch):
-    """The batch loss_fn evaluates (a structure of tensors or a callable
-    returning one); in a tf.function call it on every trace."""
-    self._train_batch = train_batch
-
-  def set_prev_train_batch(self, prev_train_batch):
-    """The previous step's batch (update_damping_immediately=False)."""
-    self._prev_train_batch = prev_train_batch
+  @property
+  def _uses_damping_model(self):
+    """Whether the steps need the predicted change of the loss."""
+    return self._adapt_damping or getattr(self, "_calibrate_damping", False)
 
   # ------------------------------------------------------------ records
   def _record(self, name):
@@ -217,7 +228,8 @@ class AdaptiveMixin:
   @property
   def qmodel_change(self):
     """The change of the loss the quadratic model predicted for the last
-    update (NaN unless the momentum type is qmodel* or adapt_damping)."""
+    update (qmodel*: every step; regular / adam: the last step the damping
+    rule used it; NaN before)."""
     return utils.cast(self._record("qmodel_change"), self._dtype)
 
   @property
@@ -236,12 +248,12 @@ class AdaptiveMixin:
       self._record(name)
     if self._compute_norm_stats:
       grads = update.grads
-      update.records["grad_norm"] = tf.sqrt(_sum_inner64(grads, grads))
+      update.records["grad_norm"] = tf.sqrt(sum_inner64(grads, grads))
       precon = [p for p, _ in update.precon]
       update.records["precon_grad_norm"] = tf.sqrt(
-          _sum_inner64(precon, precon))
+          sum_inner64(precon, precon))
       deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
-      update.records["update_norm"] = tf.sqrt(_sum_inner64(deltas, deltas))
+      update.records["update_norm"] = tf.sqrt(sum_inner64(deltas, deltas))
     if update.model_change is not None:
       update.records["qmodel_change"] = update.model_change
     return [self._record(name).assign(utils.cast(value, tf.float64))
@@ -264,8 +276,7 @@ class AdaptiveMixin:
     from kfac.python.ops import curvature_matrix_vector_products as cmvp  # pylint: disable=g-import-not-at-top
     computer = cmvp.CurvatureMatrixVectorProductComputer(self._layers,
                                                          variables)
-    ggn = self._require_estimator().mat_type == "GGN"
-    if ggn:
+    if self._require_estimator().mat_type == "GGN":
       factors = [computer.multiply_ggn_factor_transpose(v) for v in vectors]
       signs = computer.ggn_factor_signs
     else:
@@ -287,11 +298,10 @@ class AdaptiveMixin:
       gram.append(row)
     return gram
 
-  def _qmodel_update(self, grads_and_vars):
-    """The update alpha p + mu d of the quadratic model (module docstring)."""
-    from kfac.python.ops import optimizer as opt_lib  # pylint: disable=g-import-not-at-top
+  def _qmodel_update(self, grads_and_vars, update):
+    """Fills `update` with the step alpha p + mu d of the quadratic model
+    (module docstring)."""
     est = self._require_estimator()
-    update = opt_lib._Update()  # pylint: disable=protected-access
     variables = [v for _, v in grads_and_vars]
     grads = [g for g, _ in grads_and_vars]
     precon = [tf.convert_to_tensor(p)
@@ -299,8 +309,8 @@ class AdaptiveMixin:
     velocities = [self._velocity(v) for v in variables]
     prev = [tf.convert_to_tensor(v) for v in velocities]
     gram = self._curvature_gram(variables, [precon, prev])
-    dots = [[_sum_inner64(precon, precon), _sum_inner64(precon, prev)],
-            [None, _sum_inner64(prev, prev)]]
+    dots = [[sum_inner64(precon, precon), sum_inner64(precon, prev)],
+            [None, sum_inner64(prev, prev)]]
     dots[1][0] = dots[0][1]
     damping = utils.cast(self._read(self._damping), tf.float64)
     l2_reg = tf.constant(float(self._l2_reg), tf.float64)
@@ -310,8 +320,8 @@ class AdaptiveMixin:
               for i in range(2)]
 
     solve_m = model(damping + l2_reg)
-    c1 = _sum_inner64(grads, precon)
-    c2 = _sum_inner64(grads, prev)
+    c1 = sum_inner64(grads, precon)
+    c2 = sum_inner64(grads, prev)
     if self._momentum_type == "qmodel":
       alpha, mu = quadratic_model.solve_two_by_two(
           solve_m[0][0], solve_m[0][1], solve_m[1][1], c1, c2)
@@ -335,112 +345,33 @@ class AdaptiveMixin:
     update.records["momentum"] = mu
     return update
 
-  def _model_change(self, grads_and_vars, deltas_and_vars):
-    """1/2 delta^T (C + l2_reg I) delta + g^T delta (float64)."""
-    variables = [v for _, v in grads_and_vars]
-    deltas = [tf.convert_to_tensor(d) for d, _ in deltas_and_vars]
-    grads = [g for g, _ in grads_and_vars]
-    curvature = self._curvature_gram(variables, [deltas])[0][0]
-    sq = _sum_inner64(deltas, deltas)
-    return (0.5 * (curvature + float(self._l2_reg) * sq) +
-            _sum_inner64(grads, deltas))
+  def _set_model_change(self, grads_and_vars, update):
+    """The predicted change of a regular / adam update (module docstring):
+    exact now, or the K-FAC model built where it is used."""
+    if not self._uses_damping_model:
+      return
+    grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
+    if self._exact_damping_model:
+      variables = [v for _, v in grads_and_vars]
+      deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
+      curvature = self._curvature_gram(variables, [deltas])[0][0]
+      sq = sum_inner64(deltas, deltas)
+      update.model_change = (0.5 * (curvature + float(self._l2_reg) * sq) +
+                             sum_inner64(grads, deltas))
+      return
 
-  # ------------------------------------------------------------ damping rule
-  def _adaptation_step(self):
-    counter = tf.convert_to_tensor(self.counter)
-    return tf.equal(counter % self._adaptation_interval, 0)
+    def approximate():
+      deltas = [(tf.convert_to_tensor(d), v) for d, v in update.deltas]
+      try:
+        products = self._require_estimator().multiply(deltas)
+      except NotImplementedError as e:
+        raise NotImplementedError(
+            "%s\nThe damping rule of momentum_type=%r predicts the change of "
+            "the loss with the K-FAC matrix (B delta); pass "
+            "always_use_exact_qmodel_for_damping_adjustment=True to use the "
+            "exact curvature instead." % (e, self._momentum_type)) from e
+      values = [d for d, _ in deltas]
+      return (0.5 * sum_inner64(values, [p for p, _ in products]) +
+              sum_inner64(grads, values))
 
-  @staticmethod
-  def _batch(batch):
-    return batch() if callable(batch) else batch
-
-  def _evaluate_loss_fn(self, batch, what):
-    batch = self._batch(batch)
-    if batch is None:
-      raise ValueError(
-          "The damping rule evaluates loss_fn(%s), but %s is not set: pass "
-          "it to the constructor or call set_%s(...) (in a tf.function, on "
-          "every trace)." % (what, what, what))
-    return tf.cast(self._loss_fn(batch), tf.float64)
-
-  def _loss_before(self):
-    if self._use_passed_loss:
-      loss = self._loss if self._loss is not None else self._passed_loss
-      if loss is None:
-        raise ValueError(
-            "The damping rule needs the loss before the update: use "
-            "minimize(loss), pass loss=... / call set_loss(loss), or pass "
-            "use_passed_loss=False to evaluate loss_fn(train_batch).")
-      return utils.cast(loss, tf.float64)
-    return tf.convert_to_tensor(self._store.get_or_create(
-        "adaptive/loss_before", [], tf.float64))
-
-  def _apply_rule(self, loss_before, loss_after, model_change, counter):
-    """Ops that set rho and the new damping."""
-    rho = damping_adaptation.reduction_ratio(loss_before, loss_after,
-                                             model_change)
-    new = damping_adaptation.adapted_damping(
-        self._damping, rho, self._adaptation_decay,
-        self._adaptation_interval, self._rho_lower, self._rho_upper,
-        self._min_damping)
-    ops = [self._record("rho").assign(rho),
-           self._damping.assign(tf.cast(new, self._damping.dtype))]
-    if self._print_logs:
-      ops.append(tf.print("kfac step", counter, "rho", rho, "damping", new,
-                          "qmodel_change", model_change, "loss before",
-                          loss_before, "after", loss_after))
-    return tf.group(*ops)
-
-  def _adaptation_before_update(self, update):
-    """Ops to run before the variables change (see the module docstring)."""
-    if not (self._adapt_damping and self._is_chief):
-      return []
-    ops = []
-    adapt_now = self._adaptation_step()
-    if not self._use_passed_loss:
-      keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
-      ops.append(utils.cond_op(adapt_now, lambda: keep.assign(
-          self._evaluate_loss_fn(self._train_batch, "train_batch"))))
-    if not self._update_damping_immediately:
-      pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
-      prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
-                                            tf.float64)
-      prev_change = self._store.get_or_create("adaptive/prev_change", [],
-                                              tf.float64)
-      counter = tf.convert_to_tensor(self.counter)
-
-      def evaluate_previous():
-        after = self._evaluate_loss_fn(self._prev_train_batch,
-                                       "prev_train_batch")
-        with tf.control_dependencies([self._apply_rule(
-            prev_loss, after, prev_change, counter)]):
-          return pending.assign(0)
-
-      ops.append(utils.cond_op(tf.greater(pending, 0), evaluate_previous))
-    return ops
-
-  def _adaptation_after_update(self, update, step_op):
-    """Runs after `step_op` (the variables have changed)."""
-    if not (self._adapt_damping and self._is_chief):
-      return step_op
-    adapt_now = self._adaptation_step()
-    counter = tf.convert_to_tensor(self.counter)
-    change = update.model_change
-    with tf.control_dependencies([step_op]):
-      # Read after step_op, which waits for the ops that store the loss
-      # before the update (use_passed_loss=False).
-      before = self._loss_before()
-      if self._update_damping_immediately:
-        def rule():
-          after = self._evaluate_loss_fn(self._train_batch, "train_batch")
-          return self._apply_rule(before, after, change, counter)
-        return utils.cond_op(adapt_now, rule)
-
-      def keep():
-        store = self._store
-        return tf.group(
-            store.get("adaptive/prev_loss").assign(before),
-            store.get("adaptive/prev_change").assign(change),
-            store.get("adaptive/pending").assign(1))
-      return utils.cond_op(adapt_now, keep)
-
+    update.model_change_fn = approximate

@@ -15,7 +15,17 @@ with omega = decay ** interval, then lambda <- max(lambda, min_damping).
 A rho that is not a finite number (the loss became NaN or infinite, or the
 model predicted no decrease, q(delta) >= 0, which makes the ratio
 meaningless) counts as a poor model and increases the damping.
+
+Calibration (`calibrated_damping`), for the burn-in steps: the same test of
+rho against the thresholds, but the damping moves by a factor exp(s) that
+starts at 10 (s = ln 10) and halves s (a square root of the factor) each
+time the direction reverses, i.e. a bisection in log space. From a damping
+that is off by k orders of magnitude, k steps in one direction find the
+bracket and each further step halves it; a rho between the thresholds
+leaves the damping (and s) as they are.
 """
+
+import math
 
 import tensorflow as tf
 
@@ -61,3 +71,38 @@ def adapted_damping(damping, rho, decay, interval, lower, upper, min_damping):
   new = tf.where(decrease, damping * omega,
                  tf.where(increase, damping / omega, damping))
   return tf.maximum(new, tf.constant(float(min_damping), tf.float64))
+
+
+# The first calibration move multiplies or divides the damping by 10.
+CALIBRATION_INITIAL_LOG_STEP = math.log(10.0)
+
+
+def calibrated_damping(damping, rho, log_step, last_direction, lower, upper,
+                       min_damping):
+  """One calibration step (module docstring), in float64.
+
+  Args:
+    damping: the current damping.
+    rho: the reduction ratio of the trial update made with it.
+    log_step: s, the size of the move in log space.
+    last_direction: +1 / -1, the direction of the last move, 0 before any.
+    lower, upper: the rho thresholds (increase below lower, decrease above
+      upper).
+    min_damping: the floor.
+
+  Returns:
+    (new damping, new log_step, new last_direction).
+  """
+  damping, rho, log_step, last = (utils.cast(v, tf.float64) for v in (
+      damping, rho, log_step, last_direction))
+  finite = tf.math.is_finite(rho)
+  one = tf.ones_like(damping)
+  direction = tf.where(
+      tf.logical_or(tf.logical_not(finite), rho < lower), one,
+      tf.where(tf.logical_and(finite, rho > upper), -one, 0.0 * one))
+  reverses = direction * last < 0
+  log_step = tf.where(reverses, log_step / 2.0, log_step)
+  new = tf.maximum(damping * tf.exp(direction * log_step),
+                   tf.constant(float(min_damping), tf.float64))
+  return new, log_step, tf.where(direction != 0, direction, last)
+

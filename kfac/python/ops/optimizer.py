@@ -91,6 +91,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                momentum_schedule=None,
                damping_schedule=None,
                compute_norm_stats=False,
+               always_use_exact_qmodel_for_damping_adjustment=False,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -171,7 +172,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
         precon_damping_mult=precon_damping_mult,
         use_passed_loss=use_passed_loss, train_batch=train_batch,
         print_logs=print_logs, use_weight_decay=use_weight_decay,
-        norm_constraint=norm_constraint, damping_schedule=damping_schedule)
+        norm_constraint=norm_constraint, damping_schedule=damping_schedule,
+        always_use_exact_qmodel_for_damping_adjustment=(
+            always_use_exact_qmodel_for_damping_adjustment))
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
 
@@ -373,7 +376,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
       raise ValueError("No gradient for variables %s: they do not affect the "
                        "loss." % ", ".join(none))
     self._layers.check_registration([v for _, v in grads_and_vars])
-    if self._momentum_type.startswith("qmodel") or self._adapt_damping:
+    if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
       # The quadratic model takes inner products with the gradient.
       return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if _is_slices(g) else tf.convert_to_tensor(g), v)
@@ -382,11 +385,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   def _compute_update(self, grads_and_vars):
     """Builds (without changing any state) what this step will do: an
     `_Update` with the change of each variable, the new velocities, the
-    values to record, and the quadratic model's predicted change."""
-    if self._momentum_type.startswith("qmodel"):
-      return self._qmodel_update(grads_and_vars)
-    est = self._require_estimator()
+    values to record, and the predicted change of the loss."""
     update = _Update()
+    if self._momentum_type.startswith("qmodel"):
+      return self._qmodel_update(grads_and_vars, update)
+    est = self._require_estimator()
     update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
     if self._momentum_type == "regular":
       precon = est.multiply_inverse(grads_and_vars)
@@ -408,8 +411,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     lr = self._read(self._learning_rate)
     update.deltas = [(_scale(s, -utils.cast(lr, v.dtype)), v)
                      for s, v in steps]
-    if self._adapt_damping:
-      update.model_change = self._model_change(grads_and_vars, update.deltas)
+    self._set_model_change(grads_and_vars, update)
     return update
 
   def _commit(self, update):
@@ -504,7 +506,17 @@ class _Update:
     self.grads = []             # the gradients (dense)
     self.precon = None          # (preconditioned vector, variable)
     self.records = {}           # name -> float64 value to keep readable
-    self.model_change = None    # q(delta) for the damping rule
+    self.model_change = None    # q(delta) for the damping rule, or
+    self.model_change_fn = None  # a function building it where it is used
+
+  def predicted_change(self):
+    """q(delta): the tensor computed with the update, or built now (inside
+    the branch of a step that uses it)."""
+    if self.model_change is not None:
+      return self.model_change
+    if self.model_change_fn is None:
+      raise ValueError("This update has no predicted change.")
+    return self.model_change_fn()
 
   def dependencies(self):
     """The tensors of the update (to order state changes after them)."""

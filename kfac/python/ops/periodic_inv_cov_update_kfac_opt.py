@@ -3,7 +3,9 @@
 `PeriodicInvCovUpdateKfacOpt` builds one training op that, at step t
 (the optimizer's `counter`):
 1. during the first `num_burnin_steps` steps only updates the statistics
-   (no parameter update, no inverses);
+   (no parameter update, no inverses; with `calibrate_damping=True`, the
+   inverses every step and a trial of the update that calibrates the
+   damping, see adaptive_damping.py);
 2. otherwise updates the statistics when t % cov_update_every == 0,
 3. recomputes the inverses when (t - num_burnin_steps) % invert_every == 0
    (so the first real step already uses fresh inverses),
@@ -23,7 +25,9 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
   """KfacOptimizer that updates statistics and inverses periodically."""
 
   def __init__(self, invert_every=10, cov_update_every=1, num_burnin_steps=0,
-               **kfac_kwargs):
+               calibrate_damping=False, **kfac_kwargs):
+    """See the module docstring; `calibrate_damping=True` needs
+    num_burnin_steps > 0 and loss_fn / train_batch (as adapt_damping)."""
     for arg, value, low in (("invert_every", invert_every, 1),
                             ("cov_update_every", cov_update_every, 1),
                             ("num_burnin_steps", num_burnin_steps, 0)):
@@ -33,6 +37,11 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
     self._invert_every = int(invert_every)
     self._cov_update_every = int(cov_update_every)
     self._num_burnin_steps = int(num_burnin_steps)
+    if calibrate_damping and not self._num_burnin_steps:
+      raise ValueError(
+          "calibrate_damping=True calibrates the damping during the burn-in "
+          "steps: pass num_burnin_steps > 0 (e.g. 10).")
+    self._calibrate_damping = bool(calibrate_damping)
     super().__init__(**kfac_kwargs)
 
   @property
@@ -46,6 +55,10 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
   @property
   def num_burnin_steps(self):
     return self._num_burnin_steps
+
+  @property
+  def calibrate_damping(self):
+    return self._calibrate_damping
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
@@ -61,14 +74,16 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
       in_burnin = counter < burnin
       do_cov = tf.logical_or(
           in_burnin, tf.equal(counter % self._cov_update_every, 0))
-      cov_done = utils.cond_op(do_cov,
-                          lambda: tf.group(*[t() for t in cov_thunks]))
+      cov_done = utils.cond_op(
+          do_cov, lambda: tf.group(*[t() for t in cov_thunks]))
       with tf.control_dependencies([cov_done]):
         do_inv = tf.logical_and(
             tf.logical_not(in_burnin),
             tf.equal((counter - burnin) % self._invert_every, 0))
-        inv_done = utils.cond_op(do_inv,
-                            lambda: tf.group(*[t() for t in inv_thunks]))
+        if self._calibrate_damping:
+          do_inv = tf.logical_or(in_burnin, do_inv)
+        inv_done = utils.cond_op(
+            do_inv, lambda: tf.group(*[t() for t in inv_thunks]))
       with tf.control_dependencies([inv_done]):
         # Built outside the burn-in condition: the quadratic model's
         # curvature products are gradients, which tf.cond branches cannot
@@ -76,8 +91,13 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
         # during burn-in.
         update = self._compute_update(grads_and_vars)
         if self._num_burnin_steps > 0:
-          stepped = utils.cond_op(tf.logical_not(in_burnin),
-                             lambda: self._commit(update))
+          calibrated = []
+          if self._calibrate_damping:
+            calibrated = [utils.cond_op(
+                in_burnin, lambda: self._calibration_op(update))]
+          with tf.control_dependencies(calibrated):
+            stepped = utils.cond_op(tf.logical_not(in_burnin),
+                                    lambda: self._commit(update))
         else:
           stepped = self._commit(update)
       return self._finish(stepped, global_step)

@@ -1,0 +1,213 @@
+"""The ops of K-FAC's damping rule and of its calibration during burn-in.
+
+`AdaptiveDampingMixin` is the part of `KfacOptimizer` (through
+`adaptive.AdaptiveMixin`) that builds the Levenberg-Marquardt damping rule
+(`damping_adaptation.py` has its math) into a training step, and the
+calibration of the initial damping that `PeriodicInvCovUpdateKfacOpt` runs
+during its burn-in steps with `calibrate_damping=True`.
+
+Damping rule: rho = (loss after - loss before) / qmodel_change on the same
+mini-batch, every damping_adaptation_interval steps (the steps where the
+counter is a multiple of it).
+
+* update_damping_immediately=True: on such a step the loss before is the
+  passed loss (`minimize`'s loss or `set_loss`; with use_passed_loss=False,
+  loss_fn(train_batch) evaluated before the update), and the loss after is
+  loss_fn(train_batch) evaluated after the update, in the same step: one
+  extra forward pass on adaptation steps only.
+* update_damping_immediately=False: on such a step the loss before and the
+  predicted change are kept; on the next step loss_fn(prev_train_batch)
+  (the previous step's batch, e.g. `CachedDataReader.cached_batch`) is
+  evaluated at the current parameters before that step's update.
+
+Calibration, on each burn-in step (the parameters do not move then): the
+step's update delta is tried on the step's batch (the variables are set to
+w + delta, loss_fn(train_batch) is evaluated, and the variables get back
+their exact previous values), rho of that trial is computed as above, and
+`damping_adaptation.calibrated_damping` moves the damping (bisection in log
+space towards rho between the thresholds). The inverses are recomputed on
+every burn-in step, with the damping of that step.
+
+Only the chief (is_chief=True) adapts or calibrates the damping. The
+damping lives in a float64 state variable (`adaptive/damping`), or in the
+scalar variable passed as `damping`, floored at min_damping; the
+preconditioner adds l2_reg to it, so the effective damping never falls
+below l2_reg + min_damping * precon_damping_mult.
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops import damping_adaptation
+from kfac.python.ops import utils
+
+
+class AdaptiveDampingMixin:
+  """The damping rule and the damping calibration (module docstring)."""
+
+  def set_loss(self, loss):
+    """The loss before the update for the damping rule (use_passed_loss);
+    in a tf.function call it on every trace. `minimize` sets it too."""
+    self._loss = loss
+
+  def set_train_batch(self, train_batch):
+    """The batch loss_fn evaluates (a structure of tensors or a callable
+    returning one); in a tf.function call it on every trace."""
+    self._train_batch = train_batch
+
+  def set_prev_train_batch(self, prev_train_batch):
+    """The previous step's batch (update_damping_immediately=False)."""
+    self._prev_train_batch = prev_train_batch
+
+  # ------------------------------------------------------------ losses
+  def _adaptation_step(self):
+    counter = tf.convert_to_tensor(self.counter)
+    return tf.equal(counter % self._adaptation_interval, 0)
+
+  @staticmethod
+  def _batch(batch):
+    return batch() if callable(batch) else batch
+
+  def _evaluate_loss_fn(self, batch, what):
+    batch = self._batch(batch)
+    if batch is None:
+      raise ValueError(
+          "The damping rule evaluates loss_fn(%s), but %s is not set: pass "
+          "it to the constructor or call set_%s(...) (in a tf.function, on "
+          "every trace)." % (what, what, what))
+    return tf.cast(self._loss_fn(batch), tf.float64)
+
+  def _passed_loss_value(self):
+    loss = self._loss if self._loss is not None else self._passed_loss
+    if loss is None:
+      raise ValueError(
+          "The damping rule needs the loss before the update: use "
+          "minimize(loss), pass loss=... / call set_loss(loss), or pass "
+          "use_passed_loss=False to evaluate loss_fn(train_batch).")
+    return utils.cast(loss, tf.float64)
+
+  def _loss_before(self):
+    if self._use_passed_loss:
+      return self._passed_loss_value()
+    return tf.convert_to_tensor(self._store.get_or_create(
+        "adaptive/loss_before", [], tf.float64))
+
+  def _model_change_op(self, update):
+    """(predicted change, ops recording it) for use inside a branch."""
+    change = update.predicted_change()
+    if update.model_change is not None:  # recorded with the step
+      return change, []
+    return change, [self._record("qmodel_change").assign(change)]
+
+  # ------------------------------------------------------------ the rule
+  def _apply_rule(self, loss_before, loss_after, model_change, counter,
+                  extra_ops=()):
+    """Ops that set rho and the new damping."""
+    rho = damping_adaptation.reduction_ratio(loss_before, loss_after,
+                                             model_change)
+    new = damping_adaptation.adapted_damping(
+        self._damping, rho, self._adaptation_decay,
+        self._adaptation_interval, self._rho_lower, self._rho_upper,
+        self._min_damping)
+    ops = [self._record("rho").assign(rho),
+           self._damping.assign(tf.cast(new, self._damping.dtype))]
+    ops.extend(extra_ops)
+    if self._print_logs:
+      ops.append(tf.print("kfac step", counter, "rho", rho, "damping", new,
+                          "qmodel_change", model_change, "loss before",
+                          loss_before, "after", loss_after))
+    return tf.group(*ops)
+
+  def _adaptation_before_update(self, update):
+    """Ops to run before the variables change (see the module docstring)."""
+    if not (self._adapt_damping and self._is_chief):
+      return []
+    ops = []
+    adapt_now = self._adaptation_step()
+    if not self._use_passed_loss:
+      keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
+      ops.append(utils.cond_op(adapt_now, lambda: keep.assign(
+          self._evaluate_loss_fn(self._train_batch, "train_batch"))))
+    if not self._update_damping_immediately:
+      pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
+      prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
+                                            tf.float64)
+      prev_change = self._store.get_or_create("adaptive/prev_change", [],
+                                              tf.float64)
+      counter = tf.convert_to_tensor(self.counter)
+
+      def evaluate_previous():
+        after = self._evaluate_loss_fn(self._prev_train_batch,
+                                       "prev_train_batch")
+        with tf.control_dependencies([self._apply_rule(
+            prev_loss, after, prev_change, counter)]):
+          return pending.assign(0)
+
+      ops.append(utils.cond_op(tf.greater(pending, 0), evaluate_previous))
+    return ops
+
+  def _adaptation_after_update(self, update, step_op):
+    """Runs after `step_op` (the variables have changed)."""
+    if not (self._adapt_damping and self._is_chief):
+      return step_op
+    adapt_now = self._adaptation_step()
+    counter = tf.convert_to_tensor(self.counter)
+    with tf.control_dependencies([step_op]):
+      # Read after step_op, which waits for the ops that store the loss
+      # before the update (use_passed_loss=False).
+      before = self._loss_before()
+      if self._update_damping_immediately:
+        def rule():
+          change, records = self._model_change_op(update)
+          after = self._evaluate_loss_fn(self._train_batch, "train_batch")
+          return self._apply_rule(before, after, change, counter, records)
+        return utils.cond_op(adapt_now, rule)
+
+      def keep():
+        change, records = self._model_change_op(update)
+        store = self._store
+        return tf.group(
+            store.get("adaptive/prev_loss").assign(before),
+            store.get("adaptive/prev_change").assign(change),
+            store.get("adaptive/pending").assign(1), *records)
+      return utils.cond_op(adapt_now, keep)
+
+  # ------------------------------------------------------------ calibration
+  def _calibration_op(self, update):
+    """One calibration step (module docstring): an op that tries `update`,
+    restores the variables and moves the damping."""
+    if not self._is_chief:
+      return tf.no_op()
+    counter = tf.convert_to_tensor(self.counter)
+    variables = [v for _, v in update.deltas]
+    deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
+    if self._use_passed_loss:
+      before = self._passed_loss_value()
+    else:
+      before = self._evaluate_loss_fn(self._train_batch, "train_batch")
+    saved = [tf.identity(v.read_value()) for v in variables]
+    with tf.control_dependencies(saved + [before]):
+      trial = tf.group(*[v.assign_add(d) for d, v in zip(deltas, variables)])
+    with tf.control_dependencies([trial]):
+      after = self._evaluate_loss_fn(self._train_batch, "train_batch")
+    with tf.control_dependencies([after]):
+      restored = tf.group(*[v.assign(s) for v, s in zip(variables, saved)])
+    change = update.predicted_change()  # no commit records it now
+    records = [self._record("qmodel_change").assign(change)]
+    rho = damping_adaptation.reduction_ratio(before, after, change)
+    log_step = self._store.get_or_create(
+        "calibration/log_step", [], tf.float64,
+        initial_value=damping_adaptation.CALIBRATION_INITIAL_LOG_STEP)
+    direction = self._store.get_or_create("calibration/direction", [],
+                                          tf.float64)
+    new, new_step, new_direction = damping_adaptation.calibrated_damping(
+        self._damping, rho, log_step, direction, self._rho_lower,
+        self._rho_upper, self._min_damping)
+    with tf.control_dependencies([restored]):
+      ops = [self._damping.assign(tf.cast(new, self._damping.dtype)),
+             log_step.assign(new_step), direction.assign(new_direction),
+             self._record("rho").assign(rho)] + records
+      if self._print_logs:
+        ops.append(tf.print("kfac burn-in step", counter, "rho", rho,
+                            "damping", new, "qmodel_change", change,
+                            "loss before", before, "after", after))
+      return tf.group(*ops)
