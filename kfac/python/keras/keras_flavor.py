@@ -66,3 +66,21 @@ def leaf_layers(model):
 def layer_path(layer):
   """A readable name of the layer for reports and errors."""
   return getattr(layer, "path", None) or layer.name
+
+
+def state_variables(model):
+  """The model's non-trainable variables (BatchNorm moving statistics, the
+  seed states of Keras 3 random layers) and its metrics' variables, as
+  tf.Variables without duplicates: what a forward pass and a loss
+  evaluation may change besides the trainable weights."""
+  found = list(model.non_trainable_variables)
+  for metric in getattr(model, "metrics", []):
+    found.extend(metric.variables)
+  out, seen = [], set()
+  for var in found:
+    var = unwrap_variable(var)
+    if var.ref() not in seen:
+      seen.add(var.ref())
+      out.append(var)
+  return out
+

@@ -17,6 +17,7 @@ The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
 """
 
 import collections
+import contextlib
 import functools
 import weakref
 
@@ -67,7 +68,21 @@ class ModelRecorder:
     self._loss_args = None  # (graph, {"y": ..., "y_pred": ..., ...})
     self._model_outputs = None  # (graph, outputs of the model's last call)
     self._wrapped = set()
+    self._paused = False
     self.refresh()
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Calls made inside are not recorded (e.g. the optimizer's own
+    re-evaluations of the loss)."""
+    paused, self._paused = self._paused, True
+    try:
+      yield
+    finally:
+      self._paused = paused
+
+  def _recording_graph(self):
+    return None if self._paused else _tracing_graph()
 
   @property
   def model(self):
@@ -92,7 +107,7 @@ class ModelRecorder:
 
     @functools.wraps(original)
     def call(*args, **kwargs):
-      graph = _tracing_graph()
+      graph = recorder._recording_graph()
       if graph is None:
         return original(*args, **kwargs)
       pre = []
@@ -127,7 +142,7 @@ class ModelRecorder:
     @functools.wraps(original_call)
     def call(*args, **kwargs):
       outputs = original_call(*args, **kwargs)
-      graph = _tracing_graph()
+      graph = recorder._recording_graph()
       if graph is not None:
         recorder._model_outputs = (graph, outputs)
       return outputs
@@ -138,7 +153,7 @@ class ModelRecorder:
 
     @functools.wraps(original_loss)
     def compute_loss(*args, **kwargs):
-      graph = _tracing_graph()
+      graph = recorder._recording_graph()
       if graph is not None:
         names = ("x", "y", "y_pred", "sample_weight")
         recorded = dict(zip(names, args))

@@ -20,6 +20,20 @@ variables) and by `tf.train.Checkpoint`.
 Sampled targets use stateless random ops seeded with (seed, iteration), so a
 run restored from a checkpoint continues on exactly the same trajectory.
 
+adaptive=True: the learning rate and momentum come from the quadratic model
+(momentum_type "qmodel") and the damping from the Levenberg-Marquardt rule
+(adapt_damping), optionally calibrated during burn-in (num_burnin_steps,
+calibrate_damping=True). The rule evaluates the training loss
+(`model.compute_loss` on `model(x, training=True)`) on the step's batch
+before and after the update; around each evaluation the model's
+non-trainable and metric variables are saved and restored, so BatchNorm
+statistics are updated once per step as usual and dropout draws the same
+masks before and after (Keras 3 seed generators; tf_keras dropout is
+stateful, so there its noise enters rho). The batch is the one `fit` passes
+to `compute_loss`; a custom loop calls `optimizer.set_train_batch((x, y))`
+before `apply_gradients`. After each step the learning rate the model chose
+is written to `optimizer.learning_rate`.
+
 Both Keras flavours: `Kfac` subclasses the optimizer base class of the Keras
 that `tf.keras` resolves to (Keras 3, or tf_keras with
 TF_USE_LEGACY_KERAS=1).
@@ -34,6 +48,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import layer_recorder
 from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
 from kfac.python.keras import utils as keras_utils
@@ -51,6 +66,10 @@ _KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
                        "loss_scale_factor", "gradient_accumulation_steps",
                        "weight_decay", "jit_compile", "is_legacy_optimizer")
 _STATE_PREFIX = "kfac_state:"
+# Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
+_OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
+                         "adapt_damping", "use_passed_loss",
+                         "update_damping_immediately")
 
 
 def _check_kwargs(kfac_kwargs):
@@ -64,23 +83,37 @@ def _check_kwargs(kfac_kwargs):
     if key in kfac_kwargs:
       raise ValueError("Pass %s as an argument of Kfac, not in kfac_kwargs."
                        % key)
-  for key in ("loss", "loss_fn", "prev_train_batch"):
+  for key in _OWNED_CORE_ARGUMENTS:
     if key in kfac_kwargs:
-      raise ValueError("%s=... is part of adaptive K-FAC (damping "
-                       "adaptation), which this version does not provide."
-                       % key)
+      raise ValueError(
+          "Kfac sets %s itself: adaptive=True adapts the damping, and the "
+          "damping rule evaluates model.compute_loss on the step's batch "
+          "(the one fit passes, or optimizer.set_train_batch((x, y)) in a "
+          "custom loop) before and after the update." % key)
 
 
 def _check_before_base(learning_rate, adaptive, kfac_kwargs):
   """The checks that must come before the Keras base class is built."""
-  if adaptive:
-    raise ValueError(
-        "adaptive=True needs the quadratic-model learning rate and damping "
-        "adaptation, which this version of kfac does not provide; pass "
-        "learning_rate and damping.")
-  if learning_rate is None:
-    raise ValueError("Kfac needs learning_rate (adaptive=False).")
   _check_kwargs(kfac_kwargs)
+  momentum_type = kfac_kwargs.get("momentum_type", "qmodel" if adaptive
+                                  else "adam")
+  if adaptive:
+    if learning_rate is not None:
+      raise ValueError(
+          "adaptive=True chooses the learning rate at every step from the "
+          "quadratic model: pass learning_rate=None (got %r)." %
+          (learning_rate,))
+    if not str(momentum_type).startswith("qmodel"):
+      raise ValueError(
+          "adaptive=True uses momentum_type 'qmodel' (or 'qmodel_fixedmu' "
+          "with a momentum), got %r." % (momentum_type,))
+    if momentum_type == "qmodel" and kfac_kwargs.get("momentum") is not None:
+      raise ValueError(
+          "adaptive=True (momentum_type 'qmodel') chooses the momentum too: "
+          "drop momentum=%r, or pass momentum_type='qmodel_fixedmu'." %
+          (kfac_kwargs["momentum"],))
+  elif learning_rate is None:
+    raise ValueError("Kfac needs learning_rate (adaptive=False).")
 
 
 class KfacKerasMixin:
@@ -94,11 +127,16 @@ class KfacKerasMixin:
                  fisher_approx, layer_collection, adaptive, train_batch,
                  seed, kfac_kwargs):
     _check_before_base(learning_rate, adaptive, kfac_kwargs)
-    if train_batch is not None:
-      raise ValueError("train_batch is used by adaptive K-FAC only, which "
-                       "this version of kfac does not provide.")
+    calibrate = bool(kfac_kwargs.get("calibrate_damping", False))
+    if train_batch is not None and not (adaptive or calibrate):
+      raise ValueError(
+          "train_batch is the batch the damping rule evaluates: it needs "
+          "adaptive=True (or calibrate_damping=True).")
     if damping is None:
-      raise ValueError("Kfac needs damping (adaptive=False).")
+      raise ValueError(
+          "Kfac needs damping (with adaptive=True: the initial damping, "
+          "which the rule then adapts; num_burnin_steps=... with "
+          "calibrate_damping=True calibrates it first).")
     if layer_collection is not None:
       raise ValueError(
           "layer_collection=... is not used by the Keras optimizer: its "
@@ -113,6 +151,8 @@ class KfacKerasMixin:
     self._kfac_kwargs = dict(kfac_kwargs)
     self._kfac_loss = loss
     self._kfac_loss_weights = loss_weights
+    self._kfac_adaptive = bool(adaptive)
+    self._kfac_train_batch = train_batch
     self._kfac_fisher_approx = dict(fisher_approx or {})
     if seed is None:
       seed = random.randrange(2**31 - 1)
@@ -122,6 +162,8 @@ class KfacKerasMixin:
     self._kfac_warned = set()
     self._kfac_hyper = {}
     values = dict(_CORE_DEFAULTS)
+    if adaptive:
+      del values["momentum"]  # qmodel chooses it (qmodel_fixedmu: given)
     values.update({k: kfac_kwargs[k] for k in MUTABLE_HYPERPARAMETERS
                    if k in kfac_kwargs})
     values["damping"] = damping
@@ -138,8 +180,18 @@ class KfacKerasMixin:
                    if k not in MUTABLE_HYPERPARAMETERS}
     for name, var in self._kfac_hyper.items():
       core_kwargs[name] = var
+    if adaptive:
+      core_kwargs.setdefault("momentum_type", "qmodel")
+      core_kwargs.update(adapt_damping=True)
+      if core_kwargs["momentum_type"] == "qmodel":
+        core_kwargs["momentum"] = None
+    if adaptive or calibrate:
+      # The passed loss is unknown here (and drew other dropout masks):
+      # loss_fn evaluates the loss before the update too.
+      core_kwargs.update(use_passed_loss=False, loss_fn=self._kfac_loss_fn)
     core = periodic_lib.PeriodicInvCovUpdateKfacOpt(
-        learning_rate=self._kfac_lr_tensor, name=self.name, **core_kwargs)
+        learning_rate=None if adaptive else self._kfac_lr_tensor,
+        name=self.name, **core_kwargs)
     # Not a checkpoint dependency (its state is, through _kfac_state).
     object.__setattr__(self, "_kfac_core", core)
     self._kfac_state = core.state_store
@@ -206,7 +258,16 @@ class KfacKerasMixin:
   def _kfac_get(self, name):
     return self._kfac_hyper.get(name)
 
+  def _kfac_check_not_adapted(self, name):
+    if getattr(self, "_kfac_adaptive", False) and name in (
+        "learning_rate", "damping", "momentum"):
+      raise ValueError(
+          "Kfac(adaptive=True) chooses the %s itself at every step, so it "
+          "cannot be set (or scheduled by a callback); its current value is "
+          "readable." % name)
+
   def _kfac_set(self, name, value):
+    self._kfac_check_not_adapted(name)
     var = self._kfac_hyper.get(name)
     if var is None:
       raise ValueError(
@@ -214,6 +275,75 @@ class KfacKerasMixin:
           "variable and cannot be changed now; pass %s=... to Kfac." %
           (name, name))
     var.assign(value)
+
+  def _kfac_base_property(self, name):
+    """The property `name` of the Keras optimizer base class."""
+    for cls in type(self).__mro__:
+      if not issubclass(cls, KfacKerasMixin) and name in vars(cls):
+        return vars(cls)[name]
+    raise AttributeError(name)
+
+  @property
+  def learning_rate(self):
+    """The learning rate (with adaptive=True: the one the quadratic model
+    chose at the last step)."""
+    return self._kfac_base_property("learning_rate").__get__(self)
+
+  @learning_rate.setter
+  def learning_rate(self, value):
+    self._kfac_check_not_adapted("learning_rate")
+    self._kfac_base_property("learning_rate").__set__(self, value)
+
+  # -------------------------------------------------------------- adaptive
+  def set_train_batch(self, train_batch):
+    """The batch (x, y) or (x, y, sample_weight) the damping rule evaluates
+    (adaptive=True or calibrate_damping=True) in a custom tf.function loop:
+    call it in the step, before apply_gradients. model.fit needs no call."""
+    self._kfac_step_batch = (_current_graph(), train_batch)
+
+  def _kfac_batch(self):
+    """(x, y, sample_weight) of this step for the damping rule."""
+    pending = getattr(self, "_kfac_step_batch", None)
+    batch = None
+    if pending is not None and pending[0] is _current_graph():
+      batch = pending[1]
+    elif self._kfac_train_batch is not None:
+      batch = self._kfac_train_batch
+    if callable(batch):
+      batch = batch()
+    if batch is None:
+      recorded = layer_recorder.recorder_for(self._kfac_model).loss_args()
+      if recorded is None or recorded.get("x") is None:
+        raise ValueError(
+            "Kfac's damping rule (adaptive=True / calibrate_damping=True) "
+            "evaluates the loss on the step's batch, but none was found: in "
+            "a custom loop call optimizer.set_train_batch((x, y)) in the "
+            "step, before apply_gradients.")
+      return (recorded["x"], recorded.get("y"),
+              recorded.get("sample_weight"))
+    batch = tuple(batch)
+    if len(batch) not in (2, 3):
+      raise ValueError("train_batch must be (x, y) or (x, y, sample_weight), "
+                       "got %d elements." % len(batch))
+    return batch if len(batch) == 3 else batch + (None,)
+
+  def _kfac_loss_fn(self, batch):
+    """The training loss on `batch`, leaving the model's state as it was
+    (see the module docstring)."""
+    model = self._kfac_model
+    x, y, sample_weight = batch
+    state = keras_flavor.state_variables(model)
+    saved = [tf.identity(v.read_value()) for v in state]
+    with tf.control_dependencies(saved):
+      with layer_recorder.recorder_for(model).paused():
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                  sample_weight=sample_weight)
+    with tf.control_dependencies([loss]):
+      restored = [v.assign(value, read_value=False)
+                  for v, value in zip(state, saved)]
+    with tf.control_dependencies(restored):
+      return tf.identity(loss)
 
   # -------------------------------------------------------------- the step
   def _kfac_warn(self, key, message):
@@ -250,8 +380,15 @@ class KfacKerasMixin:
         registration_options=self._kfac_options)
     self._kfac_report = report
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
+    if self._kfac_adaptive or self._kfac_core.calibrate_damping:
+      self._kfac_core.set_train_batch(self._kfac_batch())
     op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
                                          layer_collection=lc)
+    if self._kfac_adaptive:  # show the learning rate the model chose
+      with tf.control_dependencies([op]):
+        lr = keras_flavor.unwrap_variable(self._learning_rate)
+        op = tf.group(lr.assign(tf.cast(self._kfac_core.learning_rate,
+                                        lr.dtype), read_value=False))
     unused = self._kfac_state.unused_restored_keys
     if unused:
       self._kfac_warn("unused_state", (
@@ -274,12 +411,20 @@ class KfacKerasMixin:
       var = self._kfac_hyper.get(name)
       if var is not None:
         _write_scalar("kfac/" + name, var, step)
+    core = self._kfac_core
+    if self._kfac_adaptive:
+      if "momentum" not in self._kfac_hyper:
+        _write_scalar("kfac/momentum", core.momentum, step)
+    if self._kfac_adaptive or core.calibrate_damping:
+      _write_scalar("kfac/rho", core.rho, step)
+      _write_scalar("kfac/qmodel_change", core.qmodel_change, step)
 
   # -------------------------------------------------------------- config
   def _kfac_config(self, learning_rate):
     config = {
-        "learning_rate": learning_rate,
+        "learning_rate": None if self._kfac_adaptive else learning_rate,
         "damping": float(self._kfac_hyper["damping"].numpy()),
+        "adaptive": self._kfac_adaptive,
         "loss": _serialize_loss(self._kfac_loss),
         "loss_weights": self._kfac_loss_weights,
         "fisher_approx": _encode_layer_keys(self._kfac_fisher_approx),
@@ -397,6 +542,10 @@ def _write_scalar(tag, value, step):
                    metadata=metadata)
 
 
+def _current_graph():
+  return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
 def _in_xla_context():
   try:
     from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
@@ -419,8 +568,13 @@ _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
     fisher_approx: {layer name or layer class: approximation name}.
     layer_collection: not supported (the collection is built from the
       model); must be None.
-    adaptive, train_batch: adaptive K-FAC, not provided by this version;
-      must be False / None.
+    adaptive: True: learning rate and momentum from the quadratic model
+      (momentum_type "qmodel"), damping adapted by the Levenberg-Marquardt
+      rule (pass learning_rate=None and the initial damping; see the module
+      docstring).
+    train_batch: the batch the damping rule evaluates, (x, y) or (x, y,
+      sample_weight) or a callable returning one (default: fit's batch;
+      custom loops call set_train_batch in the step).
     name: the optimizer's name (also the prefix of its state variables).
     seed: seed of the sampled targets (default: drawn at random and kept
       in the config).
@@ -429,9 +583,9 @@ _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       sub_sample_patches, patch_mask), and the arguments of
       kfac.PeriodicInvCovUpdateKfacOpt
       (momentum, momentum_type, invert_every, cov_update_every,
-      num_burnin_steps, cov_ema_decay, estimation_mode, norm_constraint,
-      use_weight_decay, weight_decay_coeff, l2_reg, precon_damping_mult,
-      ...).
+      num_burnin_steps, calibrate_damping, cov_ema_decay, estimation_mode,
+      norm_constraint, use_weight_decay, weight_decay_coeff, l2_reg,
+      precon_damping_mult, damping_adaptation_interval, min_damping, ...).
   """
 
 
@@ -486,7 +640,8 @@ def _make_legacy_class(tf_keras):
                  name="Kfac", seed=None, **kfac_kwargs):
       _check_before_base(learning_rate, adaptive, kfac_kwargs)
       super().__init__(name=name, jit_compile=False)
-      self._learning_rate = self._build_learning_rate(float(learning_rate))
+      self._learning_rate = self._build_learning_rate(
+          float(learning_rate or 0.0))
       self._kfac_init(learning_rate, damping, model, loss, loss_weights,
                       fisher_approx, layer_collection, adaptive,
                       train_batch, seed, kfac_kwargs)

@@ -439,22 +439,30 @@ def test_optimizer_without_model_says_how_to_fix():
     _fit(model, 0, 1)
 
 
+def run_file_under_tf_keras(path, select=None):
+  """Runs the tests of `path` (those matching `select`, a pytest -k
+  expression) in a subprocess with TF_USE_LEGACY_KERAS=1."""
+  env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+  if select:
+    args += ["-k", select]
+  result = subprocess.run(args + [os.path.abspath(path)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  assert " passed" in result.stdout
+
+
 def test_tf_keras():
   """The fit, model-style, resume, config and error tests of this file
   again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
   if LEGACY:
     return  # this is the run under tf_keras
-  env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-       "-k", "fit_equals or model_styles or resumes or config or errors "
-       "or without_model", os.path.abspath(__file__)],
-      env=env, cwd=root, capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-  assert " passed" in result.stdout
+  run_file_under_tf_keras(
+      __file__, "fit_equals or model_styles or resumes or config or errors "
+      "or without_model")
 
 
 def test_restored_state_that_matches_nothing_is_reported():

@@ -1,0 +1,260 @@
+"""kfac.keras.optimizers.Kfac(adaptive=True) and calibrate_damping.
+
+Checked:
+* fit with adaptive=True (qmodel learning rate and momentum, damping rule
+  every 2 steps; also with damping calibration during a burn-in step)
+  takes the same steps as kfac.PeriodicInvCovUpdateKfacOpt in a TF1
+  Session graph on the same model written with raw TF ops, with loss_fn the
+  same loss on the step's batch: weights (rtol 1e-4, float32), damping, the
+  chosen learning rate (shown as optimizer.learning_rate) and rho;
+* a custom tf.function loop with set_train_batch takes the same steps as
+  fit;
+* the loss evaluations of the damping rule leave the model's state as one
+  training step leaves it: BatchNorm moving statistics and the Keras 3
+  dropout seed state equal those of a non-adaptive run (so dropout draws
+  the same masks before and after the update);
+* TensorBoard gets rho and qmodel_change; the config round-trips;
+* learning_rate / damping / momentum cannot be set (nor scheduled) while
+  they are adapted, and bad arguments raise clear errors.
+"""
+
+import glob
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac
+import kfac.keras
+from kfac.python.kernel_tests import keras_optimizer_test as base
+from kfac.python.keras import keras_flavor
+
+keras = base.keras
+LEGACY = base.LEGACY
+N_STEPS, INTERVAL, DAMPING = 3, 2, 0.05
+
+
+def _adaptive(model, **kwargs):
+  model.set_weights(base._weights())  # pylint: disable=protected-access
+  options = dict(damping=DAMPING, model=model, adaptive=True,
+                 loss="sparse_categorical_crossentropy", invert_every=1,
+                 damping_adaptation_interval=INTERVAL,
+                 estimation_mode="exact", seed=base.SEED)
+  options.update(kwargs)
+  opt = kfac.keras.optimizers.Kfac(**options)
+  model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+  return model, opt
+
+
+def _tf1_adaptive_reference(steps, **core_kwargs):
+  """Weights, damping, learning rate and rho after `steps` adaptive steps
+  of the core optimizer on the same model in a TF1 graph."""
+  x_all, y_all = base._data()  # pylint: disable=protected-access
+  batch = base.BATCH
+  graph = tf.Graph()
+  with graph.as_default():
+    variables = [tf.compat.v1.Variable(w) for w in base._weights()]  # pylint: disable=protected-access
+    w1, b1, w2, b2 = variables
+    x = tf.compat.v1.placeholder(tf.float32, [batch, base.D_IN])
+    y = tf.compat.v1.placeholder(tf.int32, [batch])
+
+    def forward(inputs):
+      pre1 = tf.matmul(inputs, w1) + b1
+      hidden = tf.tanh(pre1)
+      return pre1, hidden, tf.matmul(hidden, w2) + b2
+
+    def mean_loss(labels, logits):
+      return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=logits))
+
+    pre1, hidden, logits = forward(x)
+    lc = kfac.LayerCollection()
+    lc.register_fully_connected((w1, b1), x, pre1)
+    lc.register_fully_connected((w2, b2), hidden, logits)
+    lc.register_categorical_predictive_distribution(logits)
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=None, momentum=None, momentum_type="qmodel",
+        damping=DAMPING, layer_collection=lc, invert_every=1,
+        estimation_mode="exact", adapt_damping=True, use_passed_loss=False,
+        damping_adaptation_interval=INTERVAL, train_batch=(x, y),
+        loss_fn=lambda b: mean_loss(b[1], forward(b[0])[2]), **core_kwargs)
+    train = opt.minimize(mean_loss(y, logits), var_list=variables)
+    with tf.compat.v1.Session(graph=graph) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for i in range(steps):
+        sess.run(train, {x: x_all[i * batch:(i + 1) * batch],
+                         y: y_all[i * batch:(i + 1) * batch]})
+      return sess.run(dict(weights=variables, damping=opt.damping,
+                           learning_rate=opt.learning_rate, rho=opt.rho))
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_adaptive_fit_equals_tf1_graph_steps(calibrate):
+  extra = dict(num_burnin_steps=1, calibrate_damping=True) if calibrate \
+      else {}
+  model, opt = _adaptive(base.sequential_model(), **extra)
+  base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
+  want = _tf1_adaptive_reference(N_STEPS, **extra)
+  base._assert_weights(model.get_weights(), want["weights"], rtol=1e-4,  # pylint: disable=protected-access
+                       atol=1e-6)
+  core = opt.kfac_optimizer
+  assert float(opt.damping.numpy()) == pytest.approx(want["damping"],
+                                                     rel=1e-5)
+  assert float(core.rho) == pytest.approx(want["rho"], rel=1e-3)
+  # The chosen learning rate is shown as the Keras learning rate.
+  assert float(np.asarray(opt.learning_rate)) == pytest.approx(
+      want["learning_rate"], rel=1e-4)
+  assert want["learning_rate"] > 0 and np.isfinite(want["rho"])
+  if calibrate:  # the burn-in trial moved the damping (rho outside band)
+    assert float(opt.damping.numpy()) != pytest.approx(DAMPING)
+  # The steps moved the weights well beyond the tolerance.
+  assert max(np.max(np.abs(a - b)) for a, b in
+             zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
+
+
+def test_adaptive_custom_loop_with_set_train_batch():
+  reference, _ = _adaptive(base.sequential_model())
+  base._fit(reference, 0, 3)  # pylint: disable=protected-access
+  model, opt = _adaptive(base.sequential_model())
+  loss_fn = keras.losses.SparseCategoricalCrossentropy()
+  x_all, y_all = base._data()  # pylint: disable=protected-access
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.set_train_batch((x, y))
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+  b = base.BATCH
+  for i in range(3):
+    step(x_all[i * b:(i + 1) * b], y_all[i * b:(i + 1) * b])
+  base._assert_weights(model.get_weights(), reference.get_weights(),  # pylint: disable=protected-access
+                       rtol=1e-5)
+
+  # Without the batch, the error says what to do.
+  other, other_opt = _adaptive(base.sequential_model())
+
+  @tf.function
+  def bare_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, other(x, training=True))
+    grads = tape.gradient(loss, other.trainable_variables)
+    other_opt.apply_gradients(zip(grads, other.trainable_variables))
+
+  with pytest.raises(ValueError, match="set_train_batch"):
+    bare_step(x_all[:b], y_all[:b])
+
+
+def _noisy_model():
+  inputs = keras.Input((base.D_IN,))
+  h = keras.layers.Dense(base.D_H, activation="tanh", name="hidden")(inputs)
+  if not LEGACY:  # tf_keras dropout is stateful: not comparable across runs
+    h = keras.layers.Dropout(0.3, seed=3, name="drop")(h)
+  h = keras.layers.BatchNormalization(name="bn")(h)
+  out = keras.layers.Dense(base.D_OUT, activation="softmax", name="out")(h)
+  return keras.Model(inputs, out)
+
+
+def _state(model):
+  return [v.numpy() for v in keras_flavor.state_variables(model)
+          if "moving" in v.name or "seed" in v.name]
+
+
+def test_loss_evaluations_leave_the_model_state_as_one_step():
+  """BatchNorm statistics after the first step (same weights before its
+  forward pass) and the dropout seed state after 3 steps equal those of a
+  run without the damping rule."""
+  x_all, y_all = base._data()  # pylint: disable=protected-access
+  b = base.BATCH
+  states = {}
+  weights = _noisy_model().get_weights()
+  for adaptive in (False, True):
+    model = _noisy_model()
+    model.set_weights(weights)
+    kwargs = dict(damping=DAMPING, model=model, invert_every=1,
+                  loss="sparse_categorical_crossentropy", seed=1)
+    if adaptive:
+      kwargs.update(adaptive=True, damping_adaptation_interval=1)
+    else:
+      kwargs.update(learning_rate=0.01)
+    opt = kfac.keras.optimizers.Kfac(**kwargs)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(x_all[:b], y_all[:b], batch_size=b, verbose=0, shuffle=False)
+    first = _state(model)
+    model.fit(x_all[b:3 * b], y_all[b:3 * b], batch_size=b, verbose=0,
+              shuffle=False)
+    states[adaptive] = (first, _state(model), opt)
+  (first0, last0, _), (first1, last1, opt) = states[False], states[True]
+  assert len(first0) == len(first1) >= 2
+  for a, c in zip(first0, first1):
+    np.testing.assert_allclose(a, c, rtol=1e-6)
+  if not LEGACY:  # Keras 3: the seed generator advanced once per step
+    seeds = [(a, c) for a, c, v in zip(
+        last0, last1, keras_flavor.state_variables(model)) if "seed" in
+             v.name]
+    assert seeds
+    for a, c in seeds:
+      np.testing.assert_array_equal(a, c)
+  assert np.isfinite(float(opt.kfac_optimizer.rho))
+
+
+def test_tensorboard_scalars_and_config(tmp_path):
+  model, opt = _adaptive(base.sequential_model())
+  writer = tf.summary.create_file_writer(str(tmp_path))
+  with writer.as_default():
+    base._fit(model, 0, 2)  # pylint: disable=protected-access
+  writer.flush()
+  seen = {}
+  for path in glob.glob(str(tmp_path / "events.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        seen.setdefault(value.tag, []).append(
+            float(tf.make_ndarray(value.tensor)))
+  assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",
+                          "kfac/momentum", "kfac/qmodel_change",
+                          "kfac/rho"], seen
+  assert all(q < 0 for q in seen["kfac/qmodel_change"])
+  assert np.isfinite(seen["kfac/rho"][0])
+  config = opt.get_config()
+  assert config["adaptive"] is True and config["learning_rate"] is None
+  rebuilt = kfac.keras.optimizers.Kfac.from_config(config)
+  assert rebuilt.get_config() == config
+
+
+def test_adapted_hyperparameters_cannot_be_set():
+  model, opt = _adaptive(base.sequential_model())
+  for name in ("learning_rate", "damping"):
+    with pytest.raises(ValueError, match="chooses the %s" % name):
+      setattr(opt, name, 0.1)
+  callback = kfac.keras.callbacks.ExponentialDecay(
+      "damping", init_value=1.0, final_value=0.1, decay_rate=0.9)
+  x, y = base._data()  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="chooses the damping"):
+    model.fit(x, y, batch_size=base.BATCH, verbose=0, callbacks=[callback])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(adaptive=True, learning_rate=0.1), "pass learning_rate=None"),
+    (dict(adaptive=True, momentum=0.9), "drop momentum"),
+    (dict(adaptive=True, momentum_type="adam"), "momentum_type 'qmodel'"),
+    (dict(adaptive=True, damping=None), "initial damping"),
+    (dict(adaptive=True, loss_fn=lambda b: 0.0), "sets loss_fn itself"),
+    (dict(adaptive=True, update_damping_immediately=False),
+     "sets update_damping_immediately"),
+    (dict(learning_rate=0.1, train_batch=(1, 2)), "needs adaptive=True"),
+    (dict(learning_rate=0.1, calibrate_damping=True), "num_burnin_steps"),
+])
+def test_errors(kwargs, match):
+  options = dict(damping=0.1)
+  options.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    kfac.keras.optimizers.Kfac(**options)
+
+
+def test_tf_keras():
+  """This file again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
+  if LEGACY:
+    return  # this is the run under tf_keras
+  base.run_file_under_tf_keras(__file__)
