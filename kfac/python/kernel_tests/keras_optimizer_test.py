@@ -374,19 +374,26 @@ def test_hyperparameter_change_takes_effect_without_retracing():
                   _tf1_reference(3, "exact", [DAMPING, 0.3, 0.3]))
 
 
-def test_tensorboard_scalars(tmp_path):
-  model, opt = _compile(sequential_model())
-  opt.damping = 0.02
-  writer = tf.summary.create_file_writer(str(tmp_path))
+def fit_with_summaries(model, directory, steps):
+  """Fits `steps` batches with a summary writer on `directory`; returns the
+  scalars written, {tag: [(step, value), ...]}."""
+  writer = tf.summary.create_file_writer(str(directory))
   with writer.as_default():
-    _fit(model, 0, 2)
+    _fit(model, 0, steps)
   writer.flush()
   seen = {}
-  for path in glob.glob(str(tmp_path / "events.*")):
+  for path in glob.glob(os.path.join(str(directory), "events.*")):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
         seen.setdefault(value.tag, []).append(
             (event.step, float(tf.make_ndarray(value.tensor))))
+  return seen
+
+
+def test_tensorboard_scalars(tmp_path):
+  model, opt = _compile(sequential_model())
+  opt.damping = 0.02
+  seen = fit_with_summaries(model, tmp_path, 2)
   assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",
                           "kfac/momentum"], seen
   assert seen["kfac/damping"] == [(0, pytest.approx(0.02)),

@@ -77,6 +77,18 @@ _DAMPING_TARGET_DEFAULTS = (
 )
 
 
+# The constructor arguments of KfacOptimizer that _init_adaptive reads.
+ARGUMENTS = (
+    "momentum_type", "qmodel_update_rescale", "adapt_damping",
+    "update_damping_immediately", "is_chief", "prev_train_batch", "loss",
+    "loss_fn", "min_damping", "l2_reg", "damping_adaptation_decay",
+    "damping_adaptation_interval", "damping_decrease_rho_threshold",
+    "damping_increase_rho_threshold", "precon_damping_mult",
+    "use_passed_loss", "train_batch", "print_logs", "use_weight_decay",
+    "norm_constraint", "damping_schedule",
+    "always_use_exact_qmodel_for_damping_adjustment")
+
+
 def inner64(a, b):
   """sum(a * b) in float64."""
   return tf.reduce_sum(utils.cast(a, tf.float64) * utils.cast(b, tf.float64))
@@ -104,15 +116,14 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
                        % (name, name, name, value))
     return lambda: schedule(tf.convert_to_tensor(self.counter))
 
-  def _init_adaptive(self, momentum_type, qmodel_update_rescale,
-                     adapt_damping, update_damping_immediately, is_chief,
-                     prev_train_batch, loss, loss_fn, min_damping, l2_reg,
-                     damping_adaptation_decay, damping_adaptation_interval,
-                     damping_decrease_rho_threshold,
-                     damping_increase_rho_threshold, precon_damping_mult,
-                     use_passed_loss, train_batch, print_logs,
-                     use_weight_decay, norm_constraint, damping_schedule,
-                     always_use_exact_qmodel_for_damping_adjustment):
+  def _init_adaptive(self, args):
+    """Checks and keeps the adaptive arguments (a dict of ARGUMENTS)."""
+    momentum_type = args["momentum_type"]
+    qmodel_update_rescale = args["qmodel_update_rescale"]
+    adapt_damping = args["adapt_damping"]
+    l2_reg = args["l2_reg"]
+    precon_damping_mult = args["precon_damping_mult"]
+    loss_fn = args["loss_fn"]
     qmodel = momentum_type.startswith("qmodel")
     # Set by PeriodicInvCovUpdateKfacOpt before it calls this constructor.
     calibrate = getattr(self, "_calibrate_damping", False)
@@ -120,12 +131,12 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
       raise ValueError("qmodel_update_rescale applies to the momentum types "
                        "'qmodel' / 'qmodel_fixedmu' only (momentum_type=%r)."
                        % momentum_type)
-    if qmodel and use_weight_decay:
+    if qmodel and args["use_weight_decay"]:
       raise ValueError(
           "use_weight_decay cannot be combined with momentum_type=%r: the "
           "quadratic model has no learning rate for the decay term. Add the "
           "l2 term to the loss and pass l2_reg instead." % momentum_type)
-    if qmodel and norm_constraint is not None:
+    if qmodel and args["norm_constraint"] is not None:
       raise ValueError(
           "norm_constraint cannot be combined with momentum_type=%r: the "
           "quadratic model already chooses the size of the update."
@@ -133,32 +144,24 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     if l2_reg < 0 or precon_damping_mult <= 0:
       raise ValueError("l2_reg must be >= 0 and precon_damping_mult > 0, got "
                        "%r and %r." % (l2_reg, precon_damping_mult))
-    given = dict(
-        damping_adaptation_decay=damping_adaptation_decay,
-        damping_adaptation_interval=damping_adaptation_interval,
-        update_damping_immediately=update_damping_immediately,
-        damping_decrease_rho_threshold=damping_decrease_rho_threshold,
-        damping_increase_rho_threshold=damping_increase_rho_threshold,
-        min_damping=min_damping, use_passed_loss=use_passed_loss,
-        always_use_exact_qmodel_for_damping_adjustment=(
-            always_use_exact_qmodel_for_damping_adjustment))
     unused = (() if adapt_damping else _DAMPING_RULE_DEFAULTS) + (
         () if adapt_damping or calibrate else _DAMPING_TARGET_DEFAULTS)
     for arg, default in unused:
-      if given[arg] != default:
+      if args[arg] != default:
         raise ValueError("%s=%r only matters with adapt_damping=True%s: "
                          "pass that too, or leave %s at %r." %
-                         (arg, given[arg], "" if arg in dict(
+                         (arg, args[arg], "" if arg in dict(
                              _DAMPING_RULE_DEFAULTS) else
                           " or calibrate_damping=True", arg, default))
     if adapt_damping or calibrate:
       what = "adapt_damping=True" if adapt_damping else (
           "calibrate_damping=True")
       damping_adaptation.check_arguments(
-          damping_adaptation_decay, damping_adaptation_interval,
-          damping_increase_rho_threshold, damping_decrease_rho_threshold,
-          min_damping)
-      if damping_schedule is not None:
+          args["damping_adaptation_decay"],
+          args["damping_adaptation_interval"],
+          args["damping_increase_rho_threshold"],
+          args["damping_decrease_rho_threshold"], args["min_damping"])
+      if args["damping_schedule"] is not None:
         raise ValueError("damping_schedule and %s both set the damping: "
                          "choose one." % what)
       if loss_fn is None:
@@ -167,10 +170,8 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
             "loss, to evaluate the loss after the update." % what)
       self._damping = self._make_damping_variable(self._damping, what)
     else:
-      for arg, value in (("loss", loss), ("loss_fn", loss_fn),
-                         ("train_batch", train_batch),
-                         ("prev_train_batch", prev_train_batch)):
-        if value is not None:
+      for arg in ("loss", "loss_fn", "train_batch", "prev_train_batch"):
+        if args[arg] is not None:
           raise ValueError(
               "%s=... is used by the damping adaptation only: pass "
               "adapt_damping=True (or calibrate_damping=True to "
@@ -178,22 +179,22 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     self._qmodel_update_rescale = qmodel_update_rescale
     self._adapt_damping = bool(adapt_damping)
     self._exact_damping_model = bool(
-        always_use_exact_qmodel_for_damping_adjustment)
-    self._update_damping_immediately = update_damping_immediately
-    self._is_chief = is_chief
-    self._prev_train_batch = prev_train_batch
-    self._loss = loss
+        args["always_use_exact_qmodel_for_damping_adjustment"])
+    self._update_damping_immediately = args["update_damping_immediately"]
+    self._is_chief = args["is_chief"]
+    self._prev_train_batch = args["prev_train_batch"]
+    self._loss = args["loss"]
     self._loss_fn = loss_fn
-    self._min_damping = min_damping
+    self._min_damping = args["min_damping"]
     self._l2_reg = l2_reg
-    self._adaptation_decay = damping_adaptation_decay
-    self._adaptation_interval = int(damping_adaptation_interval)
-    self._rho_upper = damping_decrease_rho_threshold
-    self._rho_lower = damping_increase_rho_threshold
+    self._adaptation_decay = args["damping_adaptation_decay"]
+    self._adaptation_interval = int(args["damping_adaptation_interval"])
+    self._rho_upper = args["damping_decrease_rho_threshold"]
+    self._rho_lower = args["damping_increase_rho_threshold"]
     self._precon_damping_mult = precon_damping_mult
-    self._use_passed_loss = use_passed_loss
-    self._train_batch = train_batch
-    self._print_logs = print_logs
+    self._use_passed_loss = args["use_passed_loss"]
+    self._train_batch = args["train_batch"]
+    self._print_logs = args["print_logs"]
     self._passed_loss = None
 
   def _make_damping_variable(self, damping, what):

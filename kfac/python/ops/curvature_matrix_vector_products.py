@@ -290,15 +290,20 @@ class CurvatureMatrixVectorProductComputer(object):
     value = utils.cast(coeff, dtype)
     return tf.sqrt(value) if sqrt else value
 
-  def _multiply_curvature(self, vecs, method):
+  def _forward_products(self, vecs, method):
+    """(losses, flat loss inputs, [(loss, coeff, J_l v as a tuple)])."""
     self._check_graph_mode(method)
     vecs = self._check_vecs(vecs)
     losses = self._losses()
     flat, slices = self._inputs(losses)
     jv = self._jacobian_vector(flat, vecs)
+    return flat, [(loss, coeff, tuple(jv[sl]))
+                  for (loss, coeff), sl in zip(losses, slices)]
+
+  def _multiply_curvature(self, vecs, method):
+    flat, per_loss = self._forward_products(vecs, method)
     out = []
-    for (loss, coeff), sl in zip(losses, slices):
-      own = tuple(jv[sl])
+    for loss, coeff, own in per_loss:
       arg = own[0] if len(own) == 1 else own
       prod = _as_tuple(getattr(loss, method)(arg))
       c = self._coeff(coeff, loss.dtype)
@@ -306,16 +311,9 @@ class CurvatureMatrixVectorProductComputer(object):
     return self._vector_jacobian(flat, out)
 
   def _multiply_factor_transpose(self, vecs, method):
-    self._check_graph_mode(method)
-    vecs = self._check_vecs(vecs)
-    losses = self._losses()
-    flat, slices = self._inputs(losses)
-    jv = self._jacobian_vector(flat, vecs)
-    out = []
-    for (loss, coeff), sl in zip(losses, slices):
-      prod = getattr(loss, method)(tuple(jv[sl]))
-      out.append(self._coeff(coeff, loss.dtype, sqrt=True) * prod)
-    return out
+    _, per_loss = self._forward_products(vecs, method)
+    return [self._coeff(coeff, loss.dtype, sqrt=True) *
+            getattr(loss, method)(own) for loss, coeff, own in per_loss]
 
   def _multiply_factor(self, loss_vecs, method):
     self._check_graph_mode(method)

@@ -270,7 +270,30 @@ class StepCache:
 
 
 # ---------------------------------------------------------------- readers
-class VariableBatchReader:
+class ReaderBase:
+  """The validated dataset and sizes every reader has."""
+
+  _owner = "reader"
+
+  def __init__(self, dataset, max_batch_size, seed):
+    self._components = as_components(dataset, self._owner)
+    self._max_batch_size = check_max_batch_size(max_batch_size, self._owner)
+    self._seed = check_seed(seed, self._owner)
+
+  @property
+  def max_batch_size(self):
+    return self._max_batch_size
+
+  @property
+  def num_examples(self):
+    return self._components[0].shape[0]
+
+  def _size(self, batch_size):
+    """(int32 batch size, its run-time checks); see batch_size_tensor."""
+    return batch_size_tensor(batch_size, self._max_batch_size, self._owner)
+
+
+class VariableBatchReader(ReaderBase):
   """Batches of a variable size from an in-memory dataset (tf.data).
 
   Args:
@@ -292,20 +315,10 @@ class VariableBatchReader:
   _owner = "VariableBatchReader"
 
   def __init__(self, dataset, max_batch_size, seed=None):
-    self._components = as_components(dataset, self._owner)
-    self._max_batch_size = check_max_batch_size(max_batch_size, self._owner)
-    self._seed = check_seed(seed, self._owner)
+    super().__init__(dataset, max_batch_size, seed)
     self._iterators = {}  # outer context key -> iterator
     if tf.executing_eagerly():
       self._iterator()
-
-  @property
-  def max_batch_size(self):
-    return self._max_batch_size
-
-  @property
-  def num_examples(self):
-    return self._components[0].shape[0]
 
   def _make_dataset(self):
     data = tf.data.Dataset.from_tensor_slices(tuple(self._components))
@@ -330,8 +343,7 @@ class VariableBatchReader:
     return list(self._iterator().get_next())
 
   def __call__(self, batch_size):
-    size, checks = batch_size_tensor(batch_size, self._max_batch_size,
-                                     self._owner)
+    size, checks = self._size(batch_size)
     full = self._next_max_batch()
     static = tf.get_static_value(size)
     with tf.control_dependencies(checks):
@@ -360,8 +372,7 @@ class CachedDataReader(VariableBatchReader):
       self._cache.variables()
 
   def __call__(self, batch_size):
-    size, checks = batch_size_tensor(batch_size, self._max_batch_size,
-                                     self._owner)
+    size, checks = self._size(batch_size)
     full = self._next_max_batch()
     with tf.control_dependencies(checks):
       write = self._cache.write(full, size)

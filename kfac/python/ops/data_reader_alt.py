@@ -32,7 +32,7 @@ from kfac.python.ops import data_reader
 __all__ = ["VariableBatchReader", "CachedDataReader"]
 
 
-class VariableBatchReader:
+class VariableBatchReader(data_reader.ReaderBase):
   """Batches of a variable size drawn by index from an in-memory dataset.
 
   Args:
@@ -51,23 +51,12 @@ class VariableBatchReader:
   _owner = "data_reader_alt.VariableBatchReader"
 
   def __init__(self, dataset, max_batch_size, seed=None):
-    self._components = data_reader.as_components(dataset, self._owner)
-    self._max_batch_size = data_reader.check_max_batch_size(
-        max_batch_size, self._owner)
-    seed = data_reader.check_seed(seed, self._owner)
-    self._seed = random.SystemRandom().randrange(2**31) if seed is None \
-        else seed
+    super().__init__(dataset, max_batch_size, seed)
+    if self._seed is None:
+      self._seed = random.SystemRandom().randrange(2**31)
     self._state = {}  # outer context key -> (constants, perm, epoch, pos)
     if tf.executing_eagerly():
       self._get_state()
-
-  @property
-  def max_batch_size(self):
-    return self._max_batch_size
-
-  @property
-  def num_examples(self):
-    return self._components[0].shape[0]
 
   @property
   def seed(self):
@@ -132,8 +121,7 @@ class VariableBatchReader:
     return [tf.gather(c, indices) for c in constants]
 
   def __call__(self, batch_size):
-    size, checks = data_reader.batch_size_tensor(
-        batch_size, self._max_batch_size, self._owner)
+    size, checks = self._size(batch_size)
     with tf.control_dependencies(checks):
       indices, advance = self._next_indices(size)
     indices = self._after(indices, advance, size)

@@ -158,23 +158,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._estimator = None
     self._exps = (-1,)
     self._compute_norm_stats = compute_norm_stats
-    self._init_adaptive(
-        momentum_type=momentum_type,
-        qmodel_update_rescale=qmodel_update_rescale,
-        adapt_damping=adapt_damping,
-        update_damping_immediately=update_damping_immediately,
-        is_chief=is_chief, prev_train_batch=prev_train_batch, loss=loss,
-        loss_fn=loss_fn, min_damping=min_damping, l2_reg=l2_reg,
-        damping_adaptation_decay=damping_adaptation_decay,
-        damping_adaptation_interval=damping_adaptation_interval,
-        damping_decrease_rho_threshold=damping_decrease_rho_threshold,
-        damping_increase_rho_threshold=damping_increase_rho_threshold,
-        precon_damping_mult=precon_damping_mult,
-        use_passed_loss=use_passed_loss, train_batch=train_batch,
-        print_logs=print_logs, use_weight_decay=use_weight_decay,
-        norm_constraint=norm_constraint, damping_schedule=damping_schedule,
-        always_use_exact_qmodel_for_damping_adjustment=(
-            always_use_exact_qmodel_for_damping_adjustment))
+    arguments = locals()
+    self._init_adaptive({name: arguments[name]
+                         for name in adaptive.ARGUMENTS})
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
 
