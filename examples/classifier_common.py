@@ -85,11 +85,6 @@ def load_classification_data(prefer, max_examples):
           everything.subset(perm[:DIGITS_TEST_EXAMPLES]))
 
 
-def glorot_uniform(rng, shape, fan_in, fan_out):
-  limit = np.sqrt(6.0 / (fan_in + fan_out))
-  return rng.uniform(-limit, limit, size=shape).astype(np.float32)
-
-
 def make_variables(params_np):
   return {k: tf.Variable(v, name=k) for k, v in params_np.items()}
 

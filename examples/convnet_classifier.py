@@ -47,10 +47,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-import numpy as np
-import tensorflow as tf
 
 import classifier_common as common
+import convnet_model
 import side_by_side
 
 FLAGS = flags.FLAGS
@@ -80,28 +79,11 @@ DATASET_DEFAULTS = {
                    kfac_momentum_type="adam", adam_learning_rate=3e-3),
 }
 
-_STRIDES = [1, 1, 1, 1]
-_PADDING = "SAME"
-
 
 def init_params(cfg, image_shape, num_classes, seed):
-  """Glorot-uniform weights and zero biases, float32 numpy, in layer order."""
-  rng = np.random.RandomState(seed)
-  params = {}
-  channels_in, side = 1, image_shape[0]
-  k = cfg.kernel_size
-  for i, channels in enumerate(int(c) for c in cfg.conv_channels):
-    params["conv%d/w" % i] = common.glorot_uniform(
-        rng, (k, k, channels_in, channels), k * k * channels_in,
-        k * k * channels)
-    params["conv%d/b" % i] = np.zeros([channels], np.float32)
-    channels_in, side = channels, (side + 1) // 2
-  sizes = [side * side * channels_in, cfg.dense_units, num_classes]
-  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params["dense%d/w" % i] = common.glorot_uniform(
-        rng, (fan_in, fan_out), fan_in, fan_out)
-    params["dense%d/b" % i] = np.zeros([fan_out], np.float32)
-  return params
+  return convnet_model.init_params(cfg.conv_channels, cfg.kernel_size,
+                                   cfg.dense_units, image_shape, num_classes,
+                                   seed)
 
 
 def _sub_sample_patches():
@@ -111,43 +93,13 @@ def _sub_sample_patches():
 
 
 def forward(images, variables, layer_collection=None):
-  """Logits [batch, 10] of images [batch, side, side]; registers the layers.
-
-  Args:
-    images: float32 [batch, side, side].
-    variables: {name: tf.Variable} with the names of init_params.
-    layer_collection: a kfac.LayerCollection, or None for no registration.
-  """
-  lc = layer_collection
-  h = images[..., tf.newaxis]
-  i = 0
-  while "conv%d/w" % i in variables:
-    w, b = variables["conv%d/w" % i], variables["conv%d/b" % i]
-    pre = tf.nn.conv2d(h, w, strides=_STRIDES, padding=_PADDING) + b
-    if lc is not None:
-      lc.register_conv2d((w, b), _STRIDES, _PADDING, h, pre,
-                         sub_sample_patches=_sub_sample_patches())
-    h = tf.nn.max_pool2d(tf.nn.relu(pre), ksize=2, strides=2,
-                         padding=_PADDING)
-    i += 1
-  h = tf.reshape(h, [-1, int(np.prod(h.shape[1:]))])
-  i = 0
-  while "dense%d/w" % i in variables:
-    w, b = variables["dense%d/w" % i], variables["dense%d/b" % i]
-    pre = tf.matmul(h, w) + b
-    if lc is not None:
-      lc.register_fully_connected((w, b), h, pre)
-    h = pre if "dense%d/w" % (i + 1) not in variables else tf.nn.relu(pre)
-    i += 1
-  return h
+  return convnet_model.forward(images, variables, layer_collection,
+                               sub_sample_patches=_sub_sample_patches())
 
 
 def describe(cfg, image_shape):
-  k = cfg.kernel_size
-  convs = " -> ".join("conv %dx%d (%s) -> pool" % (k, k, c)
-                      for c in cfg.conv_channels)
-  return "%dx%d -> %s -> dense %d -> dense 10" % (
-      image_shape[0], image_shape[1], convs, cfg.dense_units)
+  return convnet_model.describe(cfg.conv_channels, cfg.kernel_size,
+                                cfg.dense_units, image_shape)
 
 
 def main(argv):

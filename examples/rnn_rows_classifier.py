@@ -47,10 +47,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-import numpy as np
-import tensorflow as tf
 
 import classifier_common as common
+import rnn_model
 import side_by_side
 
 FLAGS = flags.FLAGS
@@ -71,57 +70,18 @@ DATASET_DEFAULTS = {
 
 
 def init_params(cfg, image_shape, num_classes, seed):
-  """Glorot-uniform input and output weights, orthogonal W_h, zero biases."""
-  rng = np.random.RandomState(seed)
-  width, hidden = image_shape[1], cfg.hidden_units
-  q, r = np.linalg.qr(rng.randn(hidden, hidden))
-  return {
-      "rnn/w_x": common.glorot_uniform(rng, (width, hidden), width, hidden),
-      "rnn/b": np.zeros([hidden], np.float32),
-      "rnn/w_h": (q * np.sign(np.diag(r))).astype(np.float32),
-      "out/w": common.glorot_uniform(rng, (hidden, num_classes), hidden,
-                                     num_classes),
-      "out/b": np.zeros([num_classes], np.float32),
-  }
-
-
-def forward(images, variables, layer_collection=None):
-  """Logits [batch, 10] of images [batch, rows, width]; registers the layers.
-
-  Args:
-    images: float32 [batch, rows, width]; row t is the input at time t.
-    variables: {name: tf.Variable} with the names of init_params.
-    layer_collection: a kfac.LayerCollection, or None for no registration.
-  """
-  w_x, b, w_h = variables["rnn/w_x"], variables["rnn/b"], variables["rnn/w_h"]
-  xs = tf.unstack(images, axis=1)
-  states, pre_activations = [], []
-  h = None
-  for x in xs:
-    a = tf.matmul(x, w_x) + b
-    if h is not None:  # h_0 = 0
-      a += tf.matmul(h, w_h)
-    h = tf.tanh(a)
-    pre_activations.append(a)
-    states.append(h)
-  w_out, b_out = variables["out/w"], variables["out/b"]
-  logits = tf.matmul(h, w_out) + b_out
-  if layer_collection is not None:
-    lc = layer_collection
-    lc.register_fully_connected_multi((w_x, b), xs, pre_activations)
-    lc.register_fully_connected_multi(w_h, states[:-1], pre_activations[1:])
-    lc.register_fully_connected((w_out, b_out), h, logits)
-  return logits
+  return rnn_model.init_params(cfg.hidden_units, image_shape, num_classes,
+                               seed)
 
 
 def describe(cfg, image_shape):
-  return ("%d rows of %d pixels -> tanh RNN %d -> dense 10 on the last "
-          "state" % (image_shape[0], image_shape[1], cfg.hidden_units))
+  return rnn_model.describe(cfg.hidden_units, image_shape)
 
 
 def main(argv):
   del argv
-  common.main(init_params, forward, DATASET_DEFAULTS, "function", describe)
+  common.main(init_params, rnn_model.forward, DATASET_DEFAULTS, "function",
+              describe)
 
 
 if __name__ == "__main__":
