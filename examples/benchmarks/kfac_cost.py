@@ -1,0 +1,426 @@
+r"""What the parts of a K-FAC step cost, and how they scale.
+
+Four measurements, each written as a markdown table (and a PNG where it is
+a curve) to --output_dir, and printed:
+
+1. Inverse cost against layer width: one damped factor inverse as kfac
+   computes it (`linalg.damped_inverse`: Cholesky factorisation and solve)
+   and an eigendecomposition (`linalg.eigh`, used for other matrix powers),
+   for n x n float32 factors, n = 256 ... 4096; and the per-step
+   preconditioning of an n -> n dense layer with its two factor inverses
+   (A^-1 V G^-1, two n x n x n products).
+2. Statistics cost against batch size, on the deep autoencoder: the
+   statistics update (the sampled backward pass from the loss to the layer
+   outputs, the a^T a and g^T g products and the moving averages) next to
+   the SGD step at the same batch size.
+3. The split of a K-FAC step on each workload of workloads.py at its
+   benchmark batch size: the forward/backward pass (an SGD step),
+   preconditioning (K-FAC step with fixed statistics and inverses minus the
+   SGD step), statistics (their marginal cost when run with the step), and
+   inverses (one inverse update, amortised over --invert_every steps); the
+   amortised total next to a measured PeriodicInvCovUpdateKfacOpt step.
+4. Memory of the K-FAC state on each workload: factor statistics, inverses
+   and velocities, next to the parameters.
+
+Everything runs in TF1 Session graphs (one `session.run` per timed call);
+times are medians over --reps calls after warm-up calls.
+
+  python examples/benchmarks/kfac_cost.py                      # about 6 min
+  python examples/benchmarks/kfac_cost.py --quick               # seconds
+"""
+
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads as workloads_lib
+
+import kfac
+from kfac.python.ops import linalg
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("output_dir", "bench_results", "Where to write results.")
+flags.DEFINE_list("widths", ["256", "512", "1024", "2048", "4096"],
+                  "Factor sizes n for the inverse-cost curve.")
+flags.DEFINE_list("batch_sizes", ["64", "128", "256", "512", "1024", "2048"],
+                  "Batch sizes for the statistics-cost curve.")
+flags.DEFINE_list("workloads", ["autoencoder", "convnet", "rnn"],
+                  "Workloads for the step split and the memory table.")
+flags.DEFINE_integer("reps", 7, "Timed calls per measurement (median).")
+flags.DEFINE_integer("invert_every", 10, "K-FAC inverse period (amortises "
+                     "the inverse cost in the step split).")
+flags.DEFINE_enum("dataset", "auto", ["auto", "digits", "fashion_mnist"],
+                  "Data for the workloads.")
+flags.DEFINE_bool("quick", False, "Tiny sizes (digits, widths 64/128, "
+                  "batches 32/64, 2 reps): checks that everything runs.")
+flags.DEFINE_integer("seed", 0, "Seed.")
+
+
+def _median_ms(run, reps, warmup=2):
+  for _ in range(warmup):
+    run()
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def _reps_for(n):
+  return max(2, FLAGS.reps if n <= 1024 else FLAGS.reps // 3)
+
+
+# ------------------------------------------------------------------ 1
+def inverse_cost(widths):
+  """Rows (n, Cholesky inverse ms, eigh ms, preconditioning ms)."""
+  rows = []
+  rng = np.random.RandomState(FLAGS.seed)
+  for n in widths:
+    x = rng.randn(2 * n, n).astype(np.float32)
+    cov = x.T @ x / (2 * n)
+    v = rng.randn(n, n).astype(np.float32)
+    with tf.Graph().as_default():
+      mat = tf.constant(cov)
+      inverse = linalg.damped_inverse(mat, 1e-3)
+      evals, _ = linalg.eigh(mat)
+      a_inv = tf.Variable(np.linalg.inv(cov + 1e-3 * np.eye(n)).astype(
+          np.float32))
+      precon = tf.matmul(tf.matmul(a_inv, tf.constant(v)), a_inv)
+      with tf.compat.v1.Session() as sess:
+        sess.run(a_inv.initializer)
+        reps = _reps_for(n)
+        row = dict(n=n,
+                   cholesky_ms=_median_ms(lambda: sess.run(inverse.op), reps),
+                   eigh_ms=_median_ms(lambda: sess.run(evals.op), reps),
+                   precondition_ms=_median_ms(lambda: sess.run(precon.op),
+                                              reps))
+    rows.append(row)
+    print("inverse cost  n=%5d  cholesky inverse %9.1f ms  eigh %9.1f ms  "
+          "preconditioning %8.1f ms" % (n, row["cholesky_ms"],
+                                        row["eigh_ms"],
+                                        row["precondition_ms"]), flush=True)
+  return rows
+
+
+def _growth_exponent(rows, key):
+  """Slope of log(time) against log(n) over the two largest widths."""
+  if len(rows) < 2:
+    return float("nan")
+  a, b = rows[-2], rows[-1]
+  return float(np.log(b[key] / a[key]) / np.log(b["n"] / a["n"]))
+
+
+# ------------------------------------------------------------------ graphs
+class StepGraph(object):
+  """A workload's graph in a Session: SGD, K-FAC step and update ops."""
+
+  def __init__(self, workload, data, batch_size, kfac_kwargs=None):
+    self.graph = tf.Graph()
+    with self.graph.as_default():
+      tf.compat.v1.set_random_seed(FLAGS.seed)
+      x_np, y_np = workloads_lib.random_batch(data, batch_size, FLAGS.seed)
+      self.x = tf.constant(x_np)
+      self.y = tf.constant(y_np)
+      variables = workload.make_variables(
+          workload.init_params(data, FLAGS.seed))
+      var_list = workload.flat_variables(variables)
+
+      def registered_model():
+        lc = kfac.LayerCollection()
+        logits = workload.forward(self.x, variables, lc)
+        workload.register_loss(lc, logits, self.y)
+        return lc, workload.loss(self.y, logits, variables)
+
+      lc, loss = registered_model()
+      self.sgd = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(
+          loss, var_list=var_list)
+      options = dict(learning_rate=0.01, damping=1.0, momentum=0.9,
+                     l2_reg=workload.l2_reg)
+      options.update(kfac_kwargs or {})
+      opt = kfac.KfacOptimizer(layer_collection=lc, **options)
+      (_, self.cov_update, _, self.inv_update, _, _) = (
+          opt.make_vars_and_create_op_thunks())
+      self.kfac_step = opt.minimize(loss, var_list=var_list)
+      self.kfac_step_with_stats = tf.group(self.kfac_step, self.cov_update)
+      self.memory = dict(
+          parameters=_bytes(var_list),
+          statistics=_bytes(opt.get_cov_vars()),
+          inverses=_bytes(opt.get_inv_vars()),
+          velocities=_bytes(var_list) if options["momentum"] else 0)
+      # The complete step, on its own collection (and state).
+      periodic_lc, periodic_loss = registered_model()
+      periodic = kfac.PeriodicInvCovUpdateKfacOpt(
+          invert_every=FLAGS.invert_every, layer_collection=periodic_lc,
+          name="periodic", **options)
+      self.periodic_step = periodic.minimize(periodic_loss,
+                                             var_list=var_list)
+      init = tf.compat.v1.global_variables_initializer()
+    self.sess = tf.compat.v1.Session(graph=self.graph)
+    self.sess.run(init)
+    self.sess.run(self.cov_update)
+    self.sess.run(self.inv_update)
+
+  def time(self, op, reps):
+    return _median_ms(lambda: self.sess.run(op), reps)
+
+  def time_periodic(self, blocks):
+    """ms per PeriodicInvCovUpdateKfacOpt step, median over blocks of
+    invert_every steps (each block holds one inverse update)."""
+    k = FLAGS.invert_every
+    for _ in range(k):
+      self.sess.run(self.periodic_step)
+    times = []
+    for _ in range(blocks):
+      start = time.perf_counter()
+      for _ in range(k):
+        self.sess.run(self.periodic_step)
+      times.append((time.perf_counter() - start) / k)
+    return 1e3 * float(np.median(times))
+
+  def close(self):
+    self.sess.close()
+
+
+def _bytes(variables):
+  return int(sum(v.shape.num_elements() * v.dtype.size for v in variables))
+
+
+# ------------------------------------------------------------------ 2
+def statistics_cost(data, batch_sizes):
+  """Rows (batch, SGD step ms, statistics update ms) on the autoencoder."""
+  workload = workloads_lib.get("autoencoder", small=data.name == "digits")
+  rows = []
+  for batch in batch_sizes:
+    batch = min(batch, len(data))
+    g = StepGraph(workload, data, batch)
+    row = dict(batch=batch, sgd_ms=g.time(g.sgd, FLAGS.reps),
+               statistics_ms=g.time(g.cov_update, FLAGS.reps),
+               step_ms=g.time(g.kfac_step, FLAGS.reps))
+    row["statistics_marginal_ms"] = (
+        g.time(g.kfac_step_with_stats, FLAGS.reps) - row["step_ms"])
+    g.close()
+    rows.append(row)
+    print("statistics    batch %5d  SGD step %7.1f ms  statistics update "
+          "alone %7.1f ms (%.2fx), with a step +%.1f ms" % (
+              batch, row["sgd_ms"], row["statistics_ms"],
+              row["statistics_ms"] / row["sgd_ms"],
+              row["statistics_marginal_ms"]), flush=True)
+  return rows
+
+
+# ------------------------------------------------------------------ 3, 4
+def step_split(workload, data):
+  batch = min(workload.batch_size, len(data))
+  g = StepGraph(workload, data, batch)
+  reps = FLAGS.reps
+  sgd = g.time(g.sgd, reps)
+  step = g.time(g.kfac_step, reps)
+  with_stats = g.time(g.kfac_step_with_stats, reps)
+  inverse = g.time(g.inv_update, max(2, reps // 2))
+  periodic = g.time_periodic(max(2, reps // 2))
+  memory = g.memory
+  g.close()
+  row = dict(workload=workload.name, batch=batch, sgd_ms=sgd,
+             precondition_ms=step - sgd, statistics_ms=with_stats - step,
+             inverse_update_ms=inverse,
+             inverse_amortised_ms=inverse / FLAGS.invert_every,
+             periodic_ms=periodic, memory=memory)
+  row["amortised_total_ms"] = (sgd + row["precondition_ms"] +
+                               row["statistics_ms"] +
+                               row["inverse_amortised_ms"])
+  print("step split    %-11s batch %4d  SGD %6.1f  precondition +%6.1f  "
+        "statistics +%6.1f  inverses %7.1f/%d  = %6.1f ms (measured "
+        "periodic step %6.1f ms, %.2fx SGD)" % (
+            workload.name, batch, sgd, row["precondition_ms"],
+            row["statistics_ms"], inverse, FLAGS.invert_every,
+            row["amortised_total_ms"], periodic, periodic / sgd), flush=True)
+  return row
+
+
+# ------------------------------------------------------------------ output
+def _table(header, rows):
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---:" if i else "---" for i in range(len(header)))
+           + "|"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def _mib(num_bytes):
+  return "%.2f" % (num_bytes / 2.0**20)
+
+
+def write_report(results, out_dir):
+  parts = ["# K-FAC cost and scaling", "", _machine_line(), ""]
+  inv = results["inverse_cost"]
+  if inv:
+    parts += ["## Inverse cost against factor width (float32)", "",
+              _table(["n", "Cholesky inverse ms", "eigh ms",
+                      "preconditioning ms (A^-1 V A^-1, n x n)"],
+                     [[str(r["n"]), "%.1f" % r["cholesky_ms"],
+                       "%.1f" % r["eigh_ms"], "%.1f" % r["precondition_ms"]]
+                      for r in inv]), "",
+              "Growth exponent over the two largest widths: Cholesky "
+              "%.2f, eigh %.2f, preconditioning %.2f (3 = cubic)." % (
+                  _growth_exponent(inv, "cholesky_ms"),
+                  _growth_exponent(inv, "eigh_ms"),
+                  _growth_exponent(inv, "precondition_ms")), ""]
+  stats = results["statistics_cost"]
+  if stats:
+    parts += ["## Statistics cost against batch size (autoencoder)", "",
+              _table(["batch", "SGD step ms", "statistics update ms",
+                      "statistics / SGD step", "marginal with the step ms"],
+                     [[str(r["batch"]), "%.1f" % r["sgd_ms"],
+                       "%.1f" % r["statistics_ms"],
+                       "%.2f" % (r["statistics_ms"] / r["sgd_ms"]),
+                       "%.1f" % r["statistics_marginal_ms"]]
+                      for r in stats]), ""]
+  split = results["step_split"]
+  if split:
+    parts += ["## Split of a K-FAC step (invert_every=%d)" %
+              FLAGS.invert_every, "",
+              _table(["workload", "batch", "SGD step ms", "+ precondition",
+                      "+ statistics", "+ inverses (amortised)",
+                      "= K-FAC ms", "measured periodic step ms",
+                      "K-FAC / SGD"],
+                     [[r["workload"], str(r["batch"]), "%.1f" % r["sgd_ms"],
+                       "%.1f" % r["precondition_ms"],
+                       "%.1f" % r["statistics_ms"],
+                       "%.1f (%.0f per update)" % (r["inverse_amortised_ms"],
+                                                   r["inverse_update_ms"]),
+                       "%.1f" % r["amortised_total_ms"],
+                       "%.1f" % r["periodic_ms"],
+                       "%.2fx" % (r["periodic_ms"] / r["sgd_ms"])]
+                      for r in split]), "",
+              "## Memory of the K-FAC state (MiB)", "",
+              _table(["workload", "parameters", "factor statistics",
+                      "inverses", "velocities", "state / parameters"],
+                     [[r["workload"], _mib(r["memory"]["parameters"]),
+                       _mib(r["memory"]["statistics"]),
+                       _mib(r["memory"]["inverses"]),
+                       _mib(r["memory"]["velocities"]),
+                       "%.1fx" % ((r["memory"]["statistics"] +
+                                   r["memory"]["inverses"] +
+                                   r["memory"]["velocities"]) /
+                                  r["memory"]["parameters"])]
+                      for r in split]), ""]
+  text = "\n".join(parts)
+  with open(os.path.join(out_dir, "kfac_cost.md"), "w") as f:
+    f.write(text)
+  with open(os.path.join(out_dir, "kfac_cost.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  _plot(results, out_dir)
+  return text
+
+
+def _plot(results, out_dir):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  inv = results["inverse_cost"]
+  if inv:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = [r["n"] for r in inv]
+    for key, label in (("cholesky_ms", "Cholesky inverse"),
+                       ("eigh_ms", "eigendecomposition"),
+                       ("precondition_ms", "preconditioning A^-1 V A^-1")):
+      ax.loglog(n, [r[key] for r in inv], "o-", label=label)
+    ax.set_xlabel("factor width n")
+    ax.set_ylabel("ms")
+    ax.set_title("K-FAC factor costs (float32)")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "inverse_cost.png"), dpi=120)
+    plt.close(fig)
+  stats = results["statistics_cost"]
+  if stats:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    b = [r["batch"] for r in stats]
+    ax.loglog(b, [r["sgd_ms"] for r in stats], "o-", label="SGD step")
+    ax.loglog(b, [r["statistics_ms"] for r in stats], "o-",
+              label="statistics update")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms")
+    ax.set_title("Statistics cost, deep autoencoder")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "statistics_cost.png"), dpi=120)
+    plt.close(fig)
+  split = results["step_split"]
+  if split:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["workload"] for r in split]
+    bottom = np.zeros(len(split))
+    for key, label in (("sgd_ms", "forward + backward (SGD step)"),
+                       ("precondition_ms", "preconditioning"),
+                       ("statistics_ms", "statistics"),
+                       ("inverse_amortised_ms", "inverses (amortised)")):
+      values = np.array([max(r[key], 0.0) for r in split])
+      ax.bar(names, values, bottom=bottom, label=label)
+      bottom += values
+    ax.set_ylabel("ms per step")
+    ax.set_title("Split of a K-FAC step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "step_split.png"), dpi=120)
+    plt.close(fig)
+
+
+def _machine_line():
+  devices = [d.device_type for d in tf.config.list_physical_devices()]
+  return ("Machine: %s, %d CPU cores, devices %s; TensorFlow %s, Python %s." %
+          (platform.machine(), os.cpu_count() or 0, ", ".join(devices),
+           tf.__version__, platform.python_version()))
+
+
+def main(argv):
+  del argv
+  widths = [int(w) for w in FLAGS.widths]
+  batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+  dataset = FLAGS.dataset
+  if FLAGS.quick:
+    widths, batch_sizes, dataset = [64, 128], [32, 64], "digits"
+    FLAGS.reps = 2
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  print(_machine_line(), flush=True)
+  results = dict(inverse_cost=inverse_cost(widths))
+  data = {}
+
+  def data_for(workload):
+    kind = "autoencoder" if workload.name == "autoencoder" else "images"
+    if kind not in data:
+      data[kind] = workload.load(dataset, 20000)
+    return data[kind]
+
+  small = dataset == "digits"
+  autoencoder = workloads_lib.get("autoencoder", small=small)
+  if dataset == "auto":
+    small = data_for(autoencoder).name == "digits"
+    autoencoder = workloads_lib.get("autoencoder", small=small)
+  results["statistics_cost"] = statistics_cost(data_for(autoencoder),
+                                               batch_sizes)
+  results["step_split"] = [
+      step_split(w, data_for(w)) for w in
+      (workloads_lib.get(name, small=small) for name in FLAGS.workloads)]
+  text = write_report(results, FLAGS.output_dir)
+  print()
+  print(text)
+
+
+if __name__ == "__main__":
+  app.run(main)
