@@ -21,6 +21,12 @@ a curve) to --output_dir, and printed:
    amortised total next to a measured PeriodicInvCovUpdateKfacOpt step.
 4. Memory of the K-FAC state on each workload: factor statistics, inverses
    and velocities, next to the parameters.
+5. The cost of adaptive K-FAC on the autoencoder: ms per
+   PeriodicInvCovUpdateKfacOpt step (blocks of invert_every steps,
+   interleaved between the variants) with a fixed learning rate and
+   damping, with damping adaptation (K-FAC-matrix model, or the exact model
+   every step), with the quadratic-model learning rate and momentum
+   ("qmodel"), and with both.
 
 Everything runs in TF1 Session graphs (one `session.run` per timed call);
 times are medians over --reps calls after warm-up calls.
@@ -250,6 +256,70 @@ def step_split(workload, data):
   return row
 
 
+# ------------------------------------------------------------------ 5
+ADAPTIVE_VARIANTS = (
+    ("fixed lr and damping", dict(learning_rate=0.1, momentum=0.9)),
+    ("+ adapt_damping", dict(learning_rate=0.1, momentum=0.9,
+                             adapt_damping=True)),
+    ("+ adapt_damping, exact model", dict(
+        learning_rate=0.1, momentum=0.9, adapt_damping=True,
+        always_use_exact_qmodel_for_damping_adjustment=True)),
+    ("qmodel", dict(learning_rate=None, momentum=None,
+                    momentum_type="qmodel")),
+    ("qmodel + adapt_damping", dict(learning_rate=None, momentum=None,
+                                    momentum_type="qmodel",
+                                    adapt_damping=True)),
+)
+
+
+def adaptive_cost(workload, data):
+  """Rows (variant, ms per step) of adaptive K-FAC's step variants."""
+  batch = min(workload.batch_size, len(data))
+  x_np, y_np = workloads_lib.random_batch(data, batch, FLAGS.seed)
+  steps = []
+  for label, options in ADAPTIVE_VARIANTS:
+    graph = tf.Graph()
+    with graph.as_default():
+      x, y = tf.constant(x_np), tf.constant(y_np)
+      variables = workload.make_variables(
+          workload.init_params(data, FLAGS.seed))
+      lc = kfac.LayerCollection()
+      logits = workload.forward(x, variables, lc)
+      workload.register_loss(lc, logits, y)
+      loss = workload.loss(y, logits, variables)
+      extra = {}
+      if options.get("adapt_damping"):
+        extra = dict(train_batch=(x, y), loss_fn=lambda b, v=variables: (
+            workload.loss(b[1], workload.forward(b[0], v), v)),
+                     damping_adaptation_interval=5)
+      opt = kfac.PeriodicInvCovUpdateKfacOpt(
+          invert_every=FLAGS.invert_every, damping=1.0, layer_collection=lc,
+          l2_reg=workload.l2_reg, **dict(options, **extra))
+      train = opt.minimize(loss, var_list=workload.flat_variables(variables))
+      init = tf.compat.v1.global_variables_initializer()
+    sess = tf.compat.v1.Session(graph=graph)
+    sess.run(init)
+    steps.append((label, sess, train))
+  k = FLAGS.invert_every
+  times = {label: [] for label, _, _ in steps}
+  for round_ in range(max(2, FLAGS.reps // 2) + 1):
+    for label, sess, train in steps:
+      start = time.perf_counter()
+      for _ in range(k):
+        sess.run(train)
+      if round_:  # the first round warms up
+        times[label].append((time.perf_counter() - start) / k)
+  rows = []
+  base = 1e3 * float(np.median(times[steps[0][0]]))
+  for label, sess, _ in steps:
+    sess.close()
+    ms = 1e3 * float(np.median(times[label]))
+    rows.append(dict(variant=label, ms=ms, ratio=ms / base))
+    print("adaptive cost %-30s %7.1f ms/step (%.2fx)" % (label, ms, ms / base),
+          flush=True)
+  return rows
+
+
 # ------------------------------------------------------------------ output
 def _table(header, rows):
   lines = ["| " + " | ".join(header) + " |",
@@ -317,6 +387,12 @@ def write_report(results, out_dir):
                                    r["memory"]["velocities"]) /
                                   r["memory"]["parameters"])]
                       for r in split]), ""]
+  adaptive = results.get("adaptive_cost")
+  if adaptive:
+    parts += ["## Cost of adaptive K-FAC (autoencoder, ms per step)", "",
+              _table(["variant", "ms/step", "vs fixed"],
+                     [[r["variant"], "%.1f" % r["ms"], "%.2fx" % r["ratio"]]
+                      for r in adaptive]), ""]
   text = "\n".join(parts)
   with open(os.path.join(out_dir, "kfac_cost.md"), "w") as f:
     f.write(text)
@@ -417,6 +493,8 @@ def main(argv):
   results["step_split"] = [
       step_split(w, data_for(w)) for w in
       (workloads_lib.get(name, small=small) for name in FLAGS.workloads)]
+  results["adaptive_cost"] = adaptive_cost(autoencoder,
+                                           data_for(autoencoder))
   text = write_report(results, FLAGS.output_dir)
   print()
   print(text)
