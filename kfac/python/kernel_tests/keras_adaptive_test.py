@@ -8,7 +8,8 @@ Checked:
   same loss on the step's batch: weights (rtol 1e-4, float32), damping, the
   chosen learning rate (shown as optimizer.learning_rate) and rho;
 * a custom tf.function loop with set_train_batch takes the same steps as
-  fit;
+  fit; jit_compile=True takes the same steps (rtol 1e-5); model.save and
+  saving_utils.load_model resume on bit-identical weights and damping;
 * the loss evaluations of the damping rule leave the model's state as one
   training step leaves it: BatchNorm moving statistics and the Keras 3
   dropout seed state equal those of a non-adaptive run (so dropout draws
@@ -108,6 +109,39 @@ def test_adaptive_fit_equals_tf1_graph_steps(calibrate):
   # The steps moved the weights well beyond the tolerance.
   assert max(np.max(np.abs(a - b)) for a, b in
              zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
+
+
+def test_adaptive_xla_and_exact_resume(tmp_path):
+  """jit_compile=True takes the same steps; model.save + load_model resumes
+  on exactly the same trajectory (damping, records and all state)."""
+  plain, plain_opt = _adaptive(base.functional_model(),
+                               damping_adaptation_interval=1)
+  base._fit(plain, 0, 3)  # pylint: disable=protected-access
+  if not LEGACY:  # tf_keras: Kfac always traces without XLA
+    xla = base.functional_model()
+    xla.set_weights(base._weights())  # pylint: disable=protected-access
+    xla_opt = kfac.keras.optimizers.Kfac(
+        damping=DAMPING, model=xla, adaptive=True, invert_every=1,
+        loss="sparse_categorical_crossentropy", estimation_mode="exact",
+        damping_adaptation_interval=1, seed=base.SEED)
+    xla.compile(optimizer=xla_opt, loss="sparse_categorical_crossentropy",
+                jit_compile=True)
+    base._fit(xla, 0, 3)  # pylint: disable=protected-access
+    base._assert_weights(xla.get_weights(), plain.get_weights(), rtol=1e-5)  # pylint: disable=protected-access
+    assert float(xla_opt.damping.numpy()) == pytest.approx(
+        float(plain_opt.damping.numpy()), rel=1e-6)
+  first, _ = _adaptive(base.functional_model(),
+                       damping_adaptation_interval=1)
+  base._fit(first, 0, 2)  # pylint: disable=protected-access
+  path = str(tmp_path / "model.keras")
+  first.save(path)
+  loaded = kfac.keras.saving_utils.load_model(path)
+  assert loaded.optimizer.get_config()["adaptive"] is True
+  base._fit(loaded, 2, 3)  # pylint: disable=protected-access
+  for a, b in zip(loaded.get_weights(), plain.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  assert float(loaded.optimizer.damping.numpy()) == float(
+      plain_opt.damping.numpy())
 
 
 def test_adaptive_custom_loop_with_set_train_batch():
