@@ -4,6 +4,9 @@
 #   make demo-convnet  K-FAC vs Adam on a convnet classifier (about 2 minutes)
 #   make demo-rnn  K-FAC vs Adam on an RNN over image rows (about 1.5 minutes)
 #   make demo-keras  K-FAC vs Adam with Keras model.fit on a CNN (about 2 minutes)
+#   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
+#                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
+#                  (about 6 minutes; plots in adaptive_autoencoder_results/)
 #   make bench     ms/step of SGD, the old kfac 0.2.4 and this kfac (Session, tf.function),
 #                  and of Keras fit/custom loops with Kfac vs fit with Adam
 #   make test-all  all tests, including the ones marked slow
@@ -25,7 +28,8 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 # Less TensorFlow start-up noise in every recipe below.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: all venv data test test-all demo demo-convnet demo-rnn demo-keras bench clean distclean
+.PHONY: all venv data test test-all demo demo-convnet demo-rnn demo-keras \
+        demo-adaptive bench clean distclean
 
 all: test
 
@@ -104,6 +108,9 @@ demo-rnn: venv data
 demo-keras: venv data
 	$(VPY) examples/keras_fit_classifier.py
 
+demo-adaptive: venv data
+	$(VPY) examples/adaptive_autoencoder.py
+
 # The old library (kfac 0.2.4, frozen TF1 code) is the baseline of the step
 # benchmark. It goes into its own folder, without dependencies, so that it is
 # never imported by anything but the benchmark's worker for it.
@@ -118,7 +125,8 @@ bench: venv data $(OLD_KFAC)/kfac/__init__.py
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=bench_results
 
 clean:
-	rm -rf build dist *.egg-info bench_results .bench_deps .pytest_cache $(STAMP)
+	rm -rf build dist *.egg-info bench_results adaptive_autoencoder_results \
+	  .bench_deps .pytest_cache $(STAMP)
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
 
 distclean: clean

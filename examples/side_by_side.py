@@ -9,9 +9,13 @@ same number of steps and at the same number of seconds.
 A demo supplies one "backend" per optimizer, an object with
 
   batch(indices)  the mini-batch of the examples at `indices` (untimed);
+                  called with None when the Trainer has no Batches (a
+                  backend that draws its own batches, e.g. from a reader
+                  inside its graph);
   train(batch)    one training step on it;
   evaluate()      the loss (a float) on a fixed evaluation set;
-  shown()         a dict of scalars for the progress line ("damping", "lr");
+  shown()         a dict of scalars for the progress line ("damping", "lr",
+                  "momentum", "rho", "batch");
   finish()        end of training: returns a dict of extra results for the
                   table (e.g. {"test accuracy": 0.87}) and frees resources.
 
@@ -158,6 +162,7 @@ class History(object):
     self.seconds = []
     self.losses = []
     self.extra = {}
+    self.shown = []  # backend.shown() at each evaluation, when recorded
 
   def add(self, step, seconds, loss):
     self.steps.append(step)
@@ -185,32 +190,54 @@ class History(object):
         return s
     return None
 
+  def steps_to_reach(self, loss):
+    """First step at which the eval loss was <= `loss`, or None."""
+    for s, l in zip(self.steps, self.losses):
+      if l <= loss:
+        return s
+    return None
+
   def as_dict(self):
-    return dict(name=self.name, steps=self.steps, seconds=self.seconds,
-                losses=self.losses, extra=self.extra)
+    d = dict(name=self.name, steps=self.steps, seconds=self.seconds,
+             losses=self.losses, extra=self.extra)
+    if self.shown:
+      d["shown"] = self.shown
+    return d
+
+
+# The values a progress line shows, when the backend gives them, in order.
+_SHOWN_FORMATS = (("damping", "%.0e"), ("lr", "%.0e"), ("momentum", "%.2f"),
+                  ("rho", "%.2f"), ("batch", "%d"))
 
 
 def format_shown(values):
   parts = []
-  for key in ("damping", "lr"):
+  for key, value_format in _SHOWN_FORMATS:
     if key in values:
-      parts.append("%s %.0e" % (key, values[key]))
+      parts.append(("%s " + value_format) % (key, values[key]))
   return "  ".join(parts)
 
 
 class Trainer(object):
-  """One optimizer's backend and clock; trains in short chunks."""
+  """One optimizer's backend and clock; trains in short chunks.
 
-  def __init__(self, name, backend, batches, seconds, loss_format="%.2f"):
+  `batches` is a Batches, or None when the backend draws its own batches.
+  With record_shown=True, backend.shown() is kept at every evaluation
+  (History.shown, written by write_results).
+  """
+
+  def __init__(self, name, backend, batches, seconds, loss_format="%.2f",
+               record_shown=False):
     self.name = name
     self.loss_format = loss_format
     self.backend = backend
     self.batches = batches
     self.seconds = seconds
+    self.record_shown = record_shown
     self.history = History(name)
-    self.history.add(0, 0.0, backend.evaluate())
     self.step = 0
     self.train_seconds = 0.0
+    self._evaluate()
     self.last_print = -np.inf
     self.done = False
 
@@ -220,14 +247,14 @@ class Trainer(object):
       if self.step >= FLAGS.steps or self.train_seconds >= self.seconds:
         self.finish()
         return
-      batch = self.backend.batch(self.batches.indices(self.step))
+      batch = self.backend.batch(
+          None if self.batches is None else self.batches.indices(self.step))
       start = time.perf_counter()
       self.backend.train(batch)
       self.train_seconds += time.perf_counter() - start
       self.step += 1
       if self.step % FLAGS.eval_every == 0:
-        self.history.add(self.step, self.train_seconds,
-                         self.backend.evaluate())
+        self._evaluate()
         if not np.isfinite(self.history.final_loss):
           print("[%s] step %d  loss is %s: stopping this run" % (
               self.name, self.step, self.history.final_loss), flush=True)
@@ -241,11 +268,17 @@ class Trainer(object):
             format_shown(self.backend.shown()), self.train_seconds),
               flush=True)
 
+  def _evaluate(self):
+    self.history.add(self.step, self.train_seconds, self.backend.evaluate())
+    if self.record_shown:
+      self.history.shown.append(
+          {k: float(v) for k, v in self.backend.shown().items()})
+
   def finish(self):
     if self.done:
       return
     if self.history.steps[-1] != self.step:
-      self.history.add(self.step, self.train_seconds, self.backend.evaluate())
+      self._evaluate()
     self.history.extra = dict(self.backend.finish())
     self.done = True
     extras = "".join(", %s %s" % (k, _format_value(v))
@@ -337,6 +370,45 @@ def write_results(path, histories, **info):
     d = h.as_dict()
     d["losses"] = [clean(float(l)) for l in d["losses"]]
     d["extra"] = {k: clean(v) for k, v in d["extra"].items()}
+    if "shown" in d:
+      d["shown"] = [{k: clean(v) for k, v in values.items()}
+                    for values in d["shown"]]
     runs.append(d)
   with open(path, "w") as f:
     json.dump(dict(info, runs=runs), f, indent=1)
+
+
+def plot_histories(histories, path, x_axis, ylabel, log_y=False, title=None):
+  """Writes a PNG of the runs' eval losses against "steps" or "seconds".
+
+  The y axis ends a little above the highest initial loss, so that early
+  spikes do not squash the rest of the curves.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  lowest = np.inf
+  for h in histories:
+    losses = np.asarray(h.losses, dtype=np.float64)
+    ok = np.isfinite(losses)
+    ax.plot(np.asarray(getattr(h, x_axis))[ok], losses[ok], label=h.name)
+    lowest = min([lowest] + list(losses[ok]))
+  if log_y:
+    ax.set_yscale("log")
+    plain = matplotlib.ticker.FormatStrFormatter("%g")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+  highest_initial = max(h.losses[0] for h in histories)
+  if np.isfinite(lowest) and np.isfinite(highest_initial):
+    ax.set_ylim(0.98 * lowest, 1.05 * highest_initial)
+  ax.set_xlabel("training seconds" if x_axis == "seconds" else "steps")
+  ax.set_ylabel(ylabel)
+  if title:
+    ax.set_title(title)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

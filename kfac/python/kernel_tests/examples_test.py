@@ -11,6 +11,8 @@ above chance (0.1). The bounds leave a margin; measured with these flags:
   convnet (40 steps)  loss 2.29 -> K-FAC 0.19, Adam 0.97; test acc 0.93, 0.78
   rnn (60 steps)      loss 2.51 -> K-FAC 0.63, Adam 0.73; test acc 0.83, 0.80
   autoencoder (20)    loss 44.7 -> K-FAC 27.1, Adam 27.4
+  adaptive autoencoder (40)  loss 44.7 -> kfac_adaptive 19.0,
+                      kfac_fixed 25.9, adam 26.3
 """
 
 import json
@@ -43,10 +45,11 @@ def _run_example(script, steps, tmp_path, extra_flags=()):
     return json.load(f), proc.stdout
 
 
-def _check_learned(results, stdout, steps, max_loss_ratio):
+def _check_learned(results, stdout, steps, max_loss_ratio,
+                   names=("adam", "kfac")):
   assert results["dataset"] == "digits"
   runs = {r["name"]: r for r in results["runs"]}
-  assert sorted(runs) == ["adam", "kfac"]
+  assert sorted(runs) == sorted(names)
   for name, run in runs.items():
     losses = run["losses"]
     assert all(isinstance(l, float) and math.isfinite(l) for l in losses), (
@@ -87,6 +90,36 @@ def test_autoencoder_demo(tmp_path):
   steps = 20
   results, stdout = _run_example("autoencoder_demo.py", steps, tmp_path)
   _check_learned(results, stdout, steps, max_loss_ratio=0.75)
+
+
+def test_adaptive_autoencoder(tmp_path):
+  steps = 40
+  output_dir = tmp_path / "out"
+  results, stdout = _run_example(
+      "adaptive_autoencoder.py", steps, tmp_path,
+      ["--encoder=48,32,16,8", "--output_dir=%s" % output_dir])
+  runs = _check_learned(results, stdout, steps, max_loss_ratio=0.75,
+                        names=("adam", "kfac_adaptive", "kfac_fixed"))
+  # The damping: calibrated during the burn-in, then moved by the
+  # Levenberg-Marquardt rule, never below its floor.
+  adaptive = runs["kfac_adaptive"]
+  assert len(adaptive["shown"]) == len(adaptive["steps"])
+  damping = [v["damping"] for v in adaptive["shown"]]
+  assert all(math.isfinite(d) and d >= results["min_damping"]
+             for d in damping), damping
+  after_burnin = [d for s, d in zip(adaptive["steps"], damping)
+                  if s >= results["num_burnin_steps"]]
+  assert damping[0] != after_burnin[0], damping
+  assert len(set(after_burnin)) > 1, damping
+  batch = [v["batch"] for v in adaptive["shown"]]
+  assert batch[-1] > batch[0], batch
+  for name in ("loss_vs_steps.png", "loss_vs_seconds.png"):
+    with open(output_dir / name, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    assert (output_dir / name).stat().st_size > 1000, name
+  assert "| kfac_adaptive | %d |" % steps in (
+      output_dir / "results.md").read_text()
+  assert "Target: adam's final loss" in stdout
 
 
 if __name__ == "__main__":
