@@ -7,8 +7,11 @@
 #   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
 #                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
 #                  (about 6 minutes; plots in adaptive_autoencoder_results/)
-#   make bench     ms/step of SGD, the old kfac 0.2.4 and this kfac (Session, tf.function),
-#                  and of Keras fit/custom loops with Kfac vs fit with Adam
+#   make bench     the benchmark suite into bench_results/ (about 45 minutes): time and
+#                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
+#                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
+#                  ms/step vs the old kfac 0.2.4; Keras fit/custom loops vs Adam
+#   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 1 hour)
 #   make test-all  all tests, including the ones marked slow
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make clean     remove build outputs; `make distclean` also removes .venv
@@ -29,7 +32,7 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 export TF_CPP_MIN_LOG_LEVEL := 2
 
 .PHONY: all venv data test test-all demo demo-convnet demo-rnn demo-keras \
-        demo-adaptive bench clean distclean
+        demo-adaptive bench bench-tune clean distclean
 
 all: test
 
@@ -120,9 +123,18 @@ $(OLD_KFAC)/kfac/__init__.py:
 	$(VPY) -m pip install --quiet --no-deps --target $(OLD_KFAC) kfac==0.2.4 || \
 	  echo "bench: note: could not install kfac==0.2.4; its column is skipped"
 
+BENCH_OUT := bench_results
+
 bench: venv data $(OLD_KFAC)/kfac/__init__.py
-	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC)
-	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=bench_results
+	$(VPY) examples/benchmarks/time_to_target.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/kfac_cost.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
+	  --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
+	@echo "bench: tables and plots in $(BENCH_OUT)/"
+
+bench-tune: venv data
+	$(VPY) examples/benchmarks/time_to_target.py --tune --output_dir=$(BENCH_OUT)
 
 clean:
 	rm -rf build dist *.egg-info bench_results adaptive_autoencoder_results \

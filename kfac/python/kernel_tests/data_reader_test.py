@@ -386,7 +386,9 @@ STEPS = np.arange(-2, 80)
 
 def numpy_exponential(initial, cap, growth, steps):
   steps = np.maximum(steps, 0).astype(np.float64)
-  return np.minimum(cap, np.floor(initial * growth**steps)).astype(np.int64)
+  with np.errstate(over="ignore"):  # growth**step may overflow: cap wins
+    return np.minimum(cap, np.floor(initial * growth**steps)).astype(
+        np.int64)
 
 
 def numpy_linear(initial, cap, num_steps, steps):

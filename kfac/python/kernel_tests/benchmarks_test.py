@@ -1,0 +1,111 @@
+"""The benchmark programs of examples/benchmarks run end to end, tiny.
+
+Benchmarks are programs (`make bench`), not timed tests: these runs use
+tiny settings and check what the programs compute and write, never how
+fast anything is.
+
+* kfac_cost.py --quick (digits, factor widths 64/128, batches 32/64, 2
+  reps, ~30 s): the markdown tables and the three PNGs are written; every
+  time is positive; in the step split the amortised parts add up to the
+  listed total; the K-FAC state takes memory beyond the parameters
+  (statistics and inverses of the same size, velocities as large as the
+  parameters).
+* time_to_target.py on digits, the RNN workload, 2 s per optimizer (~40 s):
+  all five optimizers train, losses are finite and below their start, the
+  target is the best first-order final loss and the run that set it reaches
+  it, the two K-FAC paths have the same hyperparameters, and the plots and
+  tables are written.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[3] / "examples" / (
+    "benchmarks")
+
+
+def _run(script, flags, tmp_path):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / script),
+       "--output_dir=%s" % tmp_path] + flags, cwd=str(BENCHMARKS), env=env,
+      capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+def _png(path):
+  with open(path, "rb") as f:
+    head = f.read(8)
+  assert head == b"\x89PNG\r\n\x1a\n", path
+  assert os.path.getsize(path) > 1000, path
+
+
+def test_kfac_cost_quick(tmp_path):
+  stdout = _run("kfac_cost.py", ["--quick"], tmp_path)
+  with open(tmp_path / "kfac_cost.json") as f:
+    results = json.load(f)
+  for row in results["inverse_cost"]:
+    assert min(row["cholesky_ms"], row["eigh_ms"],
+               row["precondition_ms"]) > 0, row
+  assert [r["n"] for r in results["inverse_cost"]] == [64, 128]
+  assert [r["batch"] for r in results["statistics_cost"]] == [32, 64]
+  assert all(r["sgd_ms"] > 0 and r["statistics_ms"] > 0
+             for r in results["statistics_cost"])
+  split = {r["workload"]: r for r in results["step_split"]}
+  assert sorted(split) == ["autoencoder", "convnet", "rnn"]
+  for r in split.values():
+    parts = (r["sgd_ms"] + r["precondition_ms"] + r["statistics_ms"] +
+             r["inverse_update_ms"] / 10)
+    assert r["amortised_total_ms"] == pytest.approx(parts, rel=1e-9)
+    assert r["periodic_ms"] > 0 and r["inverse_update_ms"] > 0
+    mem = r["memory"]
+    assert mem["statistics"] > 0 and mem["inverses"] == mem["statistics"]
+    assert mem["velocities"] == mem["parameters"] > 0
+  assert [r["variant"] for r in results["adaptive_cost"]][0] == (
+      "fixed lr and damping")
+  assert results["adaptive_cost"][0]["ratio"] == 1.0
+  for name in ("inverse_cost.png", "statistics_cost.png", "step_split.png"):
+    _png(tmp_path / name)
+  text = (tmp_path / "kfac_cost.md").read_text()
+  for heading in ("Inverse cost", "Statistics cost", "Split of a K-FAC step",
+                  "Memory of the K-FAC state", "Cost of adaptive K-FAC"):
+    assert heading in text and heading in stdout
+
+
+def test_time_to_target_small(tmp_path):
+  stdout = _run("time_to_target.py", [
+      "--dataset=digits", "--workloads=rnn", "--seconds=2",
+      "--eval_every=5", "--print_seconds=100", "--eval_examples=300"],
+                tmp_path)
+  with open(tmp_path / "time_to_target_rnn.json") as f:
+    results = json.load(f)
+  runs = {r["name"]: r for r in results["runs"]}
+  assert sorted(runs) == sorted(["sgd", "adam", "kfac", "kfac_tf2",
+                                 "kfac_adaptive"])
+  for name, run in runs.items():
+    assert all(isinstance(l, float) and math.isfinite(l)
+               for l in run["losses"]), name
+    assert run["steps"][-1] > 5 and run["losses"][-1] < run["losses"][0], (
+        name, run["steps"][-1], run["losses"])
+  target = min(runs[n]["losses"][-1] for n in ("sgd", "adam"))
+  table = (tmp_path / "time_to_target_rnn.md").read_text()
+  assert "target loss %.4g" % target in table
+  setter = min(("sgd", "adam"), key=lambda n: runs[n]["losses"][-1])
+  row = [l for l in table.splitlines() if l.startswith("| %s |" % setter)][0]
+  assert row.split("|")[7].strip() != "-"  # it reached its own final loss
+  kfac_rows = [l for l in table.splitlines()
+               if l.startswith(("| kfac |", "| kfac_tf2 |"))]
+  assert len(kfac_rows) == 2
+  assert kfac_rows[0].split("|")[2] == kfac_rows[1].split("|")[2]
+  summary = (tmp_path / "time_to_target.md").read_text()
+  assert summary.count("\n| rnn |") == 1 and "(%s)" % setter in summary
+  for axis in ("steps", "seconds"):
+    _png(tmp_path / ("rnn_loss_vs_%s.png" % axis))
+  assert "total wall time" in stdout
