@@ -250,7 +250,18 @@ class Trainer(object):
       batch = self.backend.batch(
           None if self.batches is None else self.batches.indices(self.step))
       start = time.perf_counter()
-      self.backend.train(batch)
+      try:
+        self.backend.train(batch)
+      except tf.errors.InvalidArgumentError as e:
+        # A diverged run: e.g. targets sampled from NaN logits fall outside
+        # the classes. Reported like a NaN loss, not as a crash of the suite.
+        self.train_seconds += time.perf_counter() - start
+        print("[%s] step %d  diverged (%s): stopping this run" % (
+            self.name, self.step + 1, str(e).split("\n")[0][:80]),
+              flush=True)
+        self.history.add(self.step, self.train_seconds, float("nan"))
+        self.finish()
+        return
       self.train_seconds += time.perf_counter() - start
       self.step += 1
       if self.step % FLAGS.eval_every == 0:

@@ -87,8 +87,10 @@ DEFAULTS = {
                 kfac_adaptive=dict(damping=1.0)),
 }
 GRIDS = {
-    "sgd": [dict(learning_rate=lr) for lr in (0.01, 0.03, 0.1, 0.3)],
-    "adam": [dict(learning_rate=lr) for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
+    "sgd": [dict(learning_rate=lr) for lr in (0.001, 0.003, 0.01, 0.03,
+                                                 0.1, 0.3)],
+    "adam": [dict(learning_rate=lr) for lr in (1e-4, 3e-4, 1e-3, 3e-3,
+                                               1e-2)],
     "kfac": [dict(learning_rate=lr, damping=d) for lr in (0.01, 0.03, 0.1,
                                                            0.3)
              for d in (0.1, 1.0, 10.0)],
