@@ -15,6 +15,8 @@ fast anything is.
   target is the best first-order final loss and the run that set it reaches
   it, the two K-FAC paths have the same hyperparameters, and the plots and
   tables are written.
+* side_by_side with a fake backend (~10 s): a step that raises
+  InvalidArgumentError ends that run with a NaN loss, the others go on.
 """
 
 import json
@@ -109,3 +111,67 @@ def test_time_to_target_small(tmp_path):
   for axis in ("steps", "seconds"):
     _png(tmp_path / ("rnn_loss_vs_%s.png" % axis))
   assert "total wall time" in stdout
+
+
+_DIVERGING = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+from absl import flags
+import tensorflow as tf
+import side_by_side
+
+side_by_side.define_flags()
+flags.FLAGS(["prog", "--eval_every=2", "--print_every=1000"])
+
+
+class Backend(object):
+  """Loss 10 - step; training raises like sampling from NaN logits does."""
+
+  def __init__(self, fail_at):
+    self.fail_at, self.step = fail_at, 0
+
+  def batch(self, indices):
+    return indices
+
+  def train(self, batch):
+    if self.step + 1 == self.fail_at:
+      raise tf.errors.InvalidArgumentError(
+          None, None, "Received a label value of 10 which is outside")
+    self.step += 1
+
+  def evaluate(self):
+    return 10.0 - self.step
+
+  def shown(self):
+    return {}
+
+  def finish(self):
+    return {}
+
+
+batches = side_by_side.Batches(100, 10, 0)
+bad = side_by_side.Trainer("bad", Backend(fail_at=5), batches, 1e9)
+good = side_by_side.Trainer("good", Backend(fail_at=-1), batches, 1e9)
+flags.FLAGS.steps = 8
+bad_h, good_h = side_by_side.run_in_turns([bad, good], chunk_steps=3)
+print("RESULT", bad.step, bad_h.steps, bad_h.losses, good_h.steps,
+      good_h.losses)
+'''
+
+
+def test_diverged_run_is_reported_not_raised(tmp_path):
+  """A step that raises InvalidArgumentError (a diverged K-FAC run samples
+  out-of-range targets from NaN logits) ends that run with a NaN loss; the
+  other runs go on to their budget."""
+  script = tmp_path / "diverging.py"
+  script.write_text(_DIVERGING)
+  proc = subprocess.run(
+      [sys.executable, str(script), str(BENCHMARKS.parent)],
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True,
+      text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][0]
+  assert line == ("RESULT 4 [0, 2, 4, 4] [10.0, 8.0, 6.0, nan] "
+                  "[0, 2, 4, 6, 8] [10.0, 8.0, 6.0, 4.0, 2.0]"), line
+  assert "[bad] step 5  diverged (Received a label value of 10" in (
+      proc.stdout)
