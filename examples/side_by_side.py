@@ -218,6 +218,16 @@ def format_shown(values):
   return "  ".join(parts)
 
 
+def _error_summary(error):
+  """The line of a TensorFlow error that says what went wrong, shortened."""
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  for line in lines:
+    if not (line.endswith(":") or line.startswith(("Detected at node",
+                                                   "File ", "[["))):
+      return line[:80]
+  return lines[0][:80] if lines else type(error).__name__
+
+
 class Trainer(object):
   """One optimizer's backend and clock; trains in short chunks.
 
@@ -257,8 +267,7 @@ class Trainer(object):
         # the classes. Reported like a NaN loss, not as a crash of the suite.
         self.train_seconds += time.perf_counter() - start
         print("[%s] step %d  diverged (%s): stopping this run" % (
-            self.name, self.step + 1, str(e).split("\n")[0][:80]),
-              flush=True)
+            self.name, self.step + 1, _error_summary(e)), flush=True)
         self.history.add(self.step, self.train_seconds, float("nan"))
         self.finish()
         return
