@@ -11,7 +11,7 @@
 #                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  ms/step vs the old kfac 0.2.4; Keras fit/custom loops vs Adam
-#   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 70 minutes)
+#   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #   make test-all  all tests, including the ones marked slow
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make clean     remove build outputs; `make distclean` also removes .venv

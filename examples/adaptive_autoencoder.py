@@ -127,7 +127,6 @@ import numpy as np
 import tensorflow as tf
 
 import autoencoder_model as model
-import datasets
 import kfac
 import side_by_side
 
@@ -390,14 +389,7 @@ def main(argv):
   if unknown:
     raise app.UsageError("unknown --optimizers %s; choose from %s" % (
         ",".join(unknown), ",".join(RUNS)))
-  name, data = datasets.load_autoencoder_data(
-      prefer=FLAGS.dataset, max_examples=FLAGS.max_examples)
-  if FLAGS.dataset == "fashion_mnist" and name != "fashion_mnist":
-    raise app.UsageError("--dataset=fashion_mnist but it is not available; "
-                         "run `make data`.")
-  cfg = side_by_side.Config(DATASET_DEFAULTS[name])
-  hidden = [int(s) for s in cfg.encoder.split(",")]
-  sizes = model.mirrored_sizes([data.shape[1]] + hidden)
+  name, data, cfg, sizes = side_by_side.autoencoder_setup(DATASET_DEFAULTS)
   print("model: %s (tanh, linear code, sigmoid cross-entropy + L2), budget "
         "%.0fs per run" % ("-".join(str(s) for s in sizes), cfg.seconds))
   print("\n".join(describe_runs(cfg)))

@@ -93,6 +93,24 @@ class Config(object):
       setattr(self, key, value if flag is None else flag)
 
 
+def autoencoder_setup(dataset_defaults):
+  """(dataset name, images, Config, mirrored layer sizes) of an autoencoder
+  demo: --dataset's data and its defaults, --encoder mirrored."""
+  # pylint: disable=g-import-not-at-top
+  from absl import app
+  import autoencoder_model
+  import datasets
+  name, data = datasets.load_autoencoder_data(
+      prefer=FLAGS.dataset, max_examples=FLAGS.max_examples)
+  if FLAGS.dataset == "fashion_mnist" and name != "fashion_mnist":
+    raise app.UsageError("--dataset=fashion_mnist but it is not available; "
+                         "run `make data`.")
+  cfg = Config(dataset_defaults[name])
+  hidden = [int(s) for s in cfg.encoder.split(",")]
+  sizes = autoencoder_model.mirrored_sizes([data.shape[1]] + hidden)
+  return name, data, cfg, sizes
+
+
 def make_optimizer(opt_name, cfg, layer_collection=None):
   """(optimizer, {name: tensor or value shown in the progress lines})."""
   if opt_name == "kfac":
@@ -222,8 +240,8 @@ def _error_summary(error):
   """The line of a TensorFlow error that says what went wrong, shortened."""
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
   for line in lines:
-    if not (line.endswith(":") or line.startswith(("Detected at node",
-                                                   "File ", "[["))):
+    if not (line.endswith(":") or line.startswith((
+        "Detected at node", "Node:", "File ", "[["))):
       return line[:80]
   return lines[0][:80] if lines else type(error).__name__
 

@@ -406,37 +406,33 @@ def _plot(results, out_dir):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  inv = results["inverse_cost"]
-  if inv:
+
+  def loglog(rows, x_key, series, xlabel, title, filename):
+    """One log-log plot of rows[key] against rows[x_key] per (key, label)."""
+    if not rows:
+      return
     fig, ax = plt.subplots(figsize=(6, 4))
-    n = [r["n"] for r in inv]
-    for key, label in (("cholesky_ms", "Cholesky inverse"),
-                       ("eigh_ms", "eigendecomposition"),
-                       ("precondition_ms", "preconditioning A^-1 V A^-1")):
-      ax.loglog(n, [r[key] for r in inv], "o-", label=label)
-    ax.set_xlabel("factor width n")
+    x = [r[x_key] for r in rows]
+    for key, label in series:
+      ax.loglog(x, [r[key] for r in rows], "o-", label=label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("ms")
-    ax.set_title("K-FAC factor costs (float32)")
+    ax.set_title(title)
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "inverse_cost.png"), dpi=120)
+    fig.savefig(os.path.join(out_dir, filename), dpi=120)
     plt.close(fig)
-  stats = results["statistics_cost"]
-  if stats:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    b = [r["batch"] for r in stats]
-    ax.loglog(b, [r["sgd_ms"] for r in stats], "o-", label="SGD step")
-    ax.loglog(b, [r["statistics_ms"] for r in stats], "o-",
-              label="statistics update")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("ms")
-    ax.set_title("Statistics cost, deep autoencoder")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "statistics_cost.png"), dpi=120)
-    plt.close(fig)
+
+  loglog(results["inverse_cost"], "n",
+         (("cholesky_ms", "Cholesky inverse"),
+          ("eigh_ms", "eigendecomposition"),
+          ("precondition_ms", "preconditioning A^-1 V A^-1")),
+         "factor width n", "K-FAC factor costs (float32)", "inverse_cost.png")
+  loglog(results["statistics_cost"], "batch",
+         (("sgd_ms", "SGD step"), ("statistics_ms", "statistics update")),
+         "batch size", "Statistics cost, deep autoencoder",
+         "statistics_cost.png")
   split = results["step_split"]
   if split:
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -30,7 +30,7 @@ of GRIDS alone for --tune_seconds and keeps the lowest final loss (written to
 
   python examples/benchmarks/time_to_target.py                  # ~25 min
   python examples/benchmarks/time_to_target.py --workloads=rnn --seconds=30
-  python examples/benchmarks/time_to_target.py --tune           # ~70 min
+  python examples/benchmarks/time_to_target.py --tune           # ~2 h
   python examples/benchmarks/time_to_target.py --tune --workloads=convnet \
       --optimizers=kfac --tune_only=damping=0.01    # part of a grid
 """
@@ -77,27 +77,27 @@ flags.DEFINE_list("tune_only", [], "With --tune, run only the grid points "
 # docs/benchmarks.md for the tuning tables).
 SECONDS = {"autoencoder": 120.0, "convnet": 60.0, "rnn": 60.0}
 DEFAULTS = {
-    "autoencoder": dict(sgd=dict(learning_rate=0.03),
+    "autoencoder": dict(sgd=dict(learning_rate=0.003),
                         adam=dict(learning_rate=1e-3),
-                        kfac=dict(learning_rate=0.1, damping=1.0),
-                        kfac_adaptive=dict(damping=1.0)),
+                        kfac=dict(learning_rate=0.1, damping=10.0),
+                        kfac_adaptive=dict(damping=0.01)),
     "convnet": dict(sgd=dict(learning_rate=0.1),
                     adam=dict(learning_rate=3e-3),
-                    kfac=dict(learning_rate=0.1, damping=1.0),
+                    kfac=dict(learning_rate=0.03, damping=0.1),
                     kfac_adaptive=dict(damping=1.0)),
-    "rnn": dict(sgd=dict(learning_rate=0.1),
+    "rnn": dict(sgd=dict(learning_rate=0.003),
                 adam=dict(learning_rate=1e-3),
-                kfac=dict(learning_rate=0.01, damping=0.3),
-                kfac_adaptive=dict(damping=1.0)),
+                kfac=dict(learning_rate=3e-4, damping=0.001),
+                kfac_adaptive=dict(damping=100.0)),
 }
 GRIDS = {
     "sgd": [dict(learning_rate=lr) for lr in (0.001, 0.003, 0.01, 0.03,
                                                  0.1, 0.3)],
     "adam": [dict(learning_rate=lr) for lr in (1e-4, 3e-4, 1e-3, 3e-3,
                                                1e-2)],
-    "kfac": [dict(learning_rate=lr, damping=d) for lr in (0.01, 0.03, 0.1,
-                                                           0.3)
-             for d in (0.01, 0.1, 1.0, 10.0)],
+    "kfac": [dict(learning_rate=lr, damping=d)
+             for lr in (3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+             for d in (0.001, 0.01, 0.1, 1.0, 10.0)],
     "kfac_adaptive": [dict(damping=d) for d in (0.01, 1.0, 100.0)],
 }
 KFAC_COMMON = dict(invert_every=10, cov_update_every=1, momentum=0.9,
