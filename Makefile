@@ -119,13 +119,19 @@ demo-adaptive: venv data
 # never imported by anything but the benchmark's worker for it.
 OLD_KFAC := .bench_deps/kfac-0.2.4
 
-$(OLD_KFAC)/kfac/__init__.py:
-	$(VPY) -m pip install --quiet --no-deps --target $(OLD_KFAC) kfac==0.2.4 || \
+# The old kfac imports tensorflow_probability (which needs dm-tree and
+# decorator); they go into the same folder so that only its worker sees them.
+OLD_KFAC_STAMP := $(OLD_KFAC)/.stamp-kfac-0.2.4-tfp
+
+$(OLD_KFAC_STAMP):
+	rm -rf $(OLD_KFAC)
+	$(VPY) -m pip install --quiet --no-deps --target $(OLD_KFAC) kfac==0.2.4 \
+	  tensorflow-probability==0.25.0 dm-tree decorator && touch $@ || \
 	  echo "bench: note: could not install kfac==0.2.4; its column is skipped"
 
 BENCH_OUT := bench_results
 
-bench: venv data $(OLD_KFAC)/kfac/__init__.py
+bench: venv data $(OLD_KFAC_STAMP)
 	$(VPY) examples/benchmarks/time_to_target.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/kfac_cost.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
