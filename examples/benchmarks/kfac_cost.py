@@ -4,7 +4,8 @@ Four measurements, each written as a markdown table (and a PNG where it is
 a curve) to --output_dir, and printed:
 
 1. Inverse cost against layer width: one damped factor inverse as kfac
-   computes it (`linalg.damped_inverse`: Cholesky factorisation and solve)
+   computes it (`linalg.damped_inverse`: Cholesky factorisation and solve,
+   in float32, and in float64 where the damping is too small for float32)
    and an eigendecomposition (`linalg.eigh`, used for other matrix powers),
    for n x n float32 factors, n = 256 ... 4096; and the per-step
    preconditioning of an n -> n dense layer with its two factor inverses
@@ -91,33 +92,54 @@ def _reps_for(n):
 
 # ------------------------------------------------------------------ 1
 def inverse_cost(widths):
-  """Rows (n, Cholesky inverse ms, eigh ms, preconditioning ms)."""
+  """Rows (n, Cholesky inverse ms in float32 and float64, eigh ms,
+  preconditioning ms).
+
+  kfac's damped inverse runs in float32 unless the damping is too small for
+  float32 Cholesky to be reliable (damping <= 10 n eps trace(F), see
+  linalg._float32_is_unsafe); then it casts to float64 and back. Both paths
+  are timed through linalg.damped_inverse itself: float32 with a damping
+  just above that bound, float64 with damping 1e-3 (below it).
+  """
   rows = []
   rng = np.random.RandomState(FLAGS.seed)
+  eps = np.finfo(np.float32).eps
   for n in widths:
     x = rng.randn(2 * n, n).astype(np.float32)
     cov = x.T @ x / (2 * n)
     v = rng.randn(n, n).astype(np.float32)
+    safe_damping = 2 * 10 * n * eps * float(np.abs(np.diag(cov)).sum())
     with tf.Graph().as_default():
-      mat = tf.constant(cov)
-      inverse = linalg.damped_inverse(mat, 1e-3)
+      mat = tf.compat.v1.placeholder_with_default(cov, [n, n])
+      paths = {}
+      for key, damping in (("cholesky_ms", safe_damping),
+                           ("cholesky_f64_ms", 1e-3)):
+        paths[key] = (linalg.damped_inverse(mat, damping),
+                      linalg._float32_is_unsafe(mat, damping))  # pylint: disable=protected-access
       evals, _ = linalg.eigh(mat)
       a_inv = tf.Variable(np.linalg.inv(cov + 1e-3 * np.eye(n)).astype(
           np.float32))
       precon = tf.matmul(tf.matmul(a_inv, tf.constant(v)), a_inv)
       with tf.compat.v1.Session() as sess:
         sess.run(a_inv.initializer)
+        # The float32 timing must take the float32 branch and the float64
+        # timing the fallback; a changed bound would make the columns lie.
+        unsafe = sess.run({k: u for k, (_, u) in paths.items()})
+        if unsafe["cholesky_ms"] or not unsafe["cholesky_f64_ms"]:
+          raise RuntimeError("damped_inverse took an unexpected path at "
+                             "n=%d: %s" % (n, unsafe))
         reps = _reps_for(n)
-        row = dict(n=n,
-                   cholesky_ms=_median_ms(lambda: sess.run(inverse.op), reps),
-                   eigh_ms=_median_ms(lambda: sess.run(evals.op), reps),
-                   precondition_ms=_median_ms(lambda: sess.run(precon.op),
-                                              reps))
+        row = dict(n=n)
+        for key, (inverse, _) in paths.items():
+          row[key] = _median_ms(lambda op=inverse.op: sess.run(op), reps)
+        row["eigh_ms"] = _median_ms(lambda: sess.run(evals.op), reps)
+        row["precondition_ms"] = _median_ms(lambda: sess.run(precon.op),
+                                            reps)
     rows.append(row)
-    print("inverse cost  n=%5d  cholesky inverse %9.1f ms  eigh %9.1f ms  "
-          "preconditioning %8.1f ms" % (n, row["cholesky_ms"],
-                                        row["eigh_ms"],
-                                        row["precondition_ms"]), flush=True)
+    print("inverse cost  n=%5d  cholesky inverse float32 %9.1f ms  float64 "
+          "fallback %9.1f ms  eigh %9.1f ms  preconditioning %8.1f ms" % (
+              n, row["cholesky_ms"], row["cholesky_f64_ms"], row["eigh_ms"],
+              row["precondition_ms"]), flush=True)
   return rows
 
 
@@ -337,15 +359,21 @@ def write_report(results, out_dir):
   parts = ["# K-FAC cost and scaling", "", _machine_line(), ""]
   inv = results["inverse_cost"]
   if inv:
-    parts += ["## Inverse cost against factor width (float32)", "",
-              _table(["n", "Cholesky inverse ms", "eigh ms",
+    parts += ["## Inverse cost against factor width", "",
+              _table(["n", "Cholesky inverse ms (float32)",
+                      "Cholesky inverse ms (float64 fallback)",
+                      "eigh ms (float32)",
                       "preconditioning ms (A^-1 V A^-1, n x n)"],
                      [[str(r["n"]), "%.1f" % r["cholesky_ms"],
+                       "%.1f" % r["cholesky_f64_ms"],
                        "%.1f" % r["eigh_ms"], "%.1f" % r["precondition_ms"]]
                       for r in inv]), "",
               "Growth exponent over the two largest widths: Cholesky "
-              "%.2f, eigh %.2f, preconditioning %.2f (3 = cubic)." % (
+              "%.2f (float64 fallback %.2f), eigh %.2f, preconditioning "
+              "%.2f (3 = cubic). kfac inverts in float64 when the damping "
+              "is at most 10 n eps trace(F)." % (
                   _growth_exponent(inv, "cholesky_ms"),
+                  _growth_exponent(inv, "cholesky_f64_ms"),
                   _growth_exponent(inv, "eigh_ms"),
                   _growth_exponent(inv, "precondition_ms")), ""]
   stats = results["statistics_cost"]
@@ -425,10 +453,11 @@ def _plot(results, out_dir):
     plt.close(fig)
 
   loglog(results["inverse_cost"], "n",
-         (("cholesky_ms", "Cholesky inverse"),
+         (("cholesky_ms", "Cholesky inverse, float32"),
+          ("cholesky_f64_ms", "Cholesky inverse, float64 fallback"),
           ("eigh_ms", "eigendecomposition"),
           ("precondition_ms", "preconditioning A^-1 V A^-1")),
-         "factor width n", "K-FAC factor costs (float32)", "inverse_cost.png")
+         "factor width n", "K-FAC factor costs", "inverse_cost.png")
   loglog(results["statistics_cost"], "batch",
          (("sgd_ms", "SGD step"), ("statistics_ms", "statistics update")),
          "batch size", "Statistics cost, deep autoencoder",
