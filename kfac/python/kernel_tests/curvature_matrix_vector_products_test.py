@@ -369,21 +369,26 @@ def _zero_residual_targets(case):
 _zero_residual_targets(LINEAR["deep_zero_residual"])
 
 
-@pytest.mark.parametrize("name", sorted(LINEAR))
-@pytest.mark.parametrize("world", WORLDS)
-def test_ggn_equals_hessian_for_linear_models(world, name):
-  case = LINEAR[name]
-  vecs = _vectors(case, seed=7)
+def _products(world, case, vecs, *methods):
+  """The products `methods` of CMVP on `case` with the vectors `vecs`."""
 
   def build(variables):
     lc = lc_lib.LayerCollection()
     _register(lc, case, variables)
     cmvp = CurvatureMatrixVectorProductComputer(lc, variables)
     v = [tf.constant(a) for a in vecs]
-    return [(cmvp.multiply_ggn(v), cmvp.multiply_hessian(v),
-             cmvp.multiply_fisher(v))]
+    return [tuple(getattr(cmvp, m)(v) for m in methods)]
 
-  ggn, hess, fisher = ref.run_stages(world, case["inits"], build)[0]
+  return ref.run_stages(world, case["inits"], build)[0]
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR))
+@pytest.mark.parametrize("world", WORLDS)
+def test_ggn_equals_hessian_for_linear_models(world, name):
+  case = LINEAR[name]
+  ggn, hess, fisher = _products(world, case, _vectors(case, seed=7),
+                                "multiply_ggn", "multiply_hessian",
+                                "multiply_fisher")
   _check("linear_ggn_vs_hessian", ref.flat(ggn), ref.flat(hess))
   _check("linear_fisher_vs_hessian", ref.flat(fisher), ref.flat(hess))
 
@@ -391,16 +396,8 @@ def test_ggn_equals_hessian_for_linear_models(world, name):
 def test_deep_linear_hessian_differs_from_ggn_with_residuals():
   case = _case([_spec("squared", 0.9, 22)], sizes=(4, 3, 4), act="linear",
                seed=6)
-  vecs = _vectors(case, seed=8)
-
-  def build(variables):
-    lc = lc_lib.LayerCollection()
-    _register(lc, case, variables)
-    cmvp = CurvatureMatrixVectorProductComputer(lc, variables)
-    v = [tf.constant(a) for a in vecs]
-    return [(cmvp.multiply_ggn(v), cmvp.multiply_hessian(v))]
-
-  ggn, hess = ref.run_stages("graph", case["inits"], build)[0]
+  ggn, hess = _products("graph", case, _vectors(case, seed=8),
+                        "multiply_ggn", "multiply_hessian")
   diff = np.max(np.abs(ref.flat(ggn) - ref.flat(hess)))
   assert diff > 1e-2 * np.max(np.abs(ref.flat(hess)))
 
