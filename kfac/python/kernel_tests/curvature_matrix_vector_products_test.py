@@ -369,7 +369,7 @@ def _zero_residual_targets(case):
 _zero_residual_targets(LINEAR["deep_zero_residual"])
 
 
-def _products(world, case, vecs, *methods):
+def _named_products(world, case, vecs, *methods):
   """The products `methods` of CMVP on `case` with the vectors `vecs`."""
 
   def build(variables):
@@ -386,9 +386,9 @@ def _products(world, case, vecs, *methods):
 @pytest.mark.parametrize("world", WORLDS)
 def test_ggn_equals_hessian_for_linear_models(world, name):
   case = LINEAR[name]
-  ggn, hess, fisher = _products(world, case, _vectors(case, seed=7),
-                                "multiply_ggn", "multiply_hessian",
-                                "multiply_fisher")
+  ggn, hess, fisher = _named_products(
+      world, case, _vectors(case, seed=7), "multiply_ggn",
+      "multiply_hessian", "multiply_fisher")
   _check("linear_ggn_vs_hessian", ref.flat(ggn), ref.flat(hess))
   _check("linear_fisher_vs_hessian", ref.flat(fisher), ref.flat(hess))
 
@@ -396,8 +396,8 @@ def test_ggn_equals_hessian_for_linear_models(world, name):
 def test_deep_linear_hessian_differs_from_ggn_with_residuals():
   case = _case([_spec("squared", 0.9, 22)], sizes=(4, 3, 4), act="linear",
                seed=6)
-  ggn, hess = _products("graph", case, _vectors(case, seed=8),
-                        "multiply_ggn", "multiply_hessian")
+  ggn, hess = _named_products("graph", case, _vectors(case, seed=8),
+                              "multiply_ggn", "multiply_hessian")
   diff = np.max(np.abs(ref.flat(ggn) - ref.flat(hess)))
   assert diff > 1e-2 * np.max(np.abs(ref.flat(hess)))
 
