@@ -201,19 +201,19 @@ class History(object):
     i = np.searchsorted(self.steps, step, side="right") - 1
     return self.losses[max(i, 0)]
 
+  def _first_reaching(self, axis, loss):
+    for x, l in zip(axis, self.losses):
+      if l <= loss:
+        return x
+    return None
+
   def seconds_to_reach(self, loss):
     """First training time at which the eval loss was <= `loss`, or None."""
-    for s, l in zip(self.seconds, self.losses):
-      if l <= loss:
-        return s
-    return None
+    return self._first_reaching(self.seconds, loss)
 
   def steps_to_reach(self, loss):
     """First step at which the eval loss was <= `loss`, or None."""
-    for s, l in zip(self.steps, self.losses):
-      if l <= loss:
-        return s
-    return None
+    return self._first_reaching(self.steps, loss)
 
   def as_dict(self):
     d = dict(name=self.name, steps=self.steps, seconds=self.seconds,
