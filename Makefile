@@ -22,7 +22,7 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
-EXTRAS := tensorflow_cpu,tests,examples
+EXTRAS := tensorflow-cpu,tests,examples
 
 FMNIST_SRC   := /usr/share/datasets/fashion-mnist
 FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \

@@ -7,8 +7,14 @@ from setuptools import find_packages, setup
 # distributions providing the same `tensorflow` module; depending on one of
 # them would install a second TensorFlow beside the one the user already has.
 # Pick one with an extra, as with the old kfac 0.2.x:
-#   pip install kfac[tensorflow]      # or
-#   pip install kfac[tensorflow_cpu]
+#   pip install "kfac[tensorflow]"      # or
+#   pip install "kfac[tensorflow-cpu]"
+# Extra names are spelled in their normalised form (PEP 685: lower case,
+# dashes). setuptools writes them that way into the metadata whatever the
+# spelling here, and pip before 23.3 compares the requested name without
+# normalising it: "[tensorflow_cpu]" silently installs no TensorFlow there,
+# "[tensorflow-cpu]" works with every pip >= 21 (and pip >= 23.3 accepts
+# both spellings).
 # tensorflow-probability is not required: the core samples and evaluates its
 # predictive distributions with TensorFlow ops. tfp >= 0.24 cannot import its
 # distributions without `tf-keras`, which requires the full `tensorflow`
@@ -22,7 +28,7 @@ REQUIRED = [
 
 EXTRAS = {
     "tensorflow": ["tensorflow>=2.16"],
-    "tensorflow_cpu": ["tensorflow-cpu>=2.16"],
+    "tensorflow-cpu": ["tensorflow-cpu>=2.16"],
     "distributions": ["tensorflow-probability>=0.24", "tf-keras"],
     "tests": ["pytest", "scikit-learn"],
     "examples": ["scikit-learn", "matplotlib"],

@@ -5,6 +5,21 @@ formerly tf.contrib.kfac) and runs in TF1-style Session graphs and inside
 TF2 tf.function training steps.
 """
 
+try:
+  import tensorflow as _tf  # pylint: disable=unused-import
+except ModuleNotFoundError as _error:
+  if _error.name != "tensorflow":
+    raise
+  # TensorFlow is an extra (it comes as tensorflow or tensorflow-cpu), so a
+  # misspelled or forgotten extra installs kfac without it.
+  raise ModuleNotFoundError(
+      "kfac needs TensorFlow (2.16 or newer), which is not installed here. "
+      "Install it with kfac: pip install \"kfac[tensorflow-cpu]\" (CPU "
+      "only) or \"kfac[tensorflow]\"; from a source tree: pip install -e "
+      "\".[tensorflow-cpu]\". (pip older than 23.3 ignores the spelling "
+      "\"tensorflow_cpu\" with a warning.)", name="tensorflow") from None
+del _tf
+
 from kfac.python.ops import batch_size_schedules
 from kfac.python.ops import curvature_matrix_vector_products
 from kfac.python.ops import data_reader
