@@ -229,8 +229,11 @@ def adaptive_step(cfg, params_np, data):
   train_op = opt.minimize(total_loss(x, logits, variables),
                           var_list=model.flat_variables(variables),
                           global_step=global_step)
+  # After step t the counter is t: the steps so far were all burn-in while
+  # it has not passed num_burnin_steps.
   shown = dict(damping=opt.damping, lr=opt.learning_rate,
-               momentum=opt.momentum, rho=opt.rho, batch=batch_size)
+               momentum=opt.momentum, rho=opt.rho, batch=batch_size,
+               burn_in=opt.counter <= FLAGS.num_burnin_steps)
   return dict(variables=variables, train_op=train_op, x=None, shown=shown)
 
 
@@ -308,7 +311,8 @@ class Backend(object):
 
 
 def describe_runs(cfg):
-  return [
+  """One line per run of --optimizers, and the settings they share."""
+  lines = dict(zip(RUNS, [
       "kfac_adaptive: qmodel lr/momentum, initial damping %g calibrated "
       "over %d burn-in steps, %s damping rule, batch %d -> %d (x%g per "
       "step)" % (cfg.adaptive_damping, FLAGS.num_burnin_steps,
@@ -317,8 +321,9 @@ def describe_runs(cfg):
       "kfac_fixed: lr %g, damping %g, momentum %g (%s), batch %d" % (
           cfg.kfac_learning_rate, cfg.kfac_damping, FLAGS.kfac_momentum,
           cfg.kfac_momentum_type, cfg.batch_size),
-      "adam: lr %g, batch %d" % (cfg.adam_learning_rate, cfg.batch_size),
-      "both K-FAC: invert_every %d, cov_ema_decay %g, l2_reg %g" % (
+      "adam: lr %g, batch %d" % (cfg.adam_learning_rate, cfg.batch_size)]))
+  return [lines[run] for run in FLAGS.optimizers] + [
+      "K-FAC: invert_every %d, cov_ema_decay %g, l2_reg %g" % (
           FLAGS.invert_every, FLAGS.cov_ema_decay, FLAGS.l2_reg)]
 
 

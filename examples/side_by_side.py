@@ -229,7 +229,15 @@ _SHOWN_FORMATS = (("damping", "%.0e"), ("lr", "%.0e"), ("momentum", "%.2f"),
 
 
 def format_shown(values):
-  parts = []
+  """The progress line's values. During a burn-in (values["burn_in"] true:
+  the steps so far only gathered statistics and calibrated the damping, no
+  update was applied) the learning rate and momentum mean nothing yet."""
+  if values.get("burn_in"):
+    parts = ["burn-in (statistics, damping calibration; no update)"]
+    values = {k: v for k, v in values.items()
+              if k not in ("lr", "momentum", "rho")}
+  else:
+    parts = []
   for key, value_format in _SHOWN_FORMATS:
     if key in values:
       parts.append(("%s " + value_format) % (key, values[key]))
@@ -383,18 +391,38 @@ def print_table(histories, note, loss_format="%.2f"):
   print()
   print(note)
   if len(histories) > 1:
-    best = min(histories, key=lambda h: _finite_or_inf(h.loss_at(common)))
-    if np.isfinite(best.loss_at(common)):
-      print("Equal time (%.1fs): %s has the lowest loss." % (common,
-                                                            best.name))
-    best = min(histories,
-               key=lambda h: _finite_or_inf(h.loss_at_step(common_step)))
-    if np.isfinite(best.loss_at_step(common_step)):
-      print("Equal steps (%d): %s has the lowest loss." % (common_step,
-                                                          best.name))
+    for line in verdict_lines(histories, common, common_step, loss_format):
+      print(line)
     for h in histories:
       if not np.isfinite(h.final_loss):
         print("%s diverged (loss %s)." % (h.name, h.final_loss))
+
+
+def _verdict(label, losses, loss_format):
+  """'<label>: <winner> wins, loss A vs B for <runner-up>' (or a tie)."""
+  ranked = sorted(losses, key=lambda item: _finite_or_inf(item[1]))
+  (best, best_loss), (second, second_loss) = ranked[0], ranked[1]
+  if not np.isfinite(best_loss):
+    return None
+  if best_loss == second_loss:
+    return ("%s: %s and %s tie at loss " + loss_format + ".") % (
+        label, best, second, best_loss)
+  return ("%s: %s wins, loss " + loss_format + " vs " + loss_format +
+          " for %s.") % (label, best, best_loss, second_loss, second)
+
+
+def verdict_lines(histories, common_seconds, common_step, loss_format="%.2f"):
+  """Who won at equal training time and at equal steps, with the losses."""
+  lines = []
+  for label, losses in (
+      ("Equal time (%.1fs)" % common_seconds,
+       [(h.name, h.loss_at(common_seconds)) for h in histories]),
+      ("Equal steps (%d)" % common_step,
+       [(h.name, h.loss_at_step(common_step)) for h in histories])):
+    line = _verdict(label, losses, loss_format)
+    if line:
+      lines.append(line)
+  return lines
 
 
 def write_results(path, histories, **info):

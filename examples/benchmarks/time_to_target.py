@@ -131,7 +131,8 @@ def make_optimizer(name, hyper, workload, layer_collection=None,
         l2_reg=workload.l2_reg, loss_fn=loss_fn, train_batch=train_batch,
         min_damping=FLAGS.adaptive_min_damping, **ADAPTIVE)
     return opt, dict(damping=opt.damping, lr=opt.learning_rate,
-                     momentum=opt.momentum, rho=opt.rho)
+                     momentum=opt.momentum, rho=opt.rho,
+                     burn_in=opt.counter <= ADAPTIVE["num_burnin_steps"])
   raise ValueError("unknown optimizer %r" % name)
 
 
