@@ -28,6 +28,10 @@ import sys
 
 import pytest
 
+# Slow tier (make test-slow): runs the benchmark programs in subprocesses.
+pytestmark = pytest.mark.slow
+
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[3] / "examples" / (
     "benchmarks")
 

@@ -24,6 +24,10 @@ import sys
 
 import pytest
 
+# Slow tier (make test-slow): runs the example scripts in subprocesses.
+pytestmark = pytest.mark.slow
+
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 
 # Fixed-step runs; the time budget is large enough never to end them first.

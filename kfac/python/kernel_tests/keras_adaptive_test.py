@@ -277,6 +277,7 @@ def test_errors(kwargs, match):
     kfac.keras.optimizers.Kfac(**options)
 
 
+@pytest.mark.slow  # subprocess: the file again under tf_keras
 def test_tf_keras():
   """This file again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
   if LEGACY:

@@ -405,6 +405,7 @@ print("FLAVOUR-OK")
 """
 
 
+@pytest.mark.slow  # subprocesses per Keras flavour
 @pytest.mark.parametrize("mode", ["legacy", "keras3"])
 def test_tf_keras_flavour_in_subprocess(mode):
   env = dict(os.environ)

@@ -30,6 +30,10 @@ import sys
 
 import pytest
 
+# Slow tier (make test-slow): runs the Keras example scripts in subprocesses.
+pytestmark = pytest.mark.slow
+
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 # keras_fit_classifier, 30 steps: final / initial loss must be below these.
 _MAX_LOSS_RATIO = {"kfac": 0.5, "adam": 0.85}

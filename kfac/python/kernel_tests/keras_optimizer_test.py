@@ -462,6 +462,7 @@ def run_file_under_tf_keras(path, select=None):
   assert " passed" in result.stdout
 
 
+@pytest.mark.slow  # subprocess: the file again under tf_keras
 def test_tf_keras():
   """The fit, model-style, resume, config and error tests of this file
   again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
@@ -518,6 +519,7 @@ except NotImplementedError as e:
 """
 
 
+@pytest.mark.slow  # subprocess with 2 logical CPUs
 def test_distribution_strategy():
   """One replica trains; more replicas raise a clear error (subprocess:
   logical devices must be set before TensorFlow starts)."""

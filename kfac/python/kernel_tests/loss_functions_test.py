@@ -212,6 +212,7 @@ def test_bernoulli_normal_and_onehot_sampling_follow_their_distributions():
   assert set(np.unique(onehot)) <= {0.0, 1.0}
 
 
+@pytest.mark.slow  # subprocess without tfp
 def test_kfac_works_without_tensorflow_probability():
   """tfp >= 0.24 cannot import its distributions without tf_keras (which
   drags in the full tensorflow wheel); the core must not need it."""

@@ -362,6 +362,7 @@ with tf.Graph().as_default():
 """
 
 
+@pytest.mark.slow  # subprocesses with v2 behaviour disabled
 def test_scripts_with_v2_behavior_disabled_train_the_same():
   """Old scripts often call tf.compat.v1.disable_v2_behavior() (reference
   variables, v1 control flow); the core must work there too, identically.
