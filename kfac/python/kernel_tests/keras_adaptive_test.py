@@ -111,6 +111,7 @@ def test_adaptive_fit_equals_tf1_graph_steps(calibrate):
              zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
 
 
+@pytest.mark.slow  # end to end: XLA compile and a save/load round trip
 def test_adaptive_xla_and_exact_resume(tmp_path):
   """jit_compile=True takes the same steps; model.save + load_model resumes
   on exactly the same trajectory (damping, records and all state)."""
