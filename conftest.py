@@ -23,7 +23,8 @@ def pytest_runtestloop(session):
   budget = session.config.getoption("time_budget")
   if budget is None or session.config.option.collectonly:
     return None  # pytest's own loop
-  if session.testsfailed and not session.config.option.continue_on_collection_errors:
+  option = session.config.option
+  if session.testsfailed and not option.continue_on_collection_errors:
     raise session.Interrupted(
         "%d error(s) during collection" % session.testsfailed)
   start = time.monotonic()

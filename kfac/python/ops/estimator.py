@@ -16,6 +16,7 @@ from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimation_modes
 from kfac.python.ops import state
 from kfac.python.ops import utils
+from kfac.python.ops.distribute import replicas
 
 
 @utils.exclude_from_autograph
@@ -271,6 +272,8 @@ class FisherEstimator:
       (cov_variable_thunks, cov_update_thunks, inv_variable_thunks,
        inv_update_thunks).
     """
+    replicas.require_single_replica(
+        "FisherEstimator.create_ops_and_vars_thunks")
     return (self._cov_variable_thunks(), self._cov_update_thunks(scope),
             self._inv_variable_thunks(), self._inv_update_thunks(scope))
 

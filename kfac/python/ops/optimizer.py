@@ -44,6 +44,7 @@ from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
 from kfac.python.ops import utils
+from kfac.python.ops.distribute import replicas
 
 _MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")
 
@@ -220,6 +221,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
       raise RuntimeError(
           "KfacOptimizer.%s builds graph ops: call it inside a tf.function "
           "(TF2) or while building a tf.Graph for a Session (TF1)." % what)
+    replicas.require_single_replica("KfacOptimizer.%s" % what)
 
   # ------------------------------------------------------------ properties
   @property
