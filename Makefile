@@ -149,3 +149,22 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV)
+
+# Optional: the fast tier under Debian's Bazel 4, offline (docs/bazel.md).
+# Installs bazel-bootstrap, and bazel-bootstrap-source (whose mock rules_cc
+# and rules_java the WORKSPACE uses), with apt when they are missing; the
+# tests run with the Python of $(VENV). Not part of `make test` or CI.
+BAZEL_DEBS  := bazel-bootstrap bazel-bootstrap-source
+BAZEL_FLAGS ?= --jobs=2 --local_test_jobs=1
+
+.PHONY: bazel-test
+bazel-test: venv data
+	@if ! command -v bazel >/dev/null 2>&1 || [ ! -d /usr/src/bazel-bootstrap/mock_repos ]; then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "bazel-test: needs the Debian packages $(BAZEL_DEBS)" >&2; exit 1; \
+	  fi; \
+	  echo "bazel-test: installing Debian packages $(BAZEL_DEBS)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq $(BAZEL_DEBS) >/dev/null || exit 1; \
+	fi
+	bazel test $(BAZEL_FLAGS) --test_env=PATH=$(CURDIR)/$(VENV)/bin:/usr/local/bin:/usr/bin:/bin //...
