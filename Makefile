@@ -1,6 +1,9 @@
 # Developer entry points for kfac.
-#   make test      create .venv (first time only) and run the fast tests
-#   make demo      K-FAC vs Adam on a deep autoencoder (about 2 minutes)
+#   make test      create .venv (first time only) and run the fast test tier
+#   make test-slow the slow tier only; make test-all: both tiers
+#   make demo      adaptive K-FAC vs Adam on the K-FAC paper's deep autoencoder
+#                  (about 2 minutes; plots in demo_results/)
+#   make demo-autoencoder  fixed-damping K-FAC vs Adam on a smaller autoencoder
 #   make demo-convnet  K-FAC vs Adam on a convnet classifier (about 2 minutes)
 #   make demo-rnn  K-FAC vs Adam on an RNN over image rows (about 1.5 minutes)
 #   make demo-keras  K-FAC vs Adam with Keras model.fit on a CNN (about 2 minutes)
@@ -12,7 +15,6 @@
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  ms/step vs the old kfac 0.2.4; Keras fit/custom loops vs Adam
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
-#   make test-all  all tests, including the ones marked slow
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make clean     remove build outputs; `make distclean` also removes .venv
 
@@ -31,8 +33,9 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 # Less TensorFlow start-up noise in every recipe below.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: all venv data test test-all demo demo-convnet demo-rnn demo-keras \
-        demo-adaptive bench bench-tune clean distclean
+.PHONY: all venv data test test-slow test-all demo demo-autoencoder \
+        demo-convnet demo-rnn demo-keras demo-adaptive bench bench-tune clean \
+        distclean
 
 all: test
 
@@ -93,13 +96,25 @@ define run_pytest
 	exit $$rc
 endef
 
-test: venv
-	$(call run_pytest,-m "not slow")
+# The fast tier (every capability, float64 oracles, both graph worlds, Keras
+# fit, docs and README snippets): under 8 minutes of pytest on 2 cores.
+test: venv data
+	$(call run_pytest,-m "not slow" --durations=15)
 
-test-all: venv
-	$(call run_pytest,)
+# The slow tier alone: subprocess runs (tf_keras flavour, examples,
+# benchmark smoke runs, install into a fresh venv) and long end-to-end checks.
+test-slow: venv data
+	$(call run_pytest,-m slow --durations=15)
 
+test-all: venv data
+	$(call run_pytest,--durations=25)
+
+# The K-FAC paper's autoencoder: adaptive K-FAC vs tuned Adam, equal time.
 demo: venv data
+	$(VPY) examples/adaptive_autoencoder.py --optimizers=kfac_adaptive,adam \
+	  --seconds=$(DEMO_SECONDS) --num_burnin_steps=5 --output_dir=demo_results
+
+demo-autoencoder: venv data
 	$(VPY) examples/autoencoder_demo.py
 
 demo-convnet: venv data
@@ -130,6 +145,7 @@ $(OLD_KFAC_STAMP):
 	  echo "bench: note: could not install kfac==0.2.4; its column is skipped"
 
 BENCH_OUT := bench_results
+DEMO_SECONDS := 45
 
 bench: venv data $(OLD_KFAC_STAMP)
 	$(VPY) examples/benchmarks/time_to_target.py --output_dir=$(BENCH_OUT)
@@ -143,7 +159,7 @@ bench-tune: venv data
 	$(VPY) examples/benchmarks/time_to_target.py --tune --output_dir=$(BENCH_OUT)
 
 clean:
-	rm -rf build dist *.egg-info bench_results adaptive_autoencoder_results \
+	rm -rf build dist *.egg-info bench_results adaptive_autoencoder_results demo_results \
 	  .bench_deps .pytest_cache $(STAMP)
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
 
