@@ -97,9 +97,12 @@ define run_pytest
 endef
 
 # The fast tier (every capability, float64 oracles, both graph worlds, Keras
-# fit, docs and README snippets): under 8 minutes of pytest on 2 cores.
+# fit, docs and README snippets): under 8 minutes of pytest on 2 cores, in
+# TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process).
+TEST_WORKERS ?= 2
+
 test: venv data
-	$(call run_pytest,-m "not slow" --durations=15)
+	$(call run_pytest,-m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15)
 
 # The slow tier alone: subprocess runs (tf_keras flavour, examples,
 # benchmark smoke runs, install into a fresh venv) and long end-to-end checks.

@@ -30,7 +30,7 @@ EXTRAS = {
     "tensorflow": ["tensorflow>=2.16"],
     "tensorflow-cpu": ["tensorflow-cpu>=2.16"],
     "distributions": ["tensorflow-probability>=0.24", "tf-keras"],
-    "tests": ["pytest", "scikit-learn"],
+    "tests": ["pytest", "pytest-xdist", "scikit-learn"],
     "examples": ["scikit-learn", "matplotlib"],
 }
 

@@ -285,7 +285,7 @@ def _qmodel_reference(reference, precon_mat, prev_delta, damping, l2_reg,
   return vecs @ x, -x[0], x[1], change
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("variant", ["qmodel", "fixedmu", "rescale_l2"])
 def test_qmodel_steps_match_the_exact_quadratic_model(world, variant):
   damping, l2_reg, fixed_mu, rescale = 0.05, 0.0, None, 1.0
@@ -350,7 +350,7 @@ def test_immediate_damping_rule_on_the_same_batch(world, thresholds,
                                            rel=1e-7)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("momentum_type", ["regular", "adam"])
 @pytest.mark.parametrize("exact", [False, True])
 def test_model_change_of_a_fixed_learning_rate_update(world, momentum_type,
@@ -485,7 +485,7 @@ def test_calibration_rule_bisects_in_log_space():
       [1e-7, ln10, -1.0])
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("momentum_type, initial", [("qmodel", 1e3),
                                                     ("regular", 1e-4)])
 def test_damping_calibration_during_burn_in(world, momentum_type, initial):

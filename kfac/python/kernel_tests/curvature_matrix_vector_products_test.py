@@ -278,8 +278,16 @@ def _check(what, actual, expected):
 CASE_NAMES = sorted(CASES)
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
-@pytest.mark.parametrize("world", WORLDS)
+# Every case in the TF1 graph; in tf.function three of them in the fast tier
+# (one loss family, two losses, a gathered output), all in the slow tier.
+_FAST_TF2_CASES = ("categorical", "two_losses", "gather")
+WORLD_CASES = [
+    pytest.param(world, name, marks=() if world == "graph" or
+                 name in _FAST_TF2_CASES else pytest.mark.slow)
+    for name in CASE_NAMES for world in WORLDS]
+
+
+@pytest.mark.parametrize("world, name", WORLD_CASES)
 def test_multiply_fisher_equals_dense(world, name):
   out, v = _products(world, name)
   jac, fisher, _, _ = _reference(name)

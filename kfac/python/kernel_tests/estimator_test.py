@@ -131,7 +131,7 @@ def _mv_build(store, x, targets, mode, approx=None, generic=None):
   return build
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_ggn_modes_equal_the_exact_ggn_not_the_fisher(world):
   inits = _mv_inits(30)
   rng = np.random.RandomState(31)

@@ -68,7 +68,7 @@ def _random_vectors(vs, seed):
   return [tf.constant(rng.randn(*v.shape)) for v in vs]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("approx", ["kron", "kron_in_diag", "kron_out_diag",
                                     "kron_both_diag"])
 def test_kron_products_equal_dense_pi_damped_products(world, approx):
@@ -112,7 +112,7 @@ def test_kron_products_equal_dense_pi_damped_products(world, approx):
                                  rtol=1e-8, atol=1e-11)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("approx", ["kron", "diagonal"])
 def test_cholesky_products_reproduce_the_damped_block(world, approx):
   inits = ref.mlp_inits(util.SIZES, seed=8)

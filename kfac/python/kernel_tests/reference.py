@@ -6,9 +6,18 @@ everything is assembled with numpy in float64.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 WORLDS = ("graph", "function")
+
+# For oracle tests whose TF2 run repeats the same math at a high tracing cost:
+# the TF1 graph run stays in the fast tier (make test), the tf.function run
+# goes to the slow tier (make test-slow). Every file keeps other tests that
+# run in both worlds in the fast tier, and the TF1-vs-TF2 training tests
+# (optimizer_test, keras_*_test) check that the worlds agree.
+WORLDS_TF2_SLOW = ("graph",
+                   pytest.param("function", marks=pytest.mark.slow))
 
 
 def run_stages(world, inits, build):

@@ -114,7 +114,7 @@ def _as_vec(parts):
       tf.constant(parts[0]))
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "%s-%s-%s" % c)
 def test_full_equals_exact_fisher_block_and_its_damped_products(world, case):
   layout, scale_shape, shift_shape = case
