@@ -351,6 +351,29 @@ class KfacKerasMixin:
       self._kfac_warned.add(key)
       warnings.warn(message, UserWarning, stacklevel=4)
 
+  def _kfac_losses(self):
+    """(loss, loss_weights) for the registration: those given to Kfac, or
+    else those of model.compile. Given both ways, they must agree."""
+    compiled, compiled_weights = _compiled_loss(self._kfac_model)
+    loss, weights = self._kfac_loss, self._kfac_loss_weights
+    if loss is None:
+      loss = compiled
+    elif compiled is not None and not _same_losses(loss, compiled):
+      raise ValueError(
+          "Kfac(loss=%s) disagrees with model.compile(loss=%s): K-FAC would "
+          "precondition for another loss than the one the model trains on. "
+          "Give the loss once, to model.compile; Kfac(model=...) takes it "
+          "from there." % (_describe(loss), _describe(compiled)))
+    if weights is None:
+      weights = compiled_weights
+    elif (compiled_weights is not None and
+          not _same_weights(weights, compiled_weights)):
+      raise ValueError(
+          "Kfac(loss_weights=%r) disagrees with model.compile(loss_weights="
+          "%r). Give them once, to model.compile; Kfac(model=...) takes "
+          "them from there." % (weights, compiled_weights))
+    return loss, weights
+
   def _kfac_apply(self, grads, variables, iteration):
     """One K-FAC step for Keras (grads, variables); returns the op."""
     if tf.executing_eagerly():
@@ -374,7 +397,7 @@ class KfacKerasMixin:
                      tf.cast(iteration, tf.int64)])
     keras_utils.name_state_by_structure(self._kfac_model)
     lc, report = keras_utils.get_layer_collection(
-        self._kfac_model, self._kfac_loss, self._kfac_loss_weights,
+        self._kfac_model, *self._kfac_losses(),
         fisher_approx=self._kfac_fisher_approx, seed=seed,
         variables=variables, warn=self._kfac_warn,
         registration_options=self._kfac_options)
@@ -510,6 +533,64 @@ def _decode(key):
       out.append(key[i])
       i += 1
   return "".join(out)
+
+
+def _compiled_loss(model):
+  """(loss, loss_weights) given to model.compile, None where none was."""
+  loss = getattr(model, "loss", None)
+  if isinstance(loss, dict) and not loss:  # tf_keras: compiled without one
+    loss = None
+  container = (getattr(model, "_compile_loss", None) or  # Keras 3
+               getattr(model, "compiled_loss", None))    # tf_keras
+  weights = getattr(container, "_user_loss_weights", None)
+  return loss, weights
+
+
+def _describe(loss):
+  if isinstance(loss, str):
+    return repr(loss)
+  if isinstance(loss, (list, tuple)):
+    return "[%s]" % ", ".join(_describe(l) for l in loss)
+  if isinstance(loss, dict):
+    return "{%s}" % ", ".join("%r: %s" % (k, _describe(v))
+                              for k, v in sorted(loss.items()))
+  try:
+    spec = loss_registration.loss_spec(loss)
+  except Exception:  # pylint: disable=broad-except
+    return repr(loss)
+  return "%s(from_logits=%s)" % (spec.description, spec.from_logits)
+
+
+def _same_losses(a, b):
+  """Whether two loss structures name the same losses (spellings aside:
+  "mse", "mean_squared_error" and keras.losses.MeanSquaredError() agree)."""
+  if isinstance(a, dict) or isinstance(b, dict):
+    if not (isinstance(a, dict) and isinstance(b, dict)) or (
+        sorted(a) != sorted(b)):
+      return False
+    return all(_same_losses(a[k], b[k]) for k in a)
+  if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+    a = list(a) if isinstance(a, (list, tuple)) else [a]
+    b = list(b) if isinstance(b, (list, tuple)) else [b]
+    return len(a) == len(b) and all(_same_losses(x, y) for x, y in zip(a, b))
+  if a is b:
+    return True
+  try:
+    sa, sb = loss_registration.loss_spec(a), loss_registration.loss_spec(b)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return (sa.kind, sa.from_logits, sa.reduction) == (sb.kind, sb.from_logits,
+                                                     sb.reduction)
+
+
+def _same_weights(a, b):
+  if isinstance(a, dict) or isinstance(b, dict):
+    return (isinstance(a, dict) and isinstance(b, dict) and
+            sorted(a) == sorted(b) and
+            all(float(a[k]) == float(b[k]) for k in a))
+  a = list(a) if isinstance(a, (list, tuple)) else [a]
+  b = list(b) if isinstance(b, (list, tuple)) else [b]
+  return len(a) == len(b) and all(float(x) == float(y) for x, y in zip(a, b))
 
 
 def _serialize_loss(loss):
