@@ -12,8 +12,7 @@ Both optimizers are plain Keras optimizers passed to `model.compile` and run
 by `model.fit`:
 
   opt = kfac.keras.optimizers.Kfac(
-      learning_rate=0.01, damping=0.03, model=model,
-      loss="sparse_categorical_crossentropy", momentum=0.9,
+      learning_rate=0.01, damping=0.03, model=model, momentum=0.9,
       momentum_type="adam", invert_every=10, cov_update_every=1, seed=0)
   model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
   model.fit(images, labels, batch_size=256, ...)
@@ -139,6 +138,9 @@ def define_flags():
   # second of (untimed) wall time.
   FLAGS.set_default("chunk_steps", 20)
   FLAGS.set_default("eval_every", 20)
+  # Progress every 20 steps (at most one line per 5 s of training): the
+  # library default of 100 steps printed nothing before K-FAC's budget ended.
+  FLAGS.set_default("print_every", 20)
 
 
 # ------------------------------------------------------------------ model
@@ -218,7 +220,7 @@ def make_optimizer(opt_name, cfg, model):
   if opt_name == "kfac":
     opt = kfac.keras.optimizers.Kfac(
         learning_rate=cfg.kfac_learning_rate, damping=cfg.kfac_damping,
-        model=model, loss=LOSS, seed=FLAGS.seed,
+        model=model, seed=FLAGS.seed,  # the loss comes from compile
         momentum=FLAGS.kfac_momentum, momentum_type=cfg.kfac_momentum_type,
         invert_every=FLAGS.invert_every, cov_update_every=1,
         cov_ema_decay=FLAGS.cov_ema_decay,

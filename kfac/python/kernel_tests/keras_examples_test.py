@@ -71,6 +71,10 @@ def test_keras_fit_classifier(tmp_path):
     assert 0.0 <= run["extra"]["test accuracy"] <= 1.0
     assert "[%s] done: %d steps" % (name, steps) in stdout
   assert "| optimizer | steps |" in stdout
+  # Progress lines with K-FAC's damping and learning rate, every 10 steps.
+  progress = re.findall(r"\[kfac\] epoch \d+  step (\d+)  loss [0-9.]+  "
+                        r"damping [0-9.e+-]+  lr [0-9.e+-]+", stdout)
+  assert [int(s) for s in progress] == [10, 20, 30], stdout
   assert re.search(r"cnn/conv1 +Conv2D +ConvKFCBasicFB", stdout), stdout
   assert re.search(r"cnn/probs +Dense +FullyConnectedKFACBasicFB", stdout)
 
