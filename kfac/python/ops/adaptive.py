@@ -47,6 +47,7 @@ from kfac.python.ops import adaptive_damping
 from kfac.python.ops import damping_adaptation
 from kfac.python.ops import quadratic_model
 from kfac.python.ops import utils
+from kfac.python.ops.distribute import collective
 
 # Values an optimizer keeps readable after each step, with their initial
 # value (NaN: not computed yet).
@@ -297,6 +298,15 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
           terms.append(tf.reduce_sum(prod))
         row.append(tf.add_n(terms) / n)
       gram.append(row)
+    if collective.is_distributed():
+      # Each replica's entries are means over its batch: the global ones
+      # are their average weighted by the batch sizes.
+      size = len(gram)
+      (flat,) = collective.all_reduce(
+          [tf.stack([e for row in gram for e in row])], collective.MEAN,
+          weight=n)
+      gram = [[flat[i * size + j] for j in range(size)]
+              for i in range(size)]
     return gram
 
   def _qmodel_update(self, grads_and_vars, update):

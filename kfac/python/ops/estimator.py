@@ -16,7 +16,7 @@ from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimation_modes
 from kfac.python.ops import state
 from kfac.python.ops import utils
-from kfac.python.ops.distribute import replicas
+from kfac.python.ops.distribute import collective
 
 
 @utils.exclude_from_autograph
@@ -137,7 +137,7 @@ class FisherEstimator:
         term = grads[i] * utils.cast(w, grads[i].dtype)
         total = term if total is None else total + term
       stats.append(total / utils.cast(self._batch_size, total.dtype))
-    return stats
+    return collective.all_reduce(stats, collective.MEAN)
 
   # ---------------------------------------------------------- properties
   @property
@@ -250,12 +250,49 @@ class FisherEstimator:
     return [f.instantiate_inv_variables for f in self.factors]
 
   def _cov_update_thunks(self, scope=None):
+    reduced = self._reduced_statistics(scope)
+
     def make(factor):
       def thunk():
         with self._scope(scope):
-          return factor.make_covariance_update_op(self._cov_ema_decay)
+          if reduced is None:
+            return factor.make_covariance_update_op(self._cov_ema_decay)
+          return factor.make_covariance_assign_op(reduced[factor.name],
+                                                  self._cov_ema_decay)
       return thunk
     return [make(f) for f in self.factors]
+
+  def _reduced_statistics(self, scope=None):
+    """Under several replicas: {factor name: statistics of the global
+    batch}, computed and reduced now, outside any conditional (one
+    collective per dtype, weighted by the replicas' batch sizes); None
+    with one replica. Built once per estimator."""
+    if not collective.is_distributed():
+      return None
+    if getattr(self, "_reduced", None) is None:
+      with self._scope(scope), tf.name_scope("cross_replica_statistics"):
+        names, tensors, symmetric = [], [], []
+        for factor in self.factors:
+          for stat, sym in factor.covariance_statistics():
+            names.append(factor.name)
+            tensors.append(stat)
+            symmetric.append(sym)
+        reduced = collective.all_reduce(
+            tensors, collective.MEAN, symmetric,
+            weight=self._replica_examples())
+      self._reduced = {}
+      for name, stat in zip(names, reduced):
+        self._reduced.setdefault(name, []).append(stat)
+    return self._reduced
+
+  def _replica_examples(self):
+    """This replica's number of examples (of the first registered loss),
+    the weight of its statistics in the cross-replica average."""
+    if self._batch_size is not None:
+      return tf.constant(float(self._batch_size), tf.float64)
+    towers = self._layers.towers_by_loss
+    return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
+                             for loss in towers[0]]), tf.float64)
 
   def _inv_update_thunks(self, scope=None):
     def make(factor):
@@ -272,8 +309,6 @@ class FisherEstimator:
       (cov_variable_thunks, cov_update_thunks, inv_variable_thunks,
        inv_update_thunks).
     """
-    replicas.require_single_replica(
-        "FisherEstimator.create_ops_and_vars_thunks")
     return (self._cov_variable_thunks(), self._cov_update_thunks(scope),
             self._inv_variable_thunks(), self._inv_update_thunks(scope))
 

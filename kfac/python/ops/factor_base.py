@@ -116,11 +116,22 @@ class FisherFactor(abc.ABC):
     self.instantiate_cov_variables()
     return self._cov
 
-  def make_covariance_update_op(self, ema_decay):
-    """Folds the current statistic into the zero-debiased moving average."""
+  def covariance_statistics(self):
+    """The current mini-batch's statistics, in the factor's dtype, and
+    whether each is a symmetric matrix (for cross-replica packing)."""
+    return [(tf.cast(self._compute_new_cov(), self._dtype),
+             self._symmetric_statistic)]
+
+  @property
+  def _symmetric_statistic(self):
+    return False
+
+  def make_covariance_assign_op(self, statistics, ema_decay):
+    """Folds `statistics` (as from covariance_statistics, possibly reduced
+    across replicas) into the zero-debiased moving average."""
     self.instantiate_cov_variables()
+    (new_cov,) = statistics
     decay = utils.cast(ema_decay, self._dtype)
-    new_cov = tf.cast(self._compute_new_cov(), self._dtype)
     old_cov = tf.convert_to_tensor(self._cov)
     old_weight = tf.convert_to_tensor(self._cov_weight)
     carried = decay * old_weight
@@ -129,6 +140,11 @@ class FisherFactor(abc.ABC):
     return tf.group(self._cov.assign(averaged),
                     self._cov_weight.assign(new_weight),
                     name=utils.variable_name(self._cov) + "_update")
+
+  def make_covariance_update_op(self, ema_decay):
+    """Folds the current statistic into the zero-debiased moving average."""
+    stats = [t for t, _ in self.covariance_statistics()]
+    return self.make_covariance_assign_op(stats, ema_decay)
 
   def make_inverse_update_ops(self):
     return []
@@ -189,6 +205,10 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
   @property
   def _cov_shape(self):
     return [self._n, self._n]
+
+  @property
+  def _symmetric_statistic(self):
+    return True
 
   def get_cov(self):
     return self.get_cov_var()

@@ -142,21 +142,26 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
       terms.append(total / count)
     return weighted_sum(terms, self._weights)
 
-  def make_covariance_update_op(self, ema_decay):
-    """Folds the current A_0 and A_1 into their zero-debiased averages."""
+  def covariance_statistics(self):
+    """A_0 (symmetric) and the lag-one A_1 (not symmetric)."""
+    return [(tf.cast(self._compute_new_cov(), self._dtype), True),
+            (tf.cast(self._compute_new_cov_dt1(), self._dtype), False)]
+
+  def make_covariance_assign_op(self, statistics, ema_decay):
+    """Folds A_0 and A_1 into their zero-debiased averages."""
     self.instantiate_cov_variables()
+    new_cov, new_cov_dt1 = statistics
     decay = utils.cast(ema_decay, self._dtype)
     old_weight = tf.convert_to_tensor(self._cov_weight)
     carried = decay * old_weight
     new_weight = carried + (1.0 - decay)
 
     def averaged(var, new):
-      new = tf.cast(new, self._dtype)
       return (carried * tf.convert_to_tensor(var) +
               (1.0 - decay) * new) / new_weight
 
-    cov = averaged(self._cov, self._compute_new_cov())
-    cov_dt1 = averaged(self._cov_dt1, self._compute_new_cov_dt1())
+    cov = averaged(self._cov, new_cov)
+    cov_dt1 = averaged(self._cov_dt1, new_cov_dt1)
     return tf.group(self._cov.assign(cov), self._cov_dt1.assign(cov_dt1),
                     self._cov_weight.assign(new_weight),
                     name=utils.variable_name(self._cov) + "_update")

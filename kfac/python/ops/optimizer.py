@@ -44,6 +44,7 @@ from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
 from kfac.python.ops import utils
+from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
 
 _MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")
@@ -52,6 +53,12 @@ _MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")
 @utils.exclude_from_autograph
 class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
+
+  # Set while building a step; under MirroredStrategy each replica thread
+  # builds its own (see distribute/replicas.py).
+  _layers = replicas.PerReplicaAttribute()
+  _estimator = replicas.PerReplicaAttribute()
+  _passed_loss = replicas.PerReplicaAttribute()
 
   def __init__(self,
                learning_rate,
@@ -215,13 +222,13 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
           "apply_gradients() inside the tf.function (TF2).")
     return self._estimator
 
-  @staticmethod
-  def _check_graph_mode(what):
+  def _check_graph_mode(self, what):
     if tf.executing_eagerly():
       raise RuntimeError(
           "KfacOptimizer.%s builds graph ops: call it inside a tf.function "
           "(TF2) or while building a tf.Graph for a Session (TF1)." % what)
-    replicas.require_single_replica("KfacOptimizer.%s" % what)
+    if collective.replica_context() is not None:
+      self._check_distributable()
 
   # ------------------------------------------------------------ properties
   @property
@@ -364,11 +371,45 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
       raise ValueError("No gradient for variables %s: they do not affect the "
                        "loss." % ", ".join(none))
     self._layers.check_registration([v for _, v in grads_and_vars])
+    grads_and_vars = self._reduce_gradients(grads_and_vars)
     if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
       # The quadratic model takes inner products with the gradient.
       return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if _is_slices(g) else tf.convert_to_tensor(g), v)
             for g, v in grads_and_vars]
+
+  def _check_distributable(self):
+    """Raises NotImplementedError for what does not run on several
+    replicas yet."""
+    unsupported = []
+    if self._adapt_damping:
+      unsupported.append("adapt_damping=True")
+    if getattr(self, "_calibrate_damping", False):
+      unsupported.append("calibrate_damping=True")
+    if self._placement_strategy == "round_robin":
+      unsupported.append("placement_strategy='round_robin' (in-graph "
+                         "devices; replicas place their own ops)")
+    if unsupported:
+      raise NotImplementedError(
+          "%s with several replicas (%s): %s %s not supported yet (the "
+          "damping rule evaluates the loss after the update inside a "
+          "conditional, where replicas cannot communicate). Use a fixed or "
+          "scheduled damping, or momentum_type='qmodel'." %
+          (type(self).__name__, type(tf.distribute.get_strategy()).__name__,
+           ", ".join(unsupported),
+           "is" if len(unsupported) == 1 else "are"))
+
+  def _reduce_gradients(self, grads_and_vars):
+    """Sums the replicas' gradients (tf.compat.v1 Optimizer convention:
+    each replica's loss is scaled so that the sum is the global one, e.g.
+    by 1 / num_replicas for a mean loss; `compute_gradients` does this under
+    an Estimator). Dense tensors: one collective per dtype."""
+    if not collective.is_distributed():
+      return grads_and_vars
+    grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
+    with tf.name_scope("cross_replica_gradients"):
+      grads = collective.all_reduce(grads, collective.SUM)
+    return [(g, v) for g, (_, v) in zip(grads, grads_and_vars)]
 
   def _compute_update(self, grads_and_vars):
     """Builds (without changing any state) what this step will do: an
@@ -402,8 +443,13 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._set_model_change(grads_and_vars, update)
     return update
 
-  def _commit(self, update):
-    """The op that carries out `update` (plus the damping rule)."""
+  def _commit(self, update, active=None):
+    """The op that carries out `update` (plus the damping rule); with a
+    boolean tensor `active`, only when it holds."""
+    if collective.is_distributed():
+      return self._commit_replicated(update, active)
+    if active is not None:
+      return utils.cond_op(active, lambda: self._commit(update))
     # The damping rule may change the damping before the variables change:
     # only once everything this step computes from it is ready.
     with tf.control_dependencies(update.dependencies()):
@@ -420,12 +466,41 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
       step_op = tf.group(*ops)
     return self._adaptation_after_update(update, step_op)
 
+  def _commit_replicated(self, update, active):
+    """`_commit` under several replicas: the K-FAC state (replica-local)
+    changes inside the condition; the model's mirrored variables through
+    one merge_call outside it (a zero change when `active` is false)."""
+    with tf.control_dependencies(update.dependencies()):
+      def state_ops():
+        ops = [velocity.assign(value)
+               for velocity, value in update.velocity_assigns]
+        ops.extend(self._record_ops(update))
+        return tf.group(*ops)
+      if active is None:
+        state_op = state_ops()
+      else:
+        state_op = utils.cond_op(active, state_ops)
+    updates = []
+    with tf.control_dependencies([state_op]):
+      for delta, var in update.deltas:
+        delta = tf.identity(_dense(delta))
+        if active is not None:
+          delta = tf.where(active, delta, tf.zeros_like(delta))
+        updates.append((_assign_add, var, (delta,)))
+    with tf.name_scope("apply_to_replicas"):
+      return collective.apply_updates(updates)
+
   def _finish(self, step_op, global_step):
     self._passed_loss = None
     with tf.control_dependencies([step_op]):
       incs = [self.counter.assign_add(1)]
       if global_step is not None:
-        incs.append(global_step.assign_add(1))
+        if collective.is_distributed():
+          one = tf.identity(tf.ones([], global_step.dtype.base_dtype))
+          incs.append(collective.apply_updates(
+              [(_assign_add, global_step, (one,))]))
+        else:
+          incs.append(global_step.assign_add(1))
       return tf.group(*incs)
 
   def _var_key(self, var):
@@ -516,6 +591,10 @@ class _Update:
 
 def _is_slices(x):
   return isinstance(x, tf.IndexedSlices)
+
+
+def _assign_add(var, delta):
+  return var.assign_add(delta)
 
 
 def _dense(x):

@@ -96,8 +96,7 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
             calibrated = [utils.cond_op(
                 in_burnin, lambda: self._calibration_op(update))]
           with tf.control_dependencies(calibrated):
-            stepped = utils.cond_op(tf.logical_not(in_burnin),
-                                    lambda: self._commit(update))
+            stepped = self._commit(update, active=tf.logical_not(in_burnin))
         else:
           stepped = self._commit(update)
       return self._finish(stepped, global_step)

@@ -34,6 +34,15 @@ class StateStore(tf.Module):
     dtype = tf.as_dtype(dtype)
     var = self._store_vars.get(key)
     if var is not None:
+      if (not isinstance(var, tf.distribute.DistributedValues) and
+          _multi_replica_strategy() is not None):
+        raise ValueError(
+            "K-FAC state %r was created outside the %s that now runs "
+            "K-FAC with several replicas (as a plain variable, which the "
+            "replicas would share). Create the optimizer's state inside "
+            "the strategy: run the first training step under it before "
+            "reading optimizer properties (counter, damping, ...)." %
+            (key, type(tf.distribute.get_strategy()).__name__))
       if var.dtype.base_dtype != dtype or not var.shape.is_compatible_with(
           shape):
         raise ValueError(
@@ -50,15 +59,17 @@ class StateStore(tf.Module):
       raise ValueError(
           "Restored K-FAC state %r has shape %s but the model now needs %s. "
           "Was it saved from a different model?" % (key, pending.shape, shape))
+    strategy = _multi_replica_strategy()
     with tf.init_scope():
       if pending is not None:
         value = tf.constant(pending, dtype=dtype)
       else:
         value = tf.fill(shape.as_list(), utils.cast(initial_value, dtype))
-      var = tf.Variable(
-          value,
-          trainable=False,
-          name=_sanitize(self.name + "/" + key))
+      name = _sanitize(self.name + "/" + key)
+      if strategy is None:
+        var = tf.Variable(value, trainable=False, name=name)
+      else:
+        var = _replica_local_variable(strategy, value, name)
     self._store_vars[key] = var
     return var
 
@@ -100,6 +111,30 @@ class StateStore(tf.Module):
   @property
   def variables_by_name(self):
     return dict(self._store_vars)
+
+
+def _multi_replica_strategy():
+  """The strategy when K-FAC state is requested for several replicas."""
+  if not tf.distribute.has_strategy():
+    return None
+  strategy = tf.distribute.get_strategy()
+  return strategy if strategy.num_replicas_in_sync > 1 else None
+
+
+def _replica_local_variable(strategy, value, name):
+  """A variable with one copy per replica (see distribute/collective.py:
+  every replica assigns it the same, already reduced, values), read from
+  the first replica in cross-replica context and saved from it."""
+  kwargs = dict(trainable=False, name=name,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+  if tf.distribute.has_strategy():
+    # TF1 graph: init_scope stays in the graph and in the replica (or
+    # cross-replica) context, where the strategy creates the variable.
+    return tf.Variable(value, **kwargs)
+  # TF2: init_scope left the function graph that strategy.run entered.
+  with strategy.scope():
+    return tf.Variable(value, **kwargs)
 
 
 def _sanitize(name):

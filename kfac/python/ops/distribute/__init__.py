@@ -1,3 +1,4 @@
-"""Cross-replica support of K-FAC (tf.distribute): how many replicas run the
-step, and the guard that keeps multi-replica steps from running silently
-wrong while their statistics are not reduced across replicas."""
+"""Cross-replica support of K-FAC (tf.distribute): reductions of the
+statistics, gradients and quadratic-model terms across replicas, and the
+updates of mirrored variables (collective.py); replica counts and
+per-replica attributes (replicas.py). See docs/distributed.md."""

@@ -1,14 +1,8 @@
-"""How many replicas run the current step, and the single-replica guard.
-
-K-FAC state (factor statistics, inverses, damping, velocities, counters) is
-only correct when every replica holds the same values: each replica must
-precondition with statistics gathered over the global batch and apply the
-same update. This version does not reduce the statistics across replicas,
-so a step built under a tf.distribute strategy with more than one replica
-(TF1 `call_for_each_replica`, TF2 `strategy.run`, or a cross-replica
-`strategy.scope()`) would let the replicas' weights drift apart with no
-error. `require_single_replica` turns that into a clear error.
+"""How many replicas run the current step, and per-replica attributes of
+objects shared by the replica threads of a MirroredStrategy step.
 """
+
+import threading
 
 import tensorflow as tf
 
@@ -20,21 +14,38 @@ def num_replicas_in_sync():
   return int(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
-def require_single_replica(what):
-  """Raises NotImplementedError when `what` is built for several replicas.
+class PerReplicaAttribute:
+  """A data descriptor for per-step attributes of an object shared by the
+  replica threads of a MirroredStrategy step (the optimizer's layer
+  collection, estimator and passed loss): a value set in a replica thread
+  is seen by that thread only; a value set outside any replica thread is
+  shared (and seen by threads that have not set their own)."""
 
-  Args:
-    what: the operation being built, for the message (e.g.
-      "KfacOptimizer.apply_gradients").
-  """
-  replicas = num_replicas_in_sync()
-  if replicas > 1:
-    strategy = type(tf.distribute.get_strategy()).__name__
-    raise NotImplementedError(
-        "%s under %s with %d replicas: this version of kfac does not reduce "
-        "the factor statistics across replicas, so each replica would "
-        "precondition with its own statistics and the replicas' weights "
-        "would drift apart. Run K-FAC with one replica (no strategy, "
-        "OneDeviceStrategy, or a strategy over one device); for several "
-        "devices in one graph, use placement_strategy='round_robin' with "
-        "cov_devices / inv_devices." % (what, strategy, replicas))
+  def __set_name__(self, owner, name):
+    self._name = "_per_replica" + name
+
+  def _local(self, obj):
+    local = obj.__dict__.get(self._name + "_local")
+    if local is None:
+      local = threading.local()
+      obj.__dict__[self._name + "_local"] = local
+    return local
+
+  def __get__(self, obj, objtype=None):
+    if obj is None:
+      return self
+    local = self._local(obj)
+    if hasattr(local, "value"):
+      return local.value
+    return obj.__dict__.get(self._name + "_shared")
+
+  def __set__(self, obj, value):
+    self._local(obj).value = value
+    if not _in_replica_thread():
+      obj.__dict__[self._name + "_shared"] = value
+
+
+def _in_replica_thread():
+  """Whether this code runs for one of several replicas."""
+  return (num_replicas_in_sync() > 1 and
+          tf.distribute.get_replica_context() is not None)

@@ -1,0 +1,258 @@
+"""R replicas against 1 replica on the same global batch (run as a program).
+
+    python -m kfac.python.kernel_tests.distribute_program R WORLD CASE...
+
+configures R logical CPU devices (before TensorFlow initialises, hence a
+program of its own), and for each CASE ("model:optimizer[:uneven]") trains
+the model for STEPS steps once without a strategy on the global batch and
+once under MirroredStrategy over R devices, each replica on its shard, in
+WORLD "tf1" (Session, call_for_each_replica) or "tf2" (tf.function,
+strategy.run). Prints one JSON line per case:
+
+  weights_rel: max |W_R - W_1| / max |W_1| over the model's variables;
+  state_rel:   the same over the K-FAC state (statistics, inverses,
+               velocities, counters), compared variable by variable;
+  identical:   every replica's copy of every weight and every state
+               variable is bit-identical;
+  moved:       max |W_1 - W_init| (the run did train).
+
+Each replica's loss is its mean loss times n_r / N (its share of the global
+batch), so that the replicas' summed gradients are the global batch's mean
+gradient (the tf.compat.v1 optimizer convention under a strategy). With
+":uneven" the shards have different sizes (3 + 5 for R = 2).
+"""
+
+import contextlib
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+GLOBAL_BATCH = 8
+STEPS = 5
+
+_RNG = np.random.RandomState(0)
+DATA = dict(
+    x=_RNG.randn(GLOBAL_BATCH, 4).astype(np.float32),
+    img=_RNG.randn(GLOBAL_BATCH, 5, 5, 2).astype(np.float32),
+    ids=_RNG.randint(0, 6, size=(GLOBAL_BATCH,)).astype(np.int32),
+    y=_RNG.randint(0, 3, GLOBAL_BATCH).astype(np.int32))
+INIT = dict(
+    w1=_RNG.randn(4, 5).astype(np.float32) * 0.5,
+    b1=np.zeros(5, np.float32),
+    w2=_RNG.randn(5, 3).astype(np.float32) * 0.5,
+    b2=np.zeros(3, np.float32),
+    k=_RNG.randn(3, 3, 2, 3).astype(np.float32) * 0.3,
+    wc=_RNG.randn(27, 3).astype(np.float32) * 0.3,
+    emb=_RNG.randn(6, 5).astype(np.float32) * 0.5,
+    ws=_RNG.randn(4, 4).astype(np.float32) * 0.4)
+MODEL_VARS = dict(dense=["w1", "b1", "w2", "b2"], conv=["k", "wc"],
+                  embedding=["emb", "w2", "b2"],
+                  multi_use=["ws", "w1", "b1", "w2", "b2"])
+
+
+def make_optimizer(kfac, name):
+  if name == "periodic":  # momentum, invert/cov every 2, burn-in
+    return kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=2, cov_update_every=2, num_burnin_steps=1,
+        learning_rate=0.05, damping=0.05, momentum=0.9,
+        estimation_mode="exact", cov_ema_decay=0.9)
+  if name == "qmodel":  # learning rate and momentum from the exact model
+    return kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=1, learning_rate=None, momentum=None,
+        momentum_type="qmodel", damping=0.1, estimation_mode="exact")
+  if name == "regular":  # KfacOptimizer with explicit update ops
+    return kfac.KfacOptimizer(
+        learning_rate=0.1, damping=0.1, momentum=0.5,
+        momentum_type="regular", norm_constraint=1.0,
+        estimation_mode="exact")
+  raise ValueError(name)
+
+
+def model(case, v, data, lc):
+  """The case's model on `data`, registered in `lc`; the mean loss."""
+  y = data["y"]
+  if case == "conv":
+    c = tf.nn.conv2d(data["img"], v["k"], [1, 1, 1, 1], "VALID")
+    lc.register_conv2d(v["k"], [1, 1, 1, 1], "VALID", data["img"], c)
+    a = tf.reshape(tf.tanh(c), [-1, 27])
+    logits = tf.matmul(a, v["wc"])
+    lc.register_fully_connected(v["wc"], a, logits)
+  else:
+    if case == "dense":
+      h = tf.matmul(data["x"], v["w1"]) + v["b1"]
+      lc.register_fully_connected((v["w1"], v["b1"]), data["x"], h)
+      a = tf.tanh(h)
+    elif case == "embedding":
+      e = tf.gather(v["emb"], data["ids"])
+      lc.register_embedding(v["emb"], data["ids"], e)
+      a = tf.tanh(e)
+    elif case == "multi_use":  # one weight applied twice
+      a1 = tf.matmul(data["x"], v["ws"])
+      t1 = tf.tanh(a1)
+      a2 = tf.matmul(t1, v["ws"])
+      lc.register_fully_connected_multi(v["ws"], [data["x"], t1], [a1, a2])
+      t2 = tf.tanh(a2)
+      h = tf.matmul(t2, v["w1"]) + v["b1"]
+      lc.register_fully_connected((v["w1"], v["b1"]), t2, h)
+      a = tf.tanh(h)
+    logits = tf.matmul(a, v["w2"]) + v["b2"]
+    lc.register_fully_connected((v["w2"], v["b2"]), a, logits)
+  lc.register_softmax_cross_entropy_loss(logits, targets=y)
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=y, logits=logits))
+
+
+def shard_sizes(replicas, uneven):
+  if uneven:
+    assert replicas == 2
+    return [3, 5]
+  return [GLOBAL_BATCH // replicas] * replicas
+
+
+def replica_batch(replicas, uneven):
+  """This replica's shard of DATA and its share n_r / N of the batch."""
+  if replicas == 1:
+    return {k: tf.constant(v) for k, v in DATA.items()}, 1.0
+  ctx = tf.distribute.get_replica_context()
+  rid = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+  sizes = shard_sizes(replicas, uneven)
+  start = sum(sizes[:rid])
+  data = {k: tf.constant(v[start:start + sizes[rid]])
+          for k, v in DATA.items()}
+  return data, sizes[rid] / float(GLOBAL_BATCH)
+
+
+def local(strategy, var):
+  if strategy is None:
+    return [var]
+  return list(strategy.experimental_local_results(var))
+
+
+def _step_fn(kfac, case, opt, v, names, replicas, uneven, global_step):
+  def step():
+    lc = kfac.LayerCollection()
+    data, share = replica_batch(replicas, uneven)
+    loss = model(case, v, data, lc) * share
+    var_list = [v[n] for n in names]
+    if isinstance(opt, kfac.PeriodicInvCovUpdateKfacOpt):
+      return opt.minimize(loss, var_list=var_list, global_step=global_step,
+                          layer_collection=lc)
+    # KfacOptimizer: statistics and inverses every step, then the update.
+    grads = opt.compute_gradients(loss, var_list=var_list,
+                                  layer_collection=lc)
+    (cov_vars, cov_thunks, inv_vars,
+     inv_thunks) = opt.create_ops_and_vars_thunks()
+    for make_vars in cov_vars + inv_vars:
+      make_vars()
+    with tf.control_dependencies([t() for t in cov_thunks]):
+      with tf.control_dependencies([t() for t in inv_thunks]):
+        return opt.apply_gradients(grads, global_step=global_step)
+  return step
+
+
+def run_tf1(kfac, strategy, case, optname, replicas, uneven):
+  names = MODEL_VARS[case]
+  with tf.Graph().as_default():
+    scope = strategy.scope() if strategy else contextlib.nullcontext()
+    with scope:
+      v = {n: tf.Variable(INIT[n], name=n) for n in names}
+      global_step = tf.compat.v1.train.get_or_create_global_step()
+      opt = make_optimizer(kfac, optname)
+      step = _step_fn(kfac, case, opt, v, names, replicas, uneven,
+                      global_step)
+      if strategy is None:
+        train = step()
+      else:
+        train = strategy.group(strategy.extended.call_for_each_replica(step))
+      store = opt.state_store.variables_by_name
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(STEPS):
+          sess.run(train)
+        weights = {n: sess.run(local(strategy, v[n])) for n in names}
+        state = {k: sess.run(local(strategy, var)) for k, var in store.items()}
+        weights["global_step"] = sess.run(local(strategy, global_step))
+  return weights, state
+
+
+def run_tf2(kfac, strategy, case, optname, replicas, uneven):
+  names = MODEL_VARS[case]
+  scope = strategy.scope() if strategy else contextlib.nullcontext()
+  with scope:
+    v = {n: tf.Variable(INIT[n], name=n) for n in names}
+  opt = make_optimizer(kfac, optname)
+  step = _step_fn(kfac, case, opt, v, names, replicas, uneven, None)
+
+  @tf.function
+  def train():
+    if strategy is None:
+      step()
+    else:
+      strategy.run(step)
+
+  for _ in range(STEPS):
+    train()
+  weights = {n: [c.numpy() for c in local(strategy, v[n])] for n in names}
+  state = {k: [c.numpy() for c in local(strategy, var)]
+           for k, var in opt.state_store.variables_by_name.items()}
+  return weights, state
+
+
+def _rel(copy, ref):
+  """Relative max difference; NaN in both places (records not yet set)
+  counts as equal, NaN in one only as infinitely far."""
+  copy, ref = np.asarray(copy, np.float64), np.asarray(ref, np.float64)
+  both = np.isnan(copy) & np.isnan(ref)
+  diff = np.where(both, 0.0, np.abs(copy - ref))
+  if np.isnan(diff).any():
+    return float("inf")
+  scale = np.max(np.abs(np.where(both, 0.0, ref)), initial=0.0)
+  return float(np.max(diff, initial=0.0) / max(scale, 1e-6))
+
+
+def compare(single, many, case):
+  (w1, s1), (wr, sr) = single, many
+  out = {"weights_rel": 0.0, "state_rel": 0.0, "identical": True,
+         "moved": 0.0, "differ": []}
+  for name in MODEL_VARS[case]:
+    out["moved"] = max(out["moved"],
+                       float(np.max(np.abs(w1[name][0] - INIT[name]))))
+  for key in ("weights_rel", "state_rel"):
+    one, rep = (w1, wr) if key == "weights_rel" else (s1, sr)
+    if sorted(one) != sorted(rep):
+      raise AssertionError("different variables: %s vs %s" %
+                           (sorted(one), sorted(rep)))
+    for name in one:
+      for copy in rep[name]:
+        out[key] = max(out[key], _rel(copy, one[name][0]))
+        if not np.array_equal(copy, rep[name][0], equal_nan=True):
+          out["identical"] = False
+          out["differ"].append(name)
+  return out
+
+
+def main(argv):
+  replicas, world = int(argv[1]), argv[2]
+  cpus = tf.config.list_physical_devices("CPU")
+  tf.config.set_logical_device_configuration(
+      cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
+  import kfac  # pylint: disable=g-import-not-at-top
+  # One strategy for the whole program: a second MirroredStrategy over the
+  # same devices reuses the collective keys of the first.
+  strategy = tf.distribute.MirroredStrategy(
+      ["/cpu:%d" % i for i in range(replicas)])
+  run = run_tf1 if world == "tf1" else run_tf2
+  for spec in argv[3:]:
+    parts = spec.split(":")
+    case, optname, uneven = parts[0], parts[1], "uneven" in parts[2:]
+    single = run(kfac, None, case, optname, 1, False)
+    many = run(kfac, strategy, case, optname, replicas, uneven)
+    result = compare(single, many, case)
+    result.update(case=spec, world=world, replicas=replicas)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
