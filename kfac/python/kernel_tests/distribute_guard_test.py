@@ -1,6 +1,6 @@
 """What K-FAC does not support under several replicas is refused with a
-clear error instead of running silently wrong (the adaptive damping rule,
-ops built in the cross-replica context, model variables created outside
+clear error instead of running silently wrong (the damping calibration, a
+damping variable of the user's adapted by the damping rule, ops built in the cross-replica context, model variables created outside
 the strategy), and one replica under a strategy trains exactly as without
 one. (What is supported is checked against one replica in
 distribute_test.py.)
@@ -56,12 +56,14 @@ def report(error):
 '''
 
 _CASES = {
-    # TF1 Session graph, one step per replica, with the damping rule.
+    # TF1 Session graph, one step per replica, the damping rule adapting a
+    # variable of the user's.
     "tf1_adapt_damping": r'''
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with tf.Graph().as_default(), strategy.scope():
   w = tf.Variable(W0)
-  opt = make_opt(adapt_damping=True, damping=0.1, learning_rate=0.1,
+  damping = tf.Variable(0.1, name="my_damping")
+  opt = make_opt(adapt_damping=True, damping=damping, learning_rate=0.1,
                  loss_fn=lambda batch: tf.constant(0.0), train_batch=())
   def step():
     lc = kfac.LayerCollection()
@@ -162,11 +164,12 @@ def _run(case):
 @pytest.mark.parametrize("case, expected", [
     ("tf1_adapt_damping",
      "ERROR NotImplementedError PeriodicInvCovUpdateKfacOpt with several "
-     "replicas (MirroredStrategy): adapt_damping=True is not supported yet"),
+     "replicas (MirroredStrategy): adapt_damping=True with the damping in "
+     "your variable my_damping"),
     ("tf2_calibrate_damping",
      "ERROR NotImplementedError PeriodicInvCovUpdateKfacOpt with several "
-     "replicas (MirroredStrategy): calibrate_damping=True is not supported "
-     "yet"),
+     "replicas (MirroredStrategy): calibrate_damping=True (the calibration "
+     "tries the update on the model's variables inside a conditional"),
     ("estimator_in_scope",
      "ERROR NotImplementedError K-FAC ops built in the cross-replica context "
      "of MirroredStrategy with 2 replicas: build the training step inside "

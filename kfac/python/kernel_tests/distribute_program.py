@@ -11,7 +11,10 @@ strategy.run). Prints one JSON line per case:
 
   weights_rel: max |W_R - W_1| / max |W_1| over the model's variables;
   state_rel:   the same over the K-FAC state (statistics, inverses,
-               velocities, counters), compared variable by variable;
+               velocities, counters, damping), variable by variable;
+  records_rel: the same over the recorded scalars (rho, the quadratic
+               model's learning rate and momentum, norms), which a 2x2
+               solve or a difference of losses amplifies;
   identical:   every replica's copy of every weight and every state
                variable is bit-identical;
   moved:       max |W_1 - W_init| (the run did train).
@@ -52,7 +55,19 @@ MODEL_VARS = dict(dense=["w1", "b1", "w2", "b2"], conv=["k", "wc"],
                   multi_use=["ws", "w1", "b1", "w2", "b2"])
 
 
-def make_optimizer(kfac, name):
+def make_optimizer(kfac, name, loss_fn):
+  """The optimizer of a case; loss_fn(batch) is the model's mean loss."""
+  if name == "adaptive":  # qmodel + Levenberg-Marquardt damping rule
+    return kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=1, learning_rate=None, momentum=None,
+        momentum_type="qmodel", damping=0.1, estimation_mode="exact",
+        adapt_damping=True, damping_adaptation_interval=2, loss_fn=loss_fn)
+  if name == "adaptive_delayed":  # the rule on the next step's batch
+    return kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=2, learning_rate=0.05, momentum=0.5, damping=0.1,
+        estimation_mode="exact", adapt_damping=True,
+        damping_adaptation_interval=2, update_damping_immediately=False,
+        use_passed_loss=False, loss_fn=loss_fn)
   if name == "periodic":  # momentum, invert/cov every 2, burn-in
     return kfac.PeriodicInvCovUpdateKfacOpt(
         invert_every=2, cov_update_every=2, num_burnin_steps=1,
@@ -104,6 +119,10 @@ def model(case, v, data, lc):
       labels=y, logits=logits))
 
 
+def _loss_fn(kfac, case, v):
+  return lambda batch: model(case, v, batch, kfac.LayerCollection())
+
+
 def shard_sizes(replicas, uneven):
   if uneven:
     assert replicas == 2
@@ -135,6 +154,9 @@ def _step_fn(kfac, case, opt, v, names, replicas, uneven, global_step):
     lc = kfac.LayerCollection()
     data, share = replica_batch(replicas, uneven)
     loss = model(case, v, data, lc) * share
+    # The damping rule's batches (the data do not change between steps).
+    opt.set_train_batch(data)
+    opt.set_prev_train_batch(data)
     var_list = [v[n] for n in names]
     if isinstance(opt, kfac.PeriodicInvCovUpdateKfacOpt):
       return opt.minimize(loss, var_list=var_list, global_step=global_step,
@@ -159,7 +181,7 @@ def run_tf1(kfac, strategy, case, optname, replicas, uneven):
     with scope:
       v = {n: tf.Variable(INIT[n], name=n) for n in names}
       global_step = tf.compat.v1.train.get_or_create_global_step()
-      opt = make_optimizer(kfac, optname)
+      opt = make_optimizer(kfac, optname, _loss_fn(kfac, case, v))
       step = _step_fn(kfac, case, opt, v, names, replicas, uneven,
                       global_step)
       if strategy is None:
@@ -182,7 +204,7 @@ def run_tf2(kfac, strategy, case, optname, replicas, uneven):
   scope = strategy.scope() if strategy else contextlib.nullcontext()
   with scope:
     v = {n: tf.Variable(INIT[n], name=n) for n in names}
-  opt = make_optimizer(kfac, optname)
+  opt = make_optimizer(kfac, optname, _loss_fn(kfac, case, v))
   step = _step_fn(kfac, case, opt, v, names, replicas, uneven, None)
 
   @tf.function
@@ -214,8 +236,8 @@ def _rel(copy, ref):
 
 def compare(single, many, case):
   (w1, s1), (wr, sr) = single, many
-  out = {"weights_rel": 0.0, "state_rel": 0.0, "identical": True,
-         "moved": 0.0, "differ": []}
+  out = {"weights_rel": 0.0, "state_rel": 0.0, "records_rel": 0.0,
+         "identical": True, "moved": 0.0, "differ": []}
   for name in MODEL_VARS[case]:
     out["moved"] = max(out["moved"],
                        float(np.max(np.abs(w1[name][0] - INIT[name]))))
@@ -225,8 +247,13 @@ def compare(single, many, case):
       raise AssertionError("different variables: %s vs %s" %
                            (sorted(one), sorted(rep)))
     for name in one:
+      # The records (rho, the quadratic model's rate and momentum, ...) are
+      # scalars from a 2x2 solve or a loss difference: compared apart.
+      where = "records_rel" if name.startswith("records/") else key
       for copy in rep[name]:
-        out[key] = max(out[key], _rel(copy, one[name][0]))
+        rel = _rel(copy, one[name][0])
+        if rel > out[where]:
+          out[where], out[where + "_worst"] = rel, name
         if not np.array_equal(copy, rep[name][0], equal_nan=True):
           out["identical"] = False
           out["differ"].append(name)

@@ -90,6 +90,13 @@ ARGUMENTS = (
     "always_use_exact_qmodel_for_damping_adjustment")
 
 
+class _StoredDamping:
+  """The initial value of a damping kept in the StateStore."""
+
+  def __init__(self, initial):
+    self.initial = initial
+
+
 def inner64(a, b):
   """sum(a * b) in float64."""
   return tf.reduce_sum(utils.cast(a, tf.float64) * utils.cast(b, tf.float64))
@@ -209,8 +216,26 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
       raise ValueError(
           "%s needs the initial damping as a positive Python number (or a "
           "scalar tf.Variable to adapt in place), got %r." % (what, damping))
-    return self._store.get_or_create("adaptive/damping", [], tf.float64,
-                                     initial_value=float(damping))
+    return _StoredDamping(float(damping))
+
+  # The adapted damping lives in the StateStore, created when first used
+  # (in the step: under a strategy, as a replica-local variable).
+  @property
+  def _damping(self):
+    value = self.__dict__.get("_damping_value")
+    if isinstance(value, _StoredDamping):
+      return self._store.get_or_create("adaptive/damping", [], tf.float64,
+                                       initial_value=value.initial)
+    return value
+
+  @_damping.setter
+  def _damping(self, value):
+    self.__dict__["_damping_value"] = value
+
+  @property
+  def _damping_is_stored(self):
+    """Whether the adapted damping is K-FAC's (not the user's variable)."""
+    return isinstance(self.__dict__.get("_damping_value"), _StoredDamping)
 
   @property
   def _uses_damping_model(self):

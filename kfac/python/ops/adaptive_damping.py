@@ -28,6 +28,15 @@ their exact previous values), rho of that trial is computed as above, and
 space towards rho between the thresholds). The inverses are recomputed on
 every burn-in step, with the damping of that step.
 
+Under several replicas (tf.distribute) the losses are reduced across the
+replicas (the passed loss summed, following the gradients' convention;
+loss_fn's value averaged with the replicas' batch sizes as weights). The
+reductions cannot run inside a conditional, so there every loss the rule
+uses is evaluated on every step (one extra forward pass per step instead of
+per adaptation step) and only the rule itself is conditional. The damping
+calibration moves the (mirrored) model variables inside a conditional and
+is not supported with several replicas.
+
 Only the chief (is_chief=True) adapts or calibrates the damping. The
 damping lives in a float64 state variable (`adaptive/damping`), or in the
 scalar variable passed as `damping`, floored at min_damping; the
@@ -39,6 +48,7 @@ import tensorflow as tf
 
 from kfac.python.ops import damping_adaptation
 from kfac.python.ops import utils
+from kfac.python.ops.distribute import collective
 
 
 class AdaptiveDampingMixin:
@@ -61,7 +71,11 @@ class AdaptiveDampingMixin:
   # ------------------------------------------------------------ losses
   def _adaptation_step(self):
     counter = tf.convert_to_tensor(self.counter)
-    return tf.equal(counter % self._adaptation_interval, 0)
+    now = tf.equal(counter % self._adaptation_interval, 0)
+    # Under several replicas a step's commit is built unconditionally and
+    # says whether it applies (not during burn-in): see optimizer.py.
+    active = getattr(self, "_commit_active", None)
+    return now if active is None else tf.logical_and(now, active)
 
   @staticmethod
   def _batch(batch):
@@ -74,7 +88,21 @@ class AdaptiveDampingMixin:
           "The damping rule evaluates loss_fn(%s), but %s is not set: pass "
           "it to the constructor or call set_%s(...) (in a tf.function, on "
           "every trace)." % (what, what, what))
-    return tf.cast(self._loss_fn(batch), tf.float64)
+    value = tf.cast(self._loss_fn(batch), tf.float64)
+    if collective.is_distributed():
+      (value,) = collective.all_reduce(
+          [value], collective.MEAN,
+          weight=self._require_estimator().replica_examples())
+    return value
+
+  def _loss_fn_thunk(self, batch, what):
+    """A function returning loss_fn(batch) (reduced across replicas): built
+    where it is called with one replica, now (outside any conditional)
+    under several."""
+    if collective.is_distributed():
+      value = self._evaluate_loss_fn(batch, what)
+      return lambda: value
+    return lambda: self._evaluate_loss_fn(batch, what)
 
   def _passed_loss_value(self):
     loss = self._loss if self._loss is not None else self._passed_loss
@@ -83,7 +111,10 @@ class AdaptiveDampingMixin:
           "The damping rule needs the loss before the update: use "
           "minimize(loss), pass loss=... / call set_loss(loss), or pass "
           "use_passed_loss=False to evaluate loss_fn(train_batch).")
-    return utils.cast(loss, tf.float64)
+    loss = utils.cast(loss, tf.float64)
+    if collective.is_distributed():
+      loss = collective.all_reduce_one(loss, collective.SUM)
+    return loss
 
   def _loss_before(self):
     if self._use_passed_loss:
@@ -125,8 +156,9 @@ class AdaptiveDampingMixin:
     adapt_now = self._adaptation_step()
     if not self._use_passed_loss:
       keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
-      ops.append(utils.cond_op(adapt_now, lambda: keep.assign(
-          self._evaluate_loss_fn(self._train_batch, "train_batch"))))
+      loss_before = self._loss_fn_thunk(self._train_batch, "train_batch")
+      ops.append(utils.cond_op(adapt_now,
+                               lambda: keep.assign(loss_before())))
     if not self._update_damping_immediately:
       pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
       prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
@@ -134,10 +166,11 @@ class AdaptiveDampingMixin:
       prev_change = self._store.get_or_create("adaptive/prev_change", [],
                                               tf.float64)
       counter = tf.convert_to_tensor(self.counter)
+      loss_after = self._loss_fn_thunk(self._prev_train_batch,
+                                       "prev_train_batch")
 
       def evaluate_previous():
-        after = self._evaluate_loss_fn(self._prev_train_batch,
-                                       "prev_train_batch")
+        after = loss_after()
         with tf.control_dependencies([self._apply_rule(
             prev_loss, after, prev_change, counter)]):
           return pending.assign(0)
@@ -156,9 +189,11 @@ class AdaptiveDampingMixin:
       # before the update (use_passed_loss=False).
       before = self._loss_before()
       if self._update_damping_immediately:
+        loss_after = self._loss_fn_thunk(self._train_batch, "train_batch")
+
         def rule():
           change, records = self._model_change_op(update)
-          after = self._evaluate_loss_fn(self._train_batch, "train_batch")
+          after = loss_after()
           return self._apply_rule(before, after, change, counter, records)
         return utils.cond_op(adapt_now, rule)
 

@@ -279,13 +279,13 @@ class FisherEstimator:
             symmetric.append(sym)
         reduced = collective.all_reduce(
             tensors, collective.MEAN, symmetric,
-            weight=self._replica_examples())
+            weight=self.replica_examples())
       self._reduced = {}
       for name, stat in zip(names, reduced):
         self._reduced.setdefault(name, []).append(stat)
     return self._reduced
 
-  def _replica_examples(self):
+  def replica_examples(self):
     """This replica's number of examples (of the first registered loss),
     the weight of its statistics in the cross-replica average."""
     if self._batch_size is not None:

@@ -59,6 +59,10 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   _layers = replicas.PerReplicaAttribute()
   _estimator = replicas.PerReplicaAttribute()
   _passed_loss = replicas.PerReplicaAttribute()
+  _loss = replicas.PerReplicaAttribute()
+  _train_batch = replicas.PerReplicaAttribute()
+  _prev_train_batch = replicas.PerReplicaAttribute()
+  _commit_active = replicas.PerReplicaAttribute()
 
   def __init__(self,
                learning_rate,
@@ -382,21 +386,27 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     """Raises NotImplementedError for what does not run on several
     replicas yet."""
     unsupported = []
-    if self._adapt_damping:
-      unsupported.append("adapt_damping=True")
     if getattr(self, "_calibrate_damping", False):
-      unsupported.append("calibrate_damping=True")
+      unsupported.append(
+          "calibrate_damping=True (the calibration tries the update on the "
+          "model's variables inside a conditional, where mirrored variables "
+          "cannot change; use adapt_damping=True or choose the initial "
+          "damping)")
+    if self._adapt_damping and not self._damping_is_stored:
+      unsupported.append(
+          "adapt_damping=True with the damping in your variable %s (the "
+          "replicas would each adapt it; pass the initial damping as a "
+          "number, and K-FAC keeps the adapted one per replica)" %
+          utils.variable_name(self._damping))
     if self._placement_strategy == "round_robin":
-      unsupported.append("placement_strategy='round_robin' (in-graph "
-                         "devices; replicas place their own ops)")
+      unsupported.append(
+          "placement_strategy='round_robin' (in-graph device placement; "
+          "under a strategy each replica places its own ops on its device)")
     if unsupported:
       raise NotImplementedError(
-          "%s with several replicas (%s): %s %s not supported yet (the "
-          "damping rule evaluates the loss after the update inside a "
-          "conditional, where replicas cannot communicate). Use a fixed or "
-          "scheduled damping, or momentum_type='qmodel'." %
+          "%s with several replicas (%s): %s %s not supported yet." %
           (type(self).__name__, type(tf.distribute.get_strategy()).__name__,
-           ", ".join(unsupported),
+           "; ".join(unsupported),
            "is" if len(unsupported) == 1 else "are"))
 
   def _reduce_gradients(self, grads_and_vars):
@@ -468,9 +478,13 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
 
   def _commit_replicated(self, update, active):
     """`_commit` under several replicas: the K-FAC state (replica-local)
-    changes inside the condition; the model's mirrored variables through
-    one merge_call outside it (a zero change when `active` is false)."""
+    changes inside the conditions; the model's mirrored variables through
+    one merge_call outside them (a zero change when `active` is false).
+    The damping rule's conditions include `active`."""
+    self._commit_active = active
     with tf.control_dependencies(update.dependencies()):
+      before = self._adaptation_before_update(update)
+    with tf.control_dependencies(before):
       def state_ops():
         ops = [velocity.assign(value)
                for velocity, value in update.velocity_assigns]
@@ -488,7 +502,10 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
           delta = tf.where(active, delta, tf.zeros_like(delta))
         updates.append((_assign_add, var, (delta,)))
     with tf.name_scope("apply_to_replicas"):
-      return collective.apply_updates(updates)
+      step_op = collective.apply_updates(updates)
+    result = self._adaptation_after_update(update, step_op)
+    self._commit_active = None
+    return result
 
   def _finish(self, step_op, global_step):
     self._passed_loss = None
