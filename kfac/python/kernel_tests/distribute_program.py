@@ -1,6 +1,8 @@
 """R replicas against 1 replica on the same global batch (run as a program).
 
     python -m kfac.python.kernel_tests.distribute_program R WORLD CASE...
+    python -m kfac.python.kernel_tests.distribute_program multiworker \
+        TASK_INDEX PORT0,PORT1 CASE...    (one process per worker)
 
 configures R logical CPU devices (before TensorFlow initialises, hence a
 program of its own), and for each CASE ("model:optimizer[:uneven]") trains
@@ -27,6 +29,7 @@ gradient (the tf.compat.v1 optimizer convention under a strategy). With
 
 import contextlib
 import json
+import os
 import sys
 
 import numpy as np
@@ -260,7 +263,32 @@ def compare(single, many, case):
   return out
 
 
+def main_multiworker(argv):
+  """multiworker TASK_INDEX PORT0,PORT1,... CASE...: one worker (one CPU
+  replica) of a MultiWorkerMirroredStrategy cluster on localhost."""
+  index, ports = int(argv[2]), argv[3].split(",")
+  os.environ["TF_CONFIG"] = json.dumps({
+      "cluster": {"worker": ["localhost:%s" % p for p in ports]},
+      "task": {"type": "worker", "index": index}})
+  import kfac  # pylint: disable=g-import-not-at-top
+  # Created first: it configures the collective ops of this process.
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  replicas = strategy.num_replicas_in_sync
+  for spec in argv[4:]:
+    parts = spec.split(":")
+    case, optname, uneven = parts[0], parts[1], "uneven" in parts[2:]
+    single = run_tf2(kfac, None, case, optname, 1, False)
+    many = run_tf2(kfac, strategy, case, optname, replicas, uneven)
+    result = compare(single, many, case)
+    result.update(case=spec, world="multiworker", replicas=replicas,
+                  worker=index)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 def main(argv):
+  if argv[1] == "multiworker":
+    main_multiworker(argv)
+    return
   replicas, world = int(argv[1]), argv[2]
   cpus = tf.config.list_physical_devices("CPU")
   tf.config.set_logical_device_configuration(

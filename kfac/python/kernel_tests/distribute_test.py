@@ -16,12 +16,14 @@ the fast tier; the full matrix (R in {2, 4}, dense / conv / embedding /
 multi-use layers, burn-in with invert_every = cov_update_every = 2,
 momentum, qmodel, KfacOptimizer with explicit update ops, the
 Levenberg-Marquardt damping rule with qmodel and with the delayed rule on
-loss_fn, uneven shards) is slow.
+loss_fn, uneven shards) is slow, as is the MultiWorkerMirroredStrategy
+run: two localhost worker processes against one process.
 """
 
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -36,22 +38,43 @@ REL_TOL = 1e-5
 RECORDS_REL_TOL = 1e-4
 
 
-def run_program(replicas, world, cases):
+_ROOT = str(pathlib.Path(kfac.__file__).parents[1])
+_PROGRAM = [sys.executable, "-m",
+            "kfac.python.kernel_tests.distribute_program"]
+
+
+def _env():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  root = str(pathlib.Path(kfac.__file__).parents[1])
   env["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in [env.get("PYTHONPATH")] if p])
-  proc = subprocess.run(
-      [sys.executable, "-m", "kfac.python.kernel_tests.distribute_program",
-       str(replicas), world] + list(cases),
-      env=env, capture_output=True, text=True, timeout=900, check=False,
-      cwd=root)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+      [_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+  env.pop("TF_CONFIG", None)
+  return env
+
+
+def _results(stdout, stderr, returncode, cases):
+  assert returncode == 0, stdout[-3000:] + stderr[-5000:]
   results = [json.loads(line[len("RESULT "):])
-             for line in proc.stdout.splitlines()
-             if line.startswith("RESULT ")]
-  assert [r["case"] for r in results] == list(cases), proc.stdout
+             for line in stdout.splitlines() if line.startswith("RESULT ")]
+  assert [r["case"] for r in results] == list(cases), stdout
   return results
+
+
+def run_program(replicas, world, cases):
+  proc = subprocess.run(_PROGRAM + [str(replicas), world] + list(cases),
+                        env=_env(), capture_output=True, text=True,
+                        timeout=900, check=False, cwd=_ROOT)
+  return _results(proc.stdout, proc.stderr, proc.returncode, cases)
+
+
+def _free_ports(count):
+  socks = [socket.socket() for _ in range(count)]
+  try:
+    for s in socks:
+      s.bind(("localhost", 0))
+    return [s.getsockname()[1] for s in socks]
+  finally:
+    for s in socks:
+      s.close()
 
 
 def check(results):
@@ -76,3 +99,32 @@ def test_replicas_equal_one(world, replicas):
     # shards of 3 and 5 examples
     cases.extend(["dense:periodic:uneven", "dense:adaptive:uneven"])
   check(run_program(replicas, world, cases))
+
+
+@pytest.mark.slow
+def test_two_workers_equal_one_process():
+  """MultiWorkerMirroredStrategy: two localhost processes (one CPU replica
+  each, TF_CONFIG cluster) train as one process on the global batch."""
+  cases = ["dense:periodic", "conv:periodic", "dense:adaptive:uneven"]
+  ports = ",".join(str(p) for p in _free_ports(2))
+  procs = [subprocess.Popen(
+      _PROGRAM + ["multiworker", str(i), ports] + cases, env=_env(),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT)
+           for i in range(2)]
+  outs = []
+  try:
+    for proc in procs:
+      stdout, stderr = proc.communicate(timeout=900)
+      outs.append(_results(stdout, stderr, proc.returncode, cases))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for worker, results in enumerate(outs):
+    assert all(r["worker"] == worker and r["replicas"] == 2
+               for r in results), results
+    check(results)
+  # Both workers end with the same weights (the same distance to the
+  # one-process run).
+  assert [r["weights_rel"] for r in outs[0]] == [
+      r["weights_rel"] for r in outs[1]]
