@@ -156,6 +156,7 @@ bench: venv data $(OLD_KFAC_STAMP)
 	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
 	  --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
 
 bench-tune: venv data

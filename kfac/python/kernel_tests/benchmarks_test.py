@@ -182,3 +182,27 @@ def test_diverged_run_is_reported_not_raised(tmp_path):
                   "[0, 2, 4, 6, 8] [10.0, 8.0, 6.0, 4.0, 2.0]"), line
   assert "[bad] step 5  diverged (Received a label value of 10" in (
       proc.stdout)
+
+
+def test_distributed_step_time_quick(tmp_path):
+  """The distributed benchmark runs 1 and 2 replicas and writes its table,
+  JSON and plot (times are not checked; the element counts are)."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "distributed_step_time.py"), "--quick",
+       "--replicas=1,2", "--workloads=autoencoder",
+       "--output_dir=%s" % tmp_path],
+      capture_output=True, text=True, timeout=600, check=False,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(tmp_path / "distributed_step_time.json") as f:
+    rows = json.load(f)
+  assert [r["replicas"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["ms"] > 0
+    # The small autoencoder 64-48-32-16-8-16-32-48-64: its parameters, and
+    # the upper triangles of its 16 Kronecker factors (biases in A).
+    assert r["grad_elements"] == 10760, r
+    assert r["stat_elements"] == 11864, r
+  assert (tmp_path / "distributed_step_time.png").stat().st_size > 0
+  assert "| autoencoder | 1000 | 2 |" in (
+      tmp_path / "distributed_step_time.md").read_text()
