@@ -12,6 +12,8 @@ Calls are recorded only while tracing (a `tf.function`, which is where
 `model.fit` runs its train step and where a Keras 3 optimizer's `apply`
 runs, in the same graph). Records are kept per graph: a new trace starts a
 new set, and the optimizer reads the set of the graph it is building.
+Under a tf.distribute strategy with several replicas, whose replicas trace
+into one graph, they are kept per replica as well.
 The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
 `sample_weight` of a `fit` step.
 """
@@ -47,10 +49,38 @@ def recorder_for(model):
 
 
 def _tracing_graph():
-  """The graph being built, or None when executing eagerly."""
+  """Where records go: the graph being built (None when executing
+  eagerly), and under a tf.distribute strategy with several replicas, the
+  replica building it (all replicas of a MirroredStrategy step trace into
+  one graph, each with its own layer calls)."""
   if tf.executing_eagerly():
     return None
-  return tf.compat.v1.get_default_graph()
+  return _RecordKey(tf.compat.v1.get_default_graph(), _replica_index())
+
+
+def _replica_index():
+  if not tf.distribute.has_strategy():
+    return None
+  if tf.distribute.get_strategy().num_replicas_in_sync <= 1:
+    return None
+  ctx = tf.distribute.get_replica_context()
+  if ctx is None:
+    return None
+  return int(tf.get_static_value(ctx.replica_id_in_sync_group))
+
+
+class _RecordKey(collections.namedtuple("_RecordKey", ["graph", "replica"])):
+  """(graph, replica); equal when both are the same (graphs by identity)."""
+
+  def __eq__(self, other):
+    return (isinstance(other, _RecordKey) and self.graph is other.graph and
+            self.replica == other.replica)
+
+  def __ne__(self, other):
+    return not self == other
+
+  def __hash__(self):
+    return hash((id(self.graph), self.replica))
 
 
 def _first_input(args, kwargs):
@@ -64,9 +94,10 @@ class ModelRecorder:
 
   def __init__(self, model):
     self._model_ref = weakref.ref(model)
-    self._calls = {}  # id(layer) -> (graph, [Call, ...])
-    self._loss_args = None  # (graph, {"y": ..., "y_pred": ..., ...})
-    self._model_outputs = None  # (graph, outputs of the model's last call)
+    # Keyed by _RecordKey (graph, replica); only the latest graph's kept.
+    self._calls = {}  # id(layer) -> {key: [Call, ...]}
+    self._loss_args = {}  # key -> {"y": ..., "y_pred": ..., ...}
+    self._model_outputs = {}  # key -> outputs of the model's last call
     self._wrapped = set()
     self._paused = False
     self.refresh()
@@ -144,7 +175,7 @@ class ModelRecorder:
       outputs = original_call(*args, **kwargs)
       graph = recorder._recording_graph()
       if graph is not None:
-        recorder._model_outputs = (graph, outputs)
+        _put(recorder._model_outputs, graph, outputs)
       return outputs
 
     object.__setattr__(model, "call",
@@ -158,41 +189,42 @@ class ModelRecorder:
         names = ("x", "y", "y_pred", "sample_weight")
         recorded = dict(zip(names, args))
         recorded.update({k: v for k, v in kwargs.items() if k in names})
-        recorder._loss_args = (graph, recorded)
+        _put(recorder._loss_args, graph, recorded)
       return original_loss(*args, **kwargs)
 
     object.__setattr__(model, "compute_loss", compute_loss)
     self._wrapped.add(id(model))
 
   def _add_call(self, layer, graph, call):
-    graph_and_calls = self._calls.get(id(layer))
-    if graph_and_calls is None or graph_and_calls[0] is not graph:
-      graph_and_calls = (graph, [])
-      self._calls[id(layer)] = graph_and_calls
-    graph_and_calls[1].append(call)
+    per_key = self._calls.setdefault(id(layer), {})
+    if graph not in per_key:
+      _put(per_key, graph, [])
+    per_key[graph].append(call)
 
   # ------------------------------------------------------------ reading
   def calls(self, layer, graph=None):
-    """The recorded calls of `layer` in `graph` (default: the current one)."""
+    """The recorded calls of `layer` in `graph` (default: the current one,
+    and the current replica's)."""
     graph = graph or _tracing_graph()
-    graph_and_calls = self._calls.get(id(layer))
-    if graph is None or graph_and_calls is None:
+    if graph is None:
       return []
-    if graph_and_calls[0] is not graph:
-      return []
-    return list(graph_and_calls[1])
+    return list(self._calls.get(id(layer), {}).get(graph, []))
 
   def loss_args(self, graph=None):
     """{"y", "y_pred", "sample_weight", "x"} of the model's compute_loss in
     `graph`, or None."""
     graph = graph or _tracing_graph()
-    if self._loss_args is None or self._loss_args[0] is not graph:
-      return None
-    return self._loss_args[1]
+    return self._loss_args.get(graph) if graph is not None else None
 
   def model_outputs(self, graph=None):
     """The outputs of the model's last call in `graph`, or None."""
     graph = graph or _tracing_graph()
-    if self._model_outputs is None or self._model_outputs[0] is not graph:
-      return None
-    return self._model_outputs[1]
+    return self._model_outputs.get(graph) if graph is not None else None
+
+
+def _put(records, key, value):
+  """records[key] = value, dropping the records of other graphs (a new
+  trace replaces the previous one's)."""
+  for old in [k for k in records if k.graph is not key.graph]:
+    del records[old]
+  records[key] = value

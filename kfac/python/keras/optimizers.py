@@ -54,6 +54,7 @@ from kfac.python.keras import loss_registration
 from kfac.python.keras import utils as keras_utils
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
 from kfac.python.ops import utils as kfac_utils
+from kfac.python.ops.distribute import collective
 
 # Hyperparameters kept in variables, so that callbacks and users can change
 # them between steps without retracing.
@@ -382,12 +383,12 @@ class KfacKerasMixin:
           "model.fit with run_eagerly=True, or an eager custom loop, is not "
           "supported. Trace the step with tf.function.")
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
+    if replicas > 1 and self._kfac_adaptive:
       raise NotImplementedError(
-          "Kfac under a tf.distribute strategy with %d replicas: the factor "
-          "statistics would need cross-replica averaging, which this version "
-          "does not do. Use one replica (or the TF1 placement options of "
-          "kfac.PeriodicInvCovUpdateKfacOpt)." % replicas)
+          "Kfac(adaptive=True) under a tf.distribute strategy with %d "
+          "replicas is not supported yet (it writes the chosen learning rate "
+          "into the optimizer's mirrored hyperparameter inside the step). "
+          "Use a fixed learning rate, or one replica." % replicas)
     if self._kfac_model is None:
       raise ValueError(
           "Kfac has no model: create it with Kfac(..., model=model), call "
@@ -395,6 +396,10 @@ class KfacKerasMixin:
           "kfac.keras.saving_utils.load_model.")
     seed = tf.stack([tf.constant(self._kfac_seed, tf.int64),
                      tf.cast(iteration, tf.int64)])
+    if replicas > 1:  # each replica samples its own targets
+      seed = seed + tf.stack([
+          tf.cast(collective.replica_id(), tf.int64) * 1000003,
+          tf.constant(0, tf.int64)])
     keras_utils.name_state_by_structure(self._kfac_model)
     lc, report = keras_utils.get_layer_collection(
         self._kfac_model, *self._kfac_losses(),
