@@ -24,7 +24,10 @@ strategy.run). Prints one JSON line per case:
 Each replica's loss is its mean loss times n_r / N (its share of the global
 batch), so that the replicas' summed gradients are the global batch's mean
 gradient (the tf.compat.v1 optimizer convention under a strategy). With
-":uneven" the shards have different sizes (3 + 5 for R = 2).
+":uneven" the shards have different sizes (3 + 5 for R = 2). With
+":estimator" (TF1) the replicas' losses are not scaled, and the step is
+built as an Estimator builds it (the strategy's "scale the loss for the
+Estimator" mode), where compute_gradients scales a mean loss by 1 / R.
 """
 
 import contextlib
@@ -152,10 +155,15 @@ def local(strategy, var):
   return list(strategy.experimental_local_results(var))
 
 
+ESTIMATOR = {"on": False}  # the ":estimator" flag of the running case
+
+
 def _step_fn(kfac, case, opt, v, names, replicas, uneven, global_step):
   def step():
     lc = kfac.LayerCollection()
     data, share = replica_batch(replicas, uneven)
+    if ESTIMATOR["on"]:
+      share = 1.0  # compute_gradients scales it
     loss = model(case, v, data, lc) * share
     # The damping rule's batches (the data do not change between steps).
     opt.set_train_batch(data)
@@ -190,7 +198,11 @@ def run_tf1(kfac, strategy, case, optname, replicas, uneven):
       if strategy is None:
         train = step()
       else:
-        train = strategy.group(strategy.extended.call_for_each_replica(step))
+        scaling = (strategy._scale_loss_for_estimator_enabled()  # pylint: disable=protected-access
+                   if ESTIMATOR["on"] else contextlib.nullcontext())
+        with scaling:
+          train = strategy.group(
+              strategy.extended.call_for_each_replica(step))
       store = opt.state_store.variables_by_name
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -302,6 +314,7 @@ def main(argv):
   for spec in argv[3:]:
     parts = spec.split(":")
     case, optname, uneven = parts[0], parts[1], "uneven" in parts[2:]
+    ESTIMATOR["on"] = "estimator" in parts[2:]
     single = run(kfac, None, case, optname, 1, False)
     many = run(kfac, strategy, case, optname, replicas, uneven)
     result = compare(single, many, case)

@@ -16,7 +16,7 @@ the fast tier; the full matrix (R in {2, 4}, dense / conv / embedding /
 multi-use layers, burn-in with invert_every = cov_update_every = 2,
 momentum, qmodel, KfacOptimizer with explicit update ops, the
 Levenberg-Marquardt damping rule with qmodel and with the delayed rule on
-loss_fn, uneven shards) is slow, as is the MultiWorkerMirroredStrategy
+loss_fn, uneven shards, the Estimator's loss scaling in TF1) is slow, as is the MultiWorkerMirroredStrategy
 run: two localhost worker processes against one process.
 """
 
@@ -98,6 +98,10 @@ def test_replicas_equal_one(world, replicas):
   if replicas == 2:
     # shards of 3 and 5 examples
     cases.extend(["dense:periodic:uneven", "dense:adaptive:uneven"])
+  if world == "tf1":
+    # Unscaled losses, built as an Estimator builds its step:
+    # compute_gradients scales them by 1 / R.
+    cases.extend(["dense:periodic:estimator", "conv:adaptive:estimator"])
   check(run_program(replicas, world, cases))
 
 

@@ -328,13 +328,16 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     if var_list is None:
       var_list = self._var_list or list(self.registered_variables)
     var_list = list(var_list)
+    # Under an Estimator with a distribution strategy, a mean loss is
+    # scaled by 1 / replicas (tf.compat.v1.train.Optimizer's rule), so
+    # that the summed gradients are the global batch's.
     if callable(loss):
       with tf.GradientTape() as tape:
-        loss_value = loss()
+        loss_value = self._scale_loss(loss())
       grads = tape.gradient(loss_value, var_list, output_gradients=grad_loss)
     else:
-      loss_value = loss
-      grads = tf.gradients(loss, var_list, grad_ys=grad_loss,
+      loss_value = self._scale_loss(loss)
+      grads = tf.gradients(loss_value, var_list, grad_ys=grad_loss,
                            aggregation_method=aggregation_method)
     # The loss of this step, for the damping rule (use_passed_loss).
     self._passed_loss = loss_value
