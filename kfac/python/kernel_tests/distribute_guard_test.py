@@ -53,6 +53,21 @@ def make_opt(**kwargs):
 
 def report(error):
   print("ERROR", type(error).__name__, str(error).replace("\n", " "))
+
+
+def run_tf2_step(strategy, w, opt, error):
+  """Builds and runs one TF2 step under strategy.run; reports `error`."""
+  @tf.function
+  def train():
+    def step():
+      lc = kfac.LayerCollection()
+      opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
+                   layer_collection=lc)
+    strategy.run(step)
+  try:
+    train()
+  except error as e:
+    report(e)
 '''
 
 _CASES = {
@@ -81,34 +96,14 @@ with strategy.scope():
   w = tf.Variable(W0)
 opt = make_opt(calibrate_damping=True, num_burnin_steps=2,
                loss_fn=lambda batch: tf.constant(0.0), train_batch=())
-@tf.function
-def train():
-  def step():
-    lc = kfac.LayerCollection()
-    opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
-                 layer_collection=lc)
-  strategy.run(step)
-try:
-  train()
-except NotImplementedError as e:
-  report(e)
+run_tf2_step(strategy, w, opt, NotImplementedError)
 ''',
     # The model's variable created outside strategy.scope().
     "tf2_variable_outside_scope": r'''
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 w = tf.Variable(W0, name="outside")
 opt = make_opt()
-@tf.function
-def train():
-  def step():
-    lc = kfac.LayerCollection()
-    opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
-                 layer_collection=lc)
-  strategy.run(step)
-try:
-  train()
-except ValueError as e:
-  report(e)
+run_tf2_step(strategy, w, opt, ValueError)
 ''',
     # The estimator's update ops, built in the strategy's cross-replica scope.
     "estimator_in_scope": r'''
