@@ -35,6 +35,7 @@ from kfac.python.ops import placement
 from kfac.python.ops import schedules
 from kfac.python.ops import state
 from kfac.python.ops import utils
+from kfac.python.ops.kfac_utils import async_inv_cov_update_kfac_opt
 
 LayerCollection = layer_collection.LayerCollection
 CurvatureMatrixVectorProductComputer = (
@@ -43,6 +44,8 @@ KfacOptimizer = optimizer.KfacOptimizer
 StateStore = state.StateStore
 PeriodicInvCovUpdateKfacOpt = (
     periodic_inv_cov_update_kfac_opt.PeriodicInvCovUpdateKfacOpt)
+AsyncInvCovUpdateKfacOpt = (
+    async_inv_cov_update_kfac_opt.AsyncInvCovUpdateKfacOpt)
 
 __version__ = "0.3.0.dev0"
 
@@ -56,6 +59,7 @@ def __getattr__(name):
 
 __all__ = [
     "LayerCollection", "KfacOptimizer", "PeriodicInvCovUpdateKfacOpt",
+    "AsyncInvCovUpdateKfacOpt",
     "CurvatureMatrixVectorProductComputer", "batch_size_schedules",
     "curvature_matrix_vector_products", "data_reader", "data_reader_alt",
     "schedules", "estimator", "fisher_blocks", "fisher_factors", "layer_collection",

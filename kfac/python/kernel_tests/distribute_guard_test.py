@@ -1,8 +1,9 @@
 """What K-FAC does not support under several replicas is refused with a
 clear error instead of running silently wrong (the damping calibration, a
-damping variable of the user's adapted by the damping rule, ops built in the cross-replica context, model variables created outside
-the strategy), and one replica under a strategy trains exactly as without
-one. (What is supported is checked against one replica in
+damping variable of the user's adapted by the damping rule, the
+asynchronous optimizer, ops built in the cross-replica context, model
+variables created outside the strategy), and one replica under a strategy
+trains exactly as without one. (What is supported is checked against one replica in
 distribute_test.py.)
 
 The replicas are logical CPU devices, which must be configured before
@@ -105,6 +106,22 @@ w = tf.Variable(W0, name="outside")
 opt = make_opt()
 run_tf2_step(strategy, w, opt, ValueError)
 ''',
+    # The asynchronous optimizer (Session threads) in a TF1 replica step.
+    "tf1_async": r'''
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with tf.Graph().as_default(), strategy.scope():
+  w = tf.Variable(W0)
+  args = dict(learning_rate=0.1, damping=0.1, momentum=0.0)
+  opt = kfac.AsyncInvCovUpdateKfacOpt(None, None, **args)
+  def step():
+    lc = kfac.LayerCollection()
+    return opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
+                        layer_collection=lc)
+  try:
+    strategy.extended.call_for_each_replica(step)
+  except NotImplementedError as e:
+    report(e)
+''',
     # The estimator's update ops, built in the strategy's cross-replica scope.
     "estimator_in_scope": r'''
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -165,6 +182,9 @@ def _run(case):
      "ERROR NotImplementedError PeriodicInvCovUpdateKfacOpt with several "
      "replicas (MirroredStrategy): calibrate_damping=True (the calibration "
      "tries the update on the model's variables inside a conditional"),
+    ("tf1_async",
+     "ERROR NotImplementedError AsyncInvCovUpdateKfacOpt with several "
+     "replicas (MirroredStrategy): its update ops run in Session threads"),
     ("estimator_in_scope",
      "ERROR NotImplementedError K-FAC ops built in the cross-replica context "
      "of MirroredStrategy with 2 replicas: build the training step inside "
