@@ -13,9 +13,18 @@ Replicas are logical CPU devices here (--devices=cpu, they share the
 machine's cores, so this measures the overhead of the reductions, not a
 speed-up) or the machine's GPUs (--devices=gpu, R up to their number).
 
-The elements all-reduced per step are counted from the model's factors:
-the statistics (upper triangles of the Kronecker factors, one collective
-per dtype) and the gradients (one collective); bytes are float32.
+Three variants run at each R > 1 (--variants): "eager" (the default: the
+statistics reduced at every step), "lazy" (lazy_statistics_sync=True: the
+replicas' accumulators reduced at inversion steps only) and "round_robin"
+(placement_strategy="replica_round_robin": each factor's inverses computed
+on one replica and broadcast at inversion steps); the "vs eager" column is
+each row's time over the eager row of the same workload and R.
+
+The elements all-reduced per step (averaged over the invert_every steps)
+are counted from the model's factors: the statistics (upper triangles of
+the Kronecker factors, one collective per dtype; lazy: once per
+invert_every steps), the gradients (one collective), and for round_robin
+the inverses (in full, once per invert_every steps); bytes are float32.
 
   python examples/benchmarks/distributed_step_time.py    # a few minutes
   python examples/benchmarks/distributed_step_time.py --quick
@@ -42,10 +51,19 @@ flags.DEFINE_list("workloads", ["autoencoder", "convnet"], "Workloads.")
 flags.DEFINE_enum("devices", "cpu", ["cpu", "gpu"], "Replica devices.")
 flags.DEFINE_integer("steps", 10, "Timed steps (after 3 warm-up steps).")
 flags.DEFINE_bool("quick", False, "Digits, small models, 3 timed steps.")
+flags.DEFINE_list("variants", ["eager", "lazy", "round_robin"],
+                  "Variants timed at R > 1 (see the module docstring).")
 flags.DEFINE_integer("worker_replicas", 0, "Internal: run one R.")
 
+INVERT_EVERY = 10
+_VARIANT_KWARGS = {
+    "eager": {},
+    "lazy": {"lazy_statistics_sync": True},
+    "round_robin": {"placement_strategy": "replica_round_robin"},
+}
 
-def _measure(workload_name, strategy):
+
+def _measure(workload_name, strategy, variant):
   """(ms per step, elements all-reduced per step) in this process."""
   import tensorflow as tf
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,8 +82,8 @@ def _measure(workload_name, strategy):
     variables = workload.make_variables(workload.init_params(data, seed=0))
   var_list = workload.flat_variables(variables)
   opt = kfac.PeriodicInvCovUpdateKfacOpt(
-      invert_every=10, learning_rate=1e-3, damping=1.0, momentum=0.9,
-      l2_reg=workload.l2_reg)
+      invert_every=INVERT_EVERY, learning_rate=1e-3, damping=1.0,
+      momentum=0.9, l2_reg=workload.l2_reg, **_VARIANT_KWARGS[variant])
   per = batch // replicas
 
   def replica_step(xs, ys):
@@ -88,7 +106,9 @@ def _measure(workload_name, strategy):
   shards = strategy.experimental_distribute_values_from_function(shard)
   for _ in range(3):
     step(shards)
-  steps = 3 if FLAGS.quick else FLAGS.steps
+  # Whole inversion periods, so that every variant pays its inversions.
+  steps = INVERT_EVERY if FLAGS.quick else max(FLAGS.steps, INVERT_EVERY)
+  steps -= steps % INVERT_EVERY
   start = time.perf_counter()
   for _ in range(steps):
     out = step(shards)
@@ -113,7 +133,13 @@ def _measure(workload_name, strategy):
     stat_elements = collective.packed_size(stats, symmetric)
     grad_elements = sum(int(np.prod(v.shape))
                         for v in workload.flat_variables(plain))
-  return ms, stat_elements, grad_elements, batch
+    inv_elements = sum(int(np.prod(v.shape)) for v in est.get_inv_vars())
+  if variant == "lazy":
+    stat_elements /= float(INVERT_EVERY)
+  sent = stat_elements + grad_elements
+  if variant == "round_robin":
+    sent += inv_elements / float(INVERT_EVERY)
+  return ms, stat_elements, grad_elements, sent, batch
 
 
 def _worker():
@@ -132,26 +158,34 @@ def _worker():
   # One strategy per process: a second MirroredStrategy over the same
   # devices would reuse the first one's collective keys.
   strategy = tf.distribute.MirroredStrategy(devices)
+  variants = ["eager"] if replicas == 1 else FLAGS.variants
   for name in FLAGS.workloads:
-    ms, stats, grads, batch = _measure(name, strategy)
-    print("RESULT " + json.dumps(dict(
-        workload=name, replicas=replicas, batch=batch, ms=ms,
-        stat_elements=stats, grad_elements=grads)), flush=True)
+    for variant in variants:
+      ms, stats, grads, sent, batch = _measure(name, strategy, variant)
+      print("RESULT " + json.dumps(dict(
+          workload=name, replicas=replicas, variant=variant, batch=batch,
+          ms=ms, stat_elements=stats, grad_elements=grads,
+          sent_elements=0 if replicas == 1 else sent)), flush=True)
 
 
 def _table(rows):
-  lines = ["| workload | global batch | replicas | ms/step | vs 1 replica "
-           "| statistics elements | gradient elements | MB all-reduced per "
-           "replica per step |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| workload | global batch | replicas | variant | ms/step | vs 1 "
+           "replica | vs eager | statistics elements / step | gradient "
+           "elements | MB all-reduced per replica per step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   base = {r["workload"]: r["ms"] for r in rows if r["replicas"] == 1}
+  eager = {(r["workload"], r["replicas"]): r["ms"] for r in rows
+           if r["variant"] == "eager"}
   for r in rows:
     ratio = r["ms"] / base[r["workload"]] if r["workload"] in base else None
-    sent = 0 if r["replicas"] == 1 else (
-        r["stat_elements"] + r["grad_elements"]) * 4 / 1e6
-    lines.append("| %s | %d | %d | %.1f | %s | %d | %d | %.2f |" % (
-        r["workload"], r["batch"], r["replicas"], r["ms"],
-        "%.2fx" % ratio if ratio else "-", r["stat_elements"],
-        r["grad_elements"], sent))
+    key = (r["workload"], r["replicas"])
+    vs_eager = r["ms"] / eager[key] if key in eager else None
+    lines.append("| %s | %d | %d | %s | %.1f | %s | %s | %.0f | %d | %.2f |" % (
+        r["workload"], r["batch"], r["replicas"], r["variant"], r["ms"],
+        "%.2fx" % ratio if ratio else "-",
+        "%.2fx" % vs_eager if vs_eager and r["replicas"] > 1 else "-",
+        r["stat_elements"], r["grad_elements"],
+        r["sent_elements"] * 4 / 1e6))
   return "\n".join(lines)
 
 
@@ -161,9 +195,11 @@ def _plot(rows, path):
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 4))
   for name in sorted({r["workload"] for r in rows}):
-    mine = [r for r in rows if r["workload"] == name]
-    ax.plot([r["replicas"] for r in mine], [r["ms"] for r in mine], "o-",
-            label=name)
+    for variant in FLAGS.variants:
+      mine = [r for r in rows if r["workload"] == name and
+              (r["variant"] == variant or r["replicas"] == 1)]
+      ax.plot([r["replicas"] for r in mine], [r["ms"] for r in mine], "o-",
+              label="%s, %s" % (name, variant))
   ax.set_xlabel("replicas (%s devices)" % FLAGS.devices)
   ax.set_ylabel("ms per K-FAC step (global batch fixed)")
   ax.set_title("K-FAC under MirroredStrategy")
@@ -183,7 +219,8 @@ def main(argv):
     cmd = [sys.executable, os.path.abspath(__file__),
            "--worker_replicas=%s" % r, "--devices=%s" % FLAGS.devices,
            "--steps=%d" % FLAGS.steps,
-           "--workloads=%s" % ",".join(FLAGS.workloads)]
+           "--workloads=%s" % ",".join(FLAGS.workloads),
+           "--variants=%s" % ",".join(FLAGS.variants)]
     if FLAGS.quick:
       cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -197,8 +234,9 @@ def main(argv):
           print("%s replicas: skipped (%s)" % (r, row["skipped"]))
           continue
         rows.append(row)
-        print("%-11s %d replicas  %8.1f ms/step" % (
-            row["workload"], row["replicas"], row["ms"]), flush=True)
+        print("%-11s %d replicas %-11s %8.1f ms/step" % (
+            row["workload"], row["replicas"], row["variant"], row["ms"]),
+              flush=True)
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   table = _table(rows)
   header = ("# K-FAC step time under MirroredStrategy\n\n%s, %s devices, "

@@ -185,8 +185,9 @@ def test_diverged_run_is_reported_not_raised(tmp_path):
 
 
 def test_distributed_step_time_quick(tmp_path):
-  """The distributed benchmark runs 1 and 2 replicas and writes its table,
-  JSON and plot (times are not checked; the element counts are)."""
+  """The distributed benchmark runs 1 and 2 replicas (eager, lazy and
+  round-robin at 2) and writes its table, JSON and plot (times are not
+  checked; the element counts are)."""
   proc = subprocess.run(
       [sys.executable, str(BENCHMARKS / "distributed_step_time.py"), "--quick",
        "--replicas=1,2", "--workloads=autoencoder",
@@ -196,13 +197,22 @@ def test_distributed_step_time_quick(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   with open(tmp_path / "distributed_step_time.json") as f:
     rows = json.load(f)
-  assert [r["replicas"] for r in rows] == [1, 2]
+  assert [(r["replicas"], r["variant"]) for r in rows] == [
+      (1, "eager"), (2, "eager"), (2, "lazy"), (2, "round_robin")]
+  # The small autoencoder 64-48-32-16-8-16-32-48-64: its parameters, the
+  # upper triangles of its 16 Kronecker factors (biases in A), and their
+  # inverses in full (sum of n^2: 23192), per step of invert_every = 10.
+  grads, stats, inverses = 10760, 11864, 23192
+  expected = {"eager": (stats, grads + stats),
+              "lazy": (stats / 10, grads + stats / 10),
+              "round_robin": (stats, grads + stats + inverses / 10)}
   for r in rows:
     assert r["ms"] > 0
-    # The small autoencoder 64-48-32-16-8-16-32-48-64: its parameters, and
-    # the upper triangles of its 16 Kronecker factors (biases in A).
-    assert r["grad_elements"] == 10760, r
-    assert r["stat_elements"] == 11864, r
+    assert r["grad_elements"] == grads, r
+    stat_elements, sent = expected[r["variant"]]
+    assert r["stat_elements"] == pytest.approx(stat_elements), r
+    assert r["sent_elements"] == pytest.approx(
+        sent if r["replicas"] > 1 else 0), r
   assert (tmp_path / "distributed_step_time.png").stat().st_size > 0
-  assert "| autoencoder | 1000 | 2 |" in (
-      tmp_path / "distributed_step_time.md").read_text()
+  table = (tmp_path / "distributed_step_time.md").read_text()
+  assert "| autoencoder | 1000 | 2 | lazy |" in table

@@ -19,6 +19,7 @@ strategy.run). Prints one JSON line per case:
                solve or a difference of losses amplifies;
   identical:   every replica's copy of every weight and every state
                variable is bit-identical;
+  digest:      a hash of the R-replica run's weights;
   moved:       max |W_1 - W_init| (the run did train).
 
 Each replica's loss is its mean loss times n_r / N (its share of the global
@@ -28,9 +29,15 @@ gradient (the tf.compat.v1 optimizer convention under a strategy). With
 ":estimator" (TF1) the replicas' losses are not scaled, and the step is
 built as an Estimator builds it (the strategy's "scale the loss for the
 Estimator" mode), where compute_gradients scales a mean loss by 1 / R.
+With ":replica_round_robin" both runs use that placement strategy (each
+factor's inverses computed on one replica and broadcast); with
+":lazy_statistics_sync" the statistics are reduced only at inversion steps
+(the moving averages, stale between them, and the replicas' local
+accumulators are left out of state_rel).
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -63,31 +70,47 @@ MODEL_VARS = dict(dense=["w1", "b1", "w2", "b2"], conv=["k", "wc"],
 
 def make_optimizer(kfac, name, loss_fn):
   """The optimizer of a case; loss_fn(batch) is the model's mean loss."""
+  opt = _make_optimizer(kfac, name, loss_fn, **_placement_kwargs())
+  return opt
+
+
+def _placement_kwargs():
+  kwargs = {}
+  if FLAGS["replica_round_robin"]:
+    kwargs["placement_strategy"] = "replica_round_robin"
+  if FLAGS["lazy_statistics_sync"]:
+    kwargs["lazy_statistics_sync"] = True
+  return kwargs
+
+
+def _make_optimizer(kfac, name, loss_fn, **extra):
   if name == "adaptive":  # qmodel + Levenberg-Marquardt damping rule
     return kfac.PeriodicInvCovUpdateKfacOpt(
         invert_every=1, learning_rate=None, momentum=None,
         momentum_type="qmodel", damping=0.1, estimation_mode="exact",
-        adapt_damping=True, damping_adaptation_interval=2, loss_fn=loss_fn)
+        adapt_damping=True, damping_adaptation_interval=2, loss_fn=loss_fn,
+        **extra)
   if name == "adaptive_delayed":  # the rule on the next step's batch
     return kfac.PeriodicInvCovUpdateKfacOpt(
         invert_every=2, learning_rate=0.05, momentum=0.5, damping=0.1,
         estimation_mode="exact", adapt_damping=True,
         damping_adaptation_interval=2, update_damping_immediately=False,
-        use_passed_loss=False, loss_fn=loss_fn)
+        use_passed_loss=False, loss_fn=loss_fn, **extra)
   if name == "periodic":  # momentum, invert/cov every 2, burn-in
     return kfac.PeriodicInvCovUpdateKfacOpt(
         invert_every=2, cov_update_every=2, num_burnin_steps=1,
         learning_rate=0.05, damping=0.05, momentum=0.9,
-        estimation_mode="exact", cov_ema_decay=0.9)
+        estimation_mode="exact", cov_ema_decay=0.9, **extra)
   if name == "qmodel":  # learning rate and momentum from the exact model
     return kfac.PeriodicInvCovUpdateKfacOpt(
         invert_every=1, learning_rate=None, momentum=None,
-        momentum_type="qmodel", damping=0.1, estimation_mode="exact")
+        momentum_type="qmodel", damping=0.1, estimation_mode="exact",
+        **extra)
   if name == "regular":  # KfacOptimizer with explicit update ops
     return kfac.KfacOptimizer(
         learning_rate=0.1, damping=0.1, momentum=0.5,
         momentum_type="regular", norm_constraint=1.0,
-        estimation_mode="exact")
+        estimation_mode="exact", **extra)
   raise ValueError(name)
 
 
@@ -155,14 +178,23 @@ def local(strategy, var):
   return list(strategy.experimental_local_results(var))
 
 
-ESTIMATOR = {"on": False}  # the ":estimator" flag of the running case
+# The flags of the running case (":estimator", ":replica_round_robin",
+# ":lazy_statistics_sync").
+FLAGS = {"estimator": False, "replica_round_robin": False,
+         "lazy_statistics_sync": False}
+
+# Under the lazy sync: the replicas' own accumulators (only there, and
+# different by design), and the moving averages, which lag behind the eager
+# ones between inversion steps.
+_LAZY_LOCAL = "/local_"
+_LAZY_STALE = ("/cov", "/cov_weight", "/cov_dt1")
 
 
 def _step_fn(kfac, case, opt, v, names, replicas, uneven, global_step):
   def step():
     lc = kfac.LayerCollection()
     data, share = replica_batch(replicas, uneven)
-    if ESTIMATOR["on"]:
+    if FLAGS["estimator"]:
       share = 1.0  # compute_gradients scales it
     loss = model(case, v, data, lc) * share
     # The damping rule's batches (the data do not change between steps).
@@ -199,7 +231,7 @@ def run_tf1(kfac, strategy, case, optname, replicas, uneven):
         train = step()
       else:
         scaling = (strategy._scale_loss_for_estimator_enabled()  # pylint: disable=protected-access
-                   if ESTIMATOR["on"] else contextlib.nullcontext())
+                   if FLAGS["estimator"] else contextlib.nullcontext())
         with scaling:
           train = strategy.group(
               strategy.extended.call_for_each_replica(step))
@@ -256,6 +288,14 @@ def compare(single, many, case):
   for name in MODEL_VARS[case]:
     out["moved"] = max(out["moved"],
                        float(np.max(np.abs(w1[name][0] - INIT[name]))))
+  # The R-replica weights, bit for bit (to compare placement strategies).
+  out["digest"] = hashlib.sha1(b"".join(
+      np.ascontiguousarray(wr[name][0]).tobytes()
+      for name in MODEL_VARS[case])).hexdigest()
+  if FLAGS["lazy_statistics_sync"]:
+    sr = {k: v for k, v in sr.items() if _LAZY_LOCAL not in k}
+    s1 = {k: v for k, v in s1.items() if not k.endswith(_LAZY_STALE)}
+    sr = {k: v for k, v in sr.items() if not k.endswith(_LAZY_STALE)}
   for key in ("weights_rel", "state_rel"):
     one, rep = (w1, wr) if key == "weights_rel" else (s1, sr)
     if sorted(one) != sorted(rep):
@@ -289,6 +329,8 @@ def main_multiworker(argv):
   for spec in argv[4:]:
     parts = spec.split(":")
     case, optname, uneven = parts[0], parts[1], "uneven" in parts[2:]
+    for flag in FLAGS:
+      FLAGS[flag] = flag in parts[2:]
     single = run_tf2(kfac, None, case, optname, 1, False)
     many = run_tf2(kfac, strategy, case, optname, replicas, uneven)
     result = compare(single, many, case)
@@ -314,7 +356,8 @@ def main(argv):
   for spec in argv[3:]:
     parts = spec.split(":")
     case, optname, uneven = parts[0], parts[1], "uneven" in parts[2:]
-    ESTIMATOR["on"] = "estimator" in parts[2:]
+    for flag in FLAGS:
+      FLAGS[flag] = flag in parts[2:]
     single = run(kfac, None, case, optname, 1, False)
     many = run(kfac, strategy, case, optname, replicas, uneven)
     result = compare(single, many, case)

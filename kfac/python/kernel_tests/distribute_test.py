@@ -16,8 +16,11 @@ the fast tier; the full matrix (R in {2, 4}, dense / conv / embedding /
 multi-use layers, burn-in with invert_every = cov_update_every = 2,
 momentum, qmodel, KfacOptimizer with explicit update ops, the
 Levenberg-Marquardt damping rule with qmodel and with the delayed rule on
-loss_fn, uneven shards, the Estimator's loss scaling in TF1) is slow, as is the MultiWorkerMirroredStrategy
-run: two localhost worker processes against one process.
+loss_fn, uneven shards, the Estimator's loss scaling in TF1, inverses
+placed by replica_round_robin, which must give bit-identical weights to
+replicated inverses, the lazy statistics sync, whose weights and inverses
+must equal the eager sync's) is slow, as is the MultiWorkerMirroredStrategy run:
+two localhost worker processes against one process.
 """
 
 import json
@@ -87,7 +90,13 @@ def check(results):
 
 
 def test_two_replicas_equal_one_tf2():
-  check(run_program(2, "tf2", ["dense:periodic", "dense:adaptive"]))
+  results = run_program(2, "tf2", ["dense:periodic", "dense:adaptive",
+                                   "dense:periodic:replica_round_robin",
+                                   "dense:periodic:lazy_statistics_sync"])
+  check(results)
+  # Inverses computed on one replica each and broadcast: bit-identical
+  # weights to inverses computed on every replica.
+  assert results[2]["digest"] == results[0]["digest"]
 
 
 @pytest.mark.slow
@@ -102,14 +111,39 @@ def test_replicas_equal_one(world, replicas):
     # Unscaled losses, built as an Estimator builds its step:
     # compute_gradients scales them by 1 / R.
     cases.extend(["dense:periodic:estimator", "conv:adaptive:estimator"])
-  check(run_program(replicas, world, cases))
+  # Each factor's inverses on one replica, broadcast: bit-identical to the
+  # replicated inverses (KfacOptimizer's explicit ops, the periodic
+  # conditional, a multi-use layer, an embedding, the damping rule).
+  placed = ["conv:regular", "multi_use:periodic", "conv:adaptive",
+            "embedding:periodic"]
+  cases.extend(case + ":replica_round_robin" for case in placed)
+  # Statistics reduced only at inversion steps: the same steps as the eager
+  # sync (Kronecker factors; the damping rule; with the placement above).
+  cases.extend(["conv:regular:lazy_statistics_sync",
+                "dense:adaptive_delayed:lazy_statistics_sync",
+                "multi_use:periodic:lazy_statistics_sync:replica_round_robin"])
+  if replicas == 2:
+    cases.append("dense:periodic:uneven:lazy_statistics_sync")
+  # A diagonal factor (the embedding's inputs) reads its moving average at
+  # every step, which the lazy sync updates only at inversion steps: the
+  # steps differ from the eager sync's, but the replicas still agree.
+  lagging = "embedding:periodic:lazy_statistics_sync"
+  results = run_program(replicas, world, cases + [lagging])
+  lag = results.pop()
+  assert lag["identical"] and lag["moved"] > 0.05, lag
+  assert lag["weights_rel"] > 1e-5, lag
+  check(results)
+  digests = {r["case"]: r["digest"] for r in results}
+  for case in placed:
+    assert digests[case + ":replica_round_robin"] == digests[case], case
 
 
 @pytest.mark.slow
 def test_two_workers_equal_one_process():
   """MultiWorkerMirroredStrategy: two localhost processes (one CPU replica
   each, TF_CONFIG cluster) train as one process on the global batch."""
-  cases = ["dense:periodic", "conv:periodic", "dense:adaptive:uneven"]
+  cases = ["dense:periodic", "conv:periodic", "dense:adaptive:uneven",
+           "dense:periodic:lazy_statistics_sync:replica_round_robin"]
   ports = ",".join(str(p) for p in _free_ports(2))
   procs = [subprocess.Popen(
       _PROGRAM + ["multiworker", str(i), ports] + cases, env=_env(),

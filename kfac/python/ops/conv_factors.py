@@ -482,13 +482,13 @@ class ConvInputSUAKroneckerFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
         self._vars[key + ("corr",)] = self.state_store.get_or_create(
             "%s/sua_corr%d" % (self.name, i), [m, m], self._dtype)
 
-  def make_inverse_update_ops(self):
+  def inverse_values(self):
     self.instantiate_inv_variables()
     ops = []
     for exp, dfunc in self._matpowers:
       s_var, c_var = self._get_powers(exp, dfunc)
       s_pow, corr = self._powers(exp, dfunc)
-      ops.extend([s_var.assign(s_pow), c_var.assign(corr)])
+      ops.extend([(s_var, s_pow), (c_var, corr)])
     return ops
 
   def _get_powers(self, exp, damping_func):
@@ -647,7 +647,7 @@ class _BatchedSquareFactor(MatmulProductsMixin, FisherFactor):
     eye = tf.eye(self._n, dtype=cov.dtype)
     return scales[:, tf.newaxis, tf.newaxis] * cov + d * eye
 
-  def make_inverse_update_ops(self):
+  def inverse_values(self):
     self.instantiate_inv_variables()
     cov = linalg.symmetrize(tf.convert_to_tensor(self.get_cov_var()))
     eig = None
@@ -673,7 +673,7 @@ class _BatchedSquareFactor(MatmulProductsMixin, FisherFactor):
           eye = tf.broadcast_to(tf.eye(self._n, dtype=cov.dtype),
                                 tf.shape(chol))
           value = tf.linalg.triangular_solve(chol, eye, lower=True)
-      ops.append(var.assign(value))
+      ops.append((var, value))
     return ops
 
   def _get(self, kind, exp, damping_func):

@@ -10,6 +10,8 @@ Works in any graph: a TF1 `tf.Graph` under a Session, or a `tf.function`
 trace (build a new estimator per trace with the same `state_store`).
 """
 
+import threading
+
 import tensorflow as tf
 
 from kfac.python.ops import damping as damping_lib
@@ -17,6 +19,7 @@ from kfac.python.ops import estimation_modes
 from kfac.python.ops import state
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
+from kfac.python.ops.distribute import lazy_sync
 
 
 @utils.exclude_from_autograph
@@ -36,7 +39,8 @@ class FisherEstimator:
                compute_cholesky_inverse=False,
                compute_params_stats=False,
                batch_size=None,
-               state_store=None):
+               state_store=None,
+               lazy_statistics_sync=False):
     """Creates the estimator.
 
     Args:
@@ -62,6 +66,9 @@ class FisherEstimator:
       batch_size: per-replica batch size; required with compute_params_stats.
       state_store: where variables live (default: a new `StateStore`);
         pass the same store when rebuilding the estimator in a new trace.
+      lazy_statistics_sync: under several replicas, reduce the statistics
+        across replicas only when the inverses are recomputed
+        (distribute/lazy_sync.py) instead of at every statistics update.
 
     Raises:
       ValueError: for an unknown mode, a missing batch_size, no registered
@@ -88,6 +95,8 @@ class FisherEstimator:
     self._batch_size = batch_size
     self._store = state_store or state.StateStore(name)
     self._params_stats = None
+    self._lazy_statistics_sync = bool(lazy_statistics_sync)
+    self._lazy_sync_ops = {}
 
     if not layer_collection.is_finalized:
       layer_collection.finalize()
@@ -249,7 +258,19 @@ class FisherEstimator:
   def _inv_variable_thunks(self):
     return [f.instantiate_inv_variables for f in self.factors]
 
+  def _lazy(self):
+    return self._lazy_statistics_sync and collective.is_distributed()
+
   def _cov_update_thunks(self, scope=None):
+    if self._lazy():
+      examples = self.replica_examples()
+
+      def make_local(factor):
+        def thunk():
+          with self._scope(scope):
+            return lazy_sync.fold_op(factor, self._cov_ema_decay, examples)
+        return thunk
+      return [make_local(f) for f in self.factors]
     reduced = self._reduced_statistics(scope)
 
     def make(factor):
@@ -294,7 +315,32 @@ class FisherEstimator:
     return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
                              for loss in towers[0]]), tf.float64)
 
+  @property
+  def inverse_update_uses_collectives(self):
+    """Whether the inverse update ops talk to other replicas (then a
+    conditional around them must be a collective.cross_replica_cond)."""
+    return self._lazy()
+
   def _inv_update_thunks(self, scope=None):
+    thunks = self._inverse_thunks(scope)
+    if not self._lazy():
+      return thunks
+
+    def after_sync(thunk):
+      def synced():
+        # One sync of all factors per graph and replica thread, before
+        # any inverse is computed.
+        key = (tf.compat.v1.get_default_graph(), threading.get_ident())
+        if key not in self._lazy_sync_ops:
+          with self._scope(scope):
+            self._lazy_sync_ops[key] = lazy_sync.sync_op(self.factors)
+        with tf.control_dependencies([self._lazy_sync_ops[key]]):
+          return tf.group(thunk())
+      return synced
+    return [after_sync(t) for t in thunks]
+
+  def _inverse_thunks(self, scope=None):
+    """One thunk per factor building its inverse update op."""
     def make(factor):
       def thunk():
         with self._scope(scope):
@@ -345,7 +391,7 @@ class FisherEstimator:
     self.instantiate_variables()
     out = []
     for f in self.factors:
-      out.extend(getattr(f, "_vars", {}).values())
+      out.extend(f.inverse_variables())
     return out
 
 

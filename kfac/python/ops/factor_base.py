@@ -146,8 +146,20 @@ class FisherFactor(abc.ABC):
     stats = [t for t, _ in self.covariance_statistics()]
     return self.make_covariance_assign_op(stats, ema_decay)
 
-  def make_inverse_update_ops(self):
+  def inverse_values(self):
+    """[(variable, new value)] of the inverse update (computed from the
+    moving average; nothing assigned yet). None for diagonal factors."""
     return []
+
+  def inverse_variables(self):
+    """The variables the inverse update writes (none for diagonal
+    factors)."""
+    self.instantiate_inv_variables()
+    return list(getattr(self, "_vars", {}).values())
+
+  def make_inverse_update_ops(self):
+    return [var.assign(utils.cast(value, var.dtype))
+            for var, value in self.inverse_values()]
 
   @abc.abstractmethod
   def get_cov(self):
@@ -275,7 +287,7 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
           (kind, exp, damping_func.key, self.name))
     return self._vars[key]
 
-  def make_inverse_update_ops(self):
+  def inverse_values(self):
     self.instantiate_inv_variables()
     raw_cov = tf.convert_to_tensor(self.get_cov_var())
     ops = []
@@ -297,7 +309,7 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
         value = linalg.damped_cholesky(cov, damping)
       else:
         value = linalg.damped_cholesky_inverse(cov, damping)
-      ops.append(var.assign(utils.cast(value, self._dtype)))
+      ops.append((var, utils.cast(value, self._dtype)))
     return ops
 
   def get_matpower(self, exp, damping_func):

@@ -239,14 +239,14 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
     transition = tf.matmul(tf.matmul(sqrt, clipped), inv_sqrt)
     return transition, tf.matmul(inv_sqrt, u), tf.square(s)
 
-  def make_inverse_update_ops(self):
-    ops = list(super().make_inverse_update_ops())
+  def inverse_values(self):
+    ops = list(super().inverse_values())
     self.instantiate_inv_variables()
     for option, dfunc, _ in self._series_registrations():
       variables = self._series_vars[(option, dfunc.key)]
       values = (self._option1_quants(dfunc) if option == 1 else
                 self._option2_quants(dfunc))
-      ops.extend(v.assign(tf.cast(x, self._dtype))
+      ops.extend((v, tf.cast(x, self._dtype))
                  for v, x in zip(variables, values))
     return ops
 

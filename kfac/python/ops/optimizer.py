@@ -43,6 +43,7 @@ from kfac.python.ops import adaptive
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
+from kfac.python.ops import placement as placement_lib
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
@@ -104,6 +105,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                damping_schedule=None,
                compute_norm_stats=False,
                always_use_exact_qmodel_for_damping_adjustment=False,
+               lazy_statistics_sync=False,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -143,6 +145,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
         norm_constraint) and norm_constraint <= 0:
       raise ValueError("norm_constraint must be positive, got %s." %
                        norm_constraint)
+    if placement_strategy is not None:
+      # Unknown names fail here, not at the first step.
+      placement_lib.estimator_class(placement_strategy)
     if placement_strategy is None and placement_kwargs:
       raise ValueError("Unexpected arguments %s (placement arguments need "
                        "placement_strategy='round_robin')." %
@@ -163,6 +168,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._batch_size = batch_size
     self._placement_strategy = placement_strategy
     self._placement_kwargs = placement_kwargs
+    self._lazy_statistics_sync = lazy_statistics_sync
     self._compute_params_stats = compute_params_stats
     self._dtype = tf.as_dtype(dtype)
     self._store = state.StateStore(name)
@@ -202,6 +208,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
         name=self.get_name(),
         compute_params_stats=self._compute_params_stats,
         batch_size=self._batch_size,
+        lazy_statistics_sync=self._lazy_statistics_sync,
         state_store=self._store,
         **self._placement_kwargs)
 

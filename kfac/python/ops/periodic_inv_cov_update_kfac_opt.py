@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from kfac.python.ops import optimizer
 from kfac.python.ops import utils
+from kfac.python.ops.distribute import collective
 
 
 @utils.exclude_from_autograph
@@ -82,8 +83,11 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
             tf.equal((counter - burnin) % self._invert_every, 0))
         if self._calibrate_damping:
           do_inv = tf.logical_or(in_burnin, do_inv)
-        inv_done = utils.cond_op(
-            do_inv, lambda: tf.group(*[t() for t in inv_thunks]))
+        # Inverse updates that talk to other replicas (replica_round_robin)
+        # need the conditional taken for all replicas at once.
+        cond = (collective.cross_replica_cond
+                if est.inverse_update_uses_collectives else utils.cond_op)
+        inv_done = cond(do_inv, lambda: tf.group(*[t() for t in inv_thunks]))
       with tf.control_dependencies([inv_done]):
         # Built outside the burn-in condition: the quadratic model's
         # curvature products are gradients, which tf.cond branches cannot

@@ -1,5 +1,9 @@
 """Device placement of the statistics and inverse update ops.
 
+"replica_round_robin" (`ReplicaRoundRobinPlacementMixin`, in
+distribute/inverse_placement.py) computes each factor's inverses on one
+replica of a tf.distribute strategy and broadcasts them.
+
 `RoundRobinPlacementMixin` puts the covariance update op of factor i on
 `cov_devices[i % len(cov_devices)]` and its inverse update op on
 `inv_devices[i % len(inv_devices)]`; `trans_devices` is accepted for
@@ -10,6 +14,10 @@ are ordinary TensorFlow device strings ("/cpu:0", "/gpu:1", ...).
 import tensorflow as tf
 
 from kfac.python.ops import estimator as estimator_lib
+from kfac.python.ops.distribute import inverse_placement
+
+ReplicaRoundRobinPlacementMixin = (
+    inverse_placement.ReplicaRoundRobinPlacementMixin)
 
 PLACEMENT_KWARGS = ("cov_devices", "inv_devices", "trans_devices")
 
@@ -49,14 +57,17 @@ class RoundRobinFisherEstimator(RoundRobinPlacementMixin,
   """FisherEstimator with round-robin placement of its update ops."""
 
 
-_STRATEGIES = {"round_robin": RoundRobinFisherEstimator}
+class ReplicaRoundRobinFisherEstimator(ReplicaRoundRobinPlacementMixin,
+                                       estimator_lib.FisherEstimator):
+  """FisherEstimator whose inverses are computed once across replicas
+  (distribute/inverse_placement.py)."""
+
+
+_STRATEGIES = {"round_robin": RoundRobinFisherEstimator,
+               "replica_round_robin": ReplicaRoundRobinFisherEstimator}
 
 
 def estimator_class(placement_strategy):
-  if placement_strategy == "replica_round_robin":
-    raise ValueError("placement_strategy='replica_round_robin' (TPU replica "
-                     "placement) is not available in this version of kfac; "
-                     "use None or 'round_robin'.")
   if placement_strategy not in _STRATEGIES:
     raise ValueError("Unknown placement_strategy %r; expected None, "
                      "'round_robin' or 'replica_round_robin'." %

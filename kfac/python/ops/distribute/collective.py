@@ -13,13 +13,17 @@ model's (mirrored) variables change only through `apply_updates`, a
 `merge_call` outside any conditional.
 
 Collectives inside a `tf.cond` branch fail under MirroredStrategy
-("merge_call called while defining a new graph"), so everything here is
-built unconditionally, every step.
+("merge_call called while defining a new graph"), so they are built
+unconditionally, every step, except through `cross_replica_cond`, which
+leaves the replicas (merge_call), branches once for all of them and runs
+the branch's work on every replica again (call_for_each_replica), where
+collectives work.
 """
 
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops import utils
 from kfac.python.ops.distribute import replicas
 
 MEAN = "mean"
@@ -201,3 +205,35 @@ def apply_updates(updates):
     return tf.group(*ops)
 
   return ctx.merge_call(merge, args=(variables, args))
+
+
+def cross_replica_cond(pred, make_op):
+  """An op that runs `make_op()` on every replica when `pred` holds.
+
+  `make_op` may use collectives (`all_reduce`). `pred` must have the same
+  value on every replica (K-FAC's predicates come from the replica-local
+  step counter, identical by the invariant above). Without several replicas
+  this is `utils.cond_op`.
+
+  Under a strategy the branch is taken in the cross-replica context
+  (merge_call), on replica 0's predicate, and `make_op` runs once per
+  replica inside it (call_for_each_replica): MirroredStrategy calls the
+  merge function of replica 0 only, so `make_op` must not close over
+  per-replica tensors: it may read variables (a replica-local variable
+  resolves to that replica's copy) and `replica_id()`, which is the id of
+  the replica it runs for.
+  """
+  ctx = replica_context()
+  if ctx is None:
+    return utils.cond_op(pred, make_op)
+
+  def merge(strategy, pred):
+    first = strategy.experimental_local_results(pred)[0]
+
+    def run_on_replicas():
+      ops = strategy.extended.call_for_each_replica(make_op)
+      return tf.group(*strategy.experimental_local_results(ops))
+
+    return utils.cond_op(first, run_on_replicas)
+
+  return ctx.merge_call(merge, args=(tf.convert_to_tensor(pred),))
