@@ -35,6 +35,12 @@ mu * v followed by a scatter-add of the slices, so the dense gradient is
 never built, but the step is dense. Decoupled weight decay touches every
 row, so it densifies the step. The norm constraint's <g', p> is computed on
 the slices after summing duplicate indices.
+
+Several replicas (tf.distribute): see distribute/collective.py and
+docs/distributed.md; `lazy_statistics_sync=True` reduces the statistics
+only at inversion steps (distribute/lazy_sync.py), and
+`placement_strategy="replica_round_robin"` computes each factor's inverses
+on one replica (distribute/inverse_placement.py).
 """
 
 import tensorflow as tf
