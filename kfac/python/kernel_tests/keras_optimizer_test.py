@@ -532,8 +532,17 @@ def fit(strategy, kind, **kwargs):
 # One strategy per process (a second one over the same devices would reuse
 # its collective keys).
 mirrored = tf.distribute.MirroredStrategy(["/cpu:%d" % i for i in range(R)])
-for kind in ("dense", "conv"):
-  many = fit(mirrored, kind)
+# "options": the dense model with the lazy statistics sync and the inverses
+# placed round robin over the replicas.
+OPTIONS = dict(lazy_statistics_sync=True,
+               placement_strategy="replica_round_robin")
+for label in ("dense", "conv", "options"):
+  kind = "dense" if label == "options" else label
+  extra = OPTIONS if label == "options" else {}
+  many = fit(mirrored, kind, **extra)
+  if extra:  # the options reached the K-FAC core
+    names = list(many.optimizer.state_store.variables_by_name)
+    assert any("/local_stat" in n for n in names), names
   one = fit(tf.distribute.get_strategy(), kind)
   init = build(kind)
   rel = moved = 0.0
@@ -545,7 +554,7 @@ for kind in ("dense", "conv"):
     rel = max(rel, float(np.abs(copies[0] - ref).max() / np.abs(ref).max()))
     moved = max(moved, float(np.abs(ref - w0.numpy()).max()))
     identical &= all(np.array_equal(c, copies[0]) for c in copies)
-  print("RESULT", kind, rel, moved, identical)
+  print("RESULT", label, rel, moved, identical)
 try:
   fit(mirrored, "dense", adaptive=True, learning_rate=None, momentum=None)
 except NotImplementedError as e:
@@ -559,7 +568,8 @@ def test_fit_under_mirrored_strategy_equals_one_replica(replicas):
   """model.fit under MirroredStrategy over R logical CPUs (each replica on
   its shard of the batch of 16) gives the one-replica weights after 4
   steps: 1e-5 relative (measured 1.7e-7 / 2.5e-7), every replica's copy
-  bit-identical; adaptive=True is refused with a clear error. Subprocess:
+  bit-identical, also with lazy_statistics_sync and replica_round_robin
+  inverses; adaptive=True is refused with a clear error. Subprocess:
   logical devices must be set before TensorFlow starts."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__)))))
@@ -571,7 +581,7 @@ def test_fit_under_mirrored_strategy_equals_one_replica(replicas):
   out = result.stdout
   assert result.returncode == 0, out + result.stderr[-3000:]
   rows = [l.split() for l in out.splitlines() if l.startswith("RESULT ")]
-  assert [r[1] for r in rows] == ["dense", "conv"], out
+  assert [r[1] for r in rows] == ["dense", "conv", "options"], out
   for _, kind, rel, moved, identical in rows:
     assert float(rel) <= 1e-5, (kind, rel)
     assert float(moved) > 0.01, (kind, moved)
