@@ -207,6 +207,13 @@ def apply_updates(updates):
   return ctx.merge_call(merge, args=(variables, args))
 
 
+def _collectives_work_in_conditionals():
+  """TPUStrategy reduces with cross-replica sums compiled into the step (no
+  merge_call), which may sit inside a tf.cond. Not testable here (no TPU):
+  the merge_call pattern below is what runs and is tested."""
+  return "TPU" in type(tf.distribute.get_strategy()).__name__
+
+
 def cross_replica_cond(pred, make_op):
   """An op that runs `make_op()` on every replica when `pred` holds.
 
@@ -224,7 +231,7 @@ def cross_replica_cond(pred, make_op):
   the replica it runs for.
   """
   ctx = replica_context()
-  if ctx is None:
+  if ctx is None or _collectives_work_in_conditionals():
     return utils.cond_op(pred, make_op)
 
   def merge(strategy, pred):
