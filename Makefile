@@ -16,7 +16,11 @@
 #                  ms/step vs the old kfac 0.2.4; Keras fit/custom loops vs Adam
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #   make data      best-effort offline Fashion-MNIST for Keras
+#   make test-tf215  the Estimator / TPUEstimator tests and a core subset under
+#                  TensorFlow 2.15 in .venv-tf215 (about 1.5 min to install
+#                  the first time)
 #   make clean     remove build outputs; `make distclean` also removes .venv
+#                  and .venv-tf215
 
 SHELL := /bin/bash
 
@@ -33,7 +37,7 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 # Less TensorFlow start-up noise in every recipe below.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: all venv data test test-slow test-all demo demo-autoencoder \
+.PHONY: all venv venv-tf215 test-tf215 data test test-slow test-all demo demo-autoencoder \
         demo-convnet demo-rnn demo-keras demo-adaptive bench bench-tune clean \
         distclean
 
@@ -168,7 +172,65 @@ clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV215)
+
+# ---------------------------------------------------------------- TF 2.15
+# tf.estimator (Estimator, TPUEstimator) lives in `tensorflow-estimator`,
+# which TensorFlow 2.16+ no longer ships. `make test-tf215` builds a second
+# venv, .venv-tf215, with TensorFlow 2.15 (the "estimator-cpu" extra of
+# setup.py: tensorflow-cpu 2.15, tensorflow-estimator 2.15, numpy < 2; plus
+# pytest and scipy), installed once (again when setup.py changes; about
+# 1.5 minutes), and runs there:
+#  (a) kfac/python/kernel_tests/estimator_tf215_test.py, the Estimator,
+#      MirroredStrategy Estimator and TPUEstimator(use_tpu=False) tests and
+#      examples/distributed_estimator.py. The normal tiers never collect it
+#      (conftest.py puts it in collect_ignore unless tensorflow_estimator is
+#      installed); it is named explicitly here;
+#  (b) the core's TF1 Session tests (TF215_CORE): every kernel test file of
+#      the optimizer, factors, blocks, layer collection, losses, estimation
+#      modes, curvature products, adaptive rules, schedules, data readers,
+#      async updates and the strategy guards, in its TF1 world only
+#      (-k "not function": the tf.function twins of the same math, and the
+#      TF1-vs-TF2 training test, stay with the 2.16+ tiers), fast tier only
+#      (-m "not slow": the slow tier's subprocess runs use the main venv's
+#      packages). All of them pass unchanged on 2.15.1. Not run on 2.15:
+#      keras_*_test (Keras 3 is 2.16+; 2.15 ships Keras 2), docs_test and
+#      examples/benchmarks/install tests (they target the 2.16+ venv),
+#      distribute_test (its programs run in the 2.16+ venv).
+VENV215    := .venv-tf215
+VPY215     := $(VENV215)/bin/python
+STAMP215   := $(VENV215)/.stamp-setup
+KT         := kfac/python/kernel_tests
+TF215_CORE := $(addprefix $(KT)/,optimizer_test.py layer_collection_test.py \
+  fisher_factors_test.py fisher_blocks_test.py loss_functions_test.py \
+  estimator_test.py curvature_matrix_vector_products_test.py adaptive_test.py \
+  multi_use_test.py conv_factors_test.py conv_blocks_test.py embedding_test.py \
+  weight_sharing_test.py scale_shift_test.py schedules_test.py \
+  counter_random_test.py data_reader_test.py \
+  async_inv_cov_update_kfac_opt_test.py distribute_guard_test.py)
+
+venv-tf215: $(STAMP215)
+
+$(STAMP215): setup.py
+	@if [ ! -x "$(VPY215)" ]; then \
+	  echo "creating $(VENV215) with $$($(PYTHON) --version 2>&1)"; \
+	  $(PYTHON) -m venv $(VENV215); \
+	fi
+	$(VPY215) -m pip install --quiet --upgrade pip
+	$(VPY215) -m pip install --progress-bar off -e ".[estimator-cpu]" pytest scipy
+	@$(VPY215) -c "import tensorflow as tf, tensorflow_estimator; \
+	  assert tf.__version__.startswith('2.15.'), tf.__version__; \
+	  print('$(VENV215): TensorFlow', tf.__version__)"
+	@touch $@
+
+# -k: the Estimator file whole, the core files without their tf.function
+# variants.
+test-tf215: $(STAMP215)
+	@rc=0; $(VPY215) -m pytest -q --durations=10 -m "not slow" \
+	  -k "estimator_tf215 or not function" \
+	  $(KT)/estimator_tf215_test.py $(TF215_CORE) || rc=$$?; \
+	if [ $$rc = 5 ]; then echo "error: pytest collected no tests" >&2; fi; \
+	exit $$rc
 
 # Optional: the fast tier under Debian's Bazel 4, offline (docs/bazel.md).
 # Installs bazel-bootstrap, and bazel-bootstrap-source (whose mock rules_cc

@@ -21,6 +21,13 @@ from setuptools import find_packages, setup
 # wheel. `loss.dist` (a tfp distribution, for users who want one) imports
 # it lazily; the "distributions" extra installs it for environments that
 # already use `tensorflow`.
+# TensorFlow 2.15 is admitted for one path only: tf.estimator.Estimator and
+# tf.compat.v1.estimator.tpu.TPUEstimator, which need the
+# `tensorflow-estimator` package (TF <= 2.15; it no longer imports with
+# 2.16+). The "estimator" / "estimator-cpu" extras pin that TensorFlow and
+# its estimator (and numpy < 2, which TF 2.15 was built against); the rest
+# of the library targets 2.16-2.21 and is not tested on 2.15 beyond the
+# subset that `make test-tf215` runs (docs/distributed.md).
 REQUIRED = [
     "numpy",
     "absl-py",
@@ -30,6 +37,10 @@ EXTRAS = {
     "tensorflow": ["tensorflow>=2.16"],
     "tensorflow-cpu": ["tensorflow-cpu>=2.16"],
     "distributions": ["tensorflow-probability>=0.24", "tf-keras"],
+    "estimator": ["tensorflow==2.15.*", "tensorflow-estimator==2.15.*",
+                  "numpy<2"],
+    "estimator-cpu": ["tensorflow-cpu==2.15.*",
+                      "tensorflow-estimator==2.15.*", "numpy<2"],
     "tests": ["pytest", "pytest-xdist", "scikit-learn"],
     "examples": ["scikit-learn", "matplotlib"],
 }
