@@ -45,8 +45,8 @@ flags.DEFINE_enum("devices", "cpu", ["cpu", "gpu"], "Replica devices.")
 flags.DEFINE_integer("steps", 60, "Training steps.")
 flags.DEFINE_integer("batch_size", 256, "Global batch (all replicas).")
 flags.DEFINE_integer("print_every", 10, "Steps between progress lines.")
-flags.DEFINE_float("learning_rate", 0.2, "K-FAC learning rate.")
-flags.DEFINE_float("damping", 0.05, "K-FAC damping.")
+flags.DEFINE_float("learning_rate", 0.1, "K-FAC learning rate.")
+flags.DEFINE_float("damping", 0.1, "K-FAC damping.")
 flags.DEFINE_string("model_dir", None,
                     "Estimator model_dir (default: a temporary folder, "
                     "removed at the end).")
