@@ -30,12 +30,12 @@ every burn-in step, with the damping of that step.
 
 Under several replicas (tf.distribute) the losses are reduced across the
 replicas (the passed loss summed, following the gradients' convention;
-loss_fn's value averaged with the replicas' batch sizes as weights). The
-reductions cannot run inside a conditional, so there every loss the rule
-uses is evaluated on every step (one extra forward pass per step instead of
-per adaptation step) and only the rule itself is conditional. The damping
-calibration moves the (mirrored) model variables inside a conditional and
-is not supported with several replicas.
+loss_fn's value averaged with the replicas' batch sizes as weights). A
+reduction cannot run inside a plain conditional there, so the rule's
+conditionals that evaluate loss_fn are taken for all replicas at once
+(collective.cross_replica_cond), and loss_fn still runs on adaptation steps
+only. The damping calibration moves the (mirrored) model variables inside a
+conditional and is not supported with several replicas.
 
 Only the chief (is_chief=True) adapts or calibrates the damping. The
 damping lives in a float64 state variable (`adaptive/damping`), or in the
@@ -81,28 +81,44 @@ class AdaptiveDampingMixin:
   def _batch(batch):
     return batch() if callable(batch) else batch
 
-  def _evaluate_loss_fn(self, batch, what):
+  def _checked_batch(self, batch, what):
     batch = self._batch(batch)
     if batch is None:
       raise ValueError(
           "The damping rule evaluates loss_fn(%s), but %s is not set: pass "
           "it to the constructor or call set_%s(...) (in a tf.function, on "
           "every trace)." % (what, what, what))
+    return batch
+
+  def _loss_value(self, batch, examples=None):
+    """loss_fn(batch) in float64; under several replicas averaged across
+    them with the replicas' batch sizes `examples` as weights."""
     value = tf.cast(self._loss_fn(batch), tf.float64)
     if collective.is_distributed():
-      (value,) = collective.all_reduce(
-          [value], collective.MEAN,
-          weight=self._require_estimator().replica_examples())
+      (value,) = collective.all_reduce([value], collective.MEAN,
+                                       weight=examples)
     return value
 
-  def _loss_fn_thunk(self, batch, what):
-    """A function returning loss_fn(batch) (reduced across replicas): built
-    where it is called with one replica, now (outside any conditional)
-    under several."""
-    if collective.is_distributed():
-      value = self._evaluate_loss_fn(batch, what)
-      return lambda: value
-    return lambda: self._evaluate_loss_fn(batch, what)
+  def _evaluate_loss_fn(self, batch, what):
+    """loss_fn(batch) now (one replica: the calibration)."""
+    return self._loss_value(self._checked_batch(batch, what))
+
+  def _cond_with_loss(self, pred, batch, what, make_op, args=()):
+    """An op that, when `pred` holds, evaluates loss_fn(batch) and runs
+    make_op(loss, *args). Under several replicas the reduction of the loss
+    needs the conditional taken for all replicas at once
+    (collective.cross_replica_cond), so everything per-replica that
+    make_op uses comes in `args`."""
+    batch = self._checked_batch(batch, what)
+    if not collective.is_distributed():
+      return utils.cond_op(
+          pred, lambda: make_op(self._loss_value(batch), *args))
+    examples = self._require_estimator().replica_examples()
+
+    def branch(batch, examples, *args):
+      return make_op(self._loss_value(batch, examples), *args)
+    return collective.cross_replica_cond(pred, branch,
+                                         (batch, examples) + tuple(args))
 
   def _passed_loss_value(self):
     loss = self._loss if self._loss is not None else self._passed_loss
@@ -156,9 +172,8 @@ class AdaptiveDampingMixin:
     adapt_now = self._adaptation_step()
     if not self._use_passed_loss:
       keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
-      loss_before = self._loss_fn_thunk(self._train_batch, "train_batch")
-      ops.append(utils.cond_op(adapt_now,
-                               lambda: keep.assign(loss_before())))
+      ops.append(self._cond_with_loss(adapt_now, self._train_batch,
+                                      "train_batch", keep.assign))
     if not self._update_damping_immediately:
       pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
       prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
@@ -166,16 +181,17 @@ class AdaptiveDampingMixin:
       prev_change = self._store.get_or_create("adaptive/prev_change", [],
                                               tf.float64)
       counter = tf.convert_to_tensor(self.counter)
-      loss_after = self._loss_fn_thunk(self._prev_train_batch,
-                                       "prev_train_batch")
 
-      def evaluate_previous():
-        after = loss_after()
+      def evaluate_previous(after, counter):
         with tf.control_dependencies([self._apply_rule(
-            prev_loss, after, prev_change, counter)]):
+            tf.convert_to_tensor(prev_loss), after,
+            tf.convert_to_tensor(prev_change), counter)]):
           return pending.assign(0)
 
-      ops.append(utils.cond_op(tf.greater(pending, 0), evaluate_previous))
+      ops.append(self._cond_with_loss(
+          tf.greater(tf.convert_to_tensor(pending), 0),
+          self._prev_train_batch, "prev_train_batch", evaluate_previous,
+          (counter,)))
     return ops
 
   def _adaptation_after_update(self, update, step_op):
@@ -189,13 +205,16 @@ class AdaptiveDampingMixin:
       # before the update (use_passed_loss=False).
       before = self._loss_before()
       if self._update_damping_immediately:
-        loss_after = self._loss_fn_thunk(self._train_batch, "train_batch")
+        change = update.predicted_change()
+        record = update.model_change is None  # else recorded with the step
 
-        def rule():
-          change, records = self._model_change_op(update)
-          after = loss_after()
+        def rule(after, before, change, counter):
+          records = ([self._record("qmodel_change").assign(change)]
+                     if record else [])
           return self._apply_rule(before, after, change, counter, records)
-        return utils.cond_op(adapt_now, rule)
+        return self._cond_with_loss(adapt_now, self._train_batch,
+                                    "train_batch", rule,
+                                    (before, change, counter))
 
       def keep():
         change, records = self._model_change_op(update)

@@ -283,6 +283,24 @@ class FisherEstimator:
       return thunk
     return [make(f) for f in self.factors]
 
+  def _local_statistics(self):
+    """(factors, statistics, symmetric) of this replica's batch, in order
+    (a factor may have several statistics)."""
+    owners, tensors, symmetric = [], [], []
+    for factor in self.factors:
+      for stat, sym in factor.covariance_statistics():
+        owners.append(factor)
+        tensors.append(stat)
+        symmetric.append(sym)
+    return owners, tensors, symmetric
+
+  @staticmethod
+  def _by_factor(owners, values):
+    out = {}
+    for factor, value in zip(owners, values):
+      out.setdefault(factor.name, []).append(value)
+    return out
+
   def _reduced_statistics(self, scope=None):
     """Under several replicas: {factor name: statistics of the global
     batch}, computed and reduced now, outside any conditional (one
@@ -292,19 +310,38 @@ class FisherEstimator:
       return None
     if getattr(self, "_reduced", None) is None:
       with self._scope(scope), tf.name_scope("cross_replica_statistics"):
-        names, tensors, symmetric = [], [], []
-        for factor in self.factors:
-          for stat, sym in factor.covariance_statistics():
-            names.append(factor.name)
-            tensors.append(stat)
-            symmetric.append(sym)
+        owners, tensors, symmetric = self._local_statistics()
         reduced = collective.all_reduce(
             tensors, collective.MEAN, symmetric,
             weight=self.replica_examples())
-      self._reduced = {}
-      for name, stat in zip(names, reduced):
-        self._reduced.setdefault(name, []).append(stat)
+      self._reduced = self._by_factor(owners, reduced)
     return self._reduced
+
+  def conditional_cov_update(self, pred, scope=None):
+    """An op that updates the statistics' moving averages when `pred`
+    holds. Under several replicas (eager sync) the statistics are computed
+    now and reduced only when `pred` holds, in a conditional taken for all
+    replicas at once (collective.cross_replica_cond): no traffic on the
+    steps without a statistics update."""
+    if not collective.is_distributed() or self._lazy():
+      thunks = self._cov_update_thunks(scope)
+      return utils.cond_op(pred, lambda: tf.group(*[t() for t in thunks]))
+    with self._scope(scope):
+      owners, tensors, symmetric = self._local_statistics()
+      examples = self.replica_examples()
+    decay = self._cov_ema_decay
+
+    def fold_reduced(tensors, examples):
+      with self._scope(scope), tf.name_scope("cross_replica_statistics"):
+        reduced = collective.all_reduce(tensors, collective.MEAN, symmetric,
+                                        weight=examples)
+        stats = self._by_factor(owners, reduced)
+        return tf.group(*[
+            factor.make_covariance_assign_op(stats[factor.name], decay)
+            for factor in self.factors])
+
+    return collective.cross_replica_cond(pred, fold_reduced,
+                                         (tensors, examples))
 
   def replica_examples(self):
     """This replica's number of examples (of the first registered loss),

@@ -75,8 +75,13 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
       in_burnin = counter < burnin
       do_cov = tf.logical_or(
           in_burnin, tf.equal(counter % self._cov_update_every, 0))
-      cov_done = utils.cond_op(
-          do_cov, lambda: tf.group(*[t() for t in cov_thunks]))
+      if self._cov_update_every > 1:
+        # Under several replicas the statistics are then reduced only on
+        # the steps that fold them.
+        cov_done = est.conditional_cov_update(do_cov, scope=self.get_name())
+      else:
+        cov_done = utils.cond_op(
+            do_cov, lambda: tf.group(*[t() for t in cov_thunks]))
       with tf.control_dependencies([cov_done]):
         do_inv = tf.logical_and(
             tf.logical_not(in_burnin),

@@ -214,33 +214,36 @@ def _collectives_work_in_conditionals():
   return "TPU" in type(tf.distribute.get_strategy()).__name__
 
 
-def cross_replica_cond(pred, make_op):
-  """An op that runs `make_op()` on every replica when `pred` holds.
+def cross_replica_cond(pred, make_op, args=()):
+  """An op that runs `make_op(*args)` on every replica when `pred` holds.
 
   `make_op` may use collectives (`all_reduce`). `pred` must have the same
   value on every replica (K-FAC's predicates come from the replica-local
-  step counter, identical by the invariant above). Without several replicas
-  this is `utils.cond_op`.
+  step counter, identical by the invariant above). `args`: a tuple of
+  (nests of) this replica's tensors; each replica's `make_op` gets its own.
+  Without several replicas this is `utils.cond_op`.
 
   Under a strategy the branch is taken in the cross-replica context
   (merge_call), on replica 0's predicate, and `make_op` runs once per
   replica inside it (call_for_each_replica): MirroredStrategy calls the
   merge function of replica 0 only, so `make_op` must not close over
-  per-replica tensors: it may read variables (a replica-local variable
-  resolves to that replica's copy) and `replica_id()`, which is the id of
-  the replica it runs for.
+  per-replica tensors or per-replica attributes: it gets them through
+  `args`; it may read variables (a replica-local variable resolves to that
+  replica's copy) and `replica_id()`, which is the id of the replica it
+  runs for.
   """
+  args = tuple(args)
   ctx = replica_context()
   if ctx is None or _collectives_work_in_conditionals():
-    return utils.cond_op(pred, make_op)
+    return utils.cond_op(pred, lambda: make_op(*args))
 
-  def merge(strategy, pred):
+  def merge(strategy, pred, *args):
     first = strategy.experimental_local_results(pred)[0]
 
     def run_on_replicas():
-      ops = strategy.extended.call_for_each_replica(make_op)
+      ops = strategy.extended.call_for_each_replica(make_op, args=args)
       return tf.group(*strategy.experimental_local_results(ops))
 
     return utils.cond_op(first, run_on_replicas)
 
-  return ctx.merge_call(merge, args=(tf.convert_to_tensor(pred),))
+  return ctx.merge_call(merge, args=(tf.convert_to_tensor(pred),) + args)
