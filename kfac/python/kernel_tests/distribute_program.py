@@ -1,6 +1,8 @@
 """R replicas against 1 replica on the same global batch (run as a program).
 
     python -m kfac.python.kernel_tests.distribute_program R WORLD CASE...
+    python -m kfac.python.kernel_tests.distribute_program R tf1_checkpoint \
+        CASE...     (TF1 Saver checkpoints from R replicas to 1 and back)
     python -m kfac.python.kernel_tests.distribute_program multiworker \
         TASK_INDEX PORT0,PORT1 CASE...    (one process per worker)
 
@@ -217,12 +219,19 @@ def _step_fn(kfac, case, opt, v, names, replicas, uneven, global_step):
   return step
 
 
-def run_tf1(kfac, strategy, case, optname, replicas, uneven):
+def run_tf1(kfac, strategy, case, optname, replicas, uneven, steps=STEPS,
+            save=None, restore=None):
+  """`steps` steps in a Session; `restore` / `save`: a checkpoint path
+  read after initialisation / written after the steps
+  (tf.compat.v1.train.Saver over the graph's global variables)."""
   names = MODEL_VARS[case]
   with tf.Graph().as_default():
     scope = strategy.scope() if strategy else contextlib.nullcontext()
     with scope:
-      v = {n: tf.Variable(INIT[n], name=n) for n in names}
+      # get_variable: a Saver then saves a mirrored variable once (a V2
+      # tf.Variable's per-replica copies stay in GLOBAL_VARIABLES).
+      v = {n: tf.compat.v1.get_variable(n, initializer=INIT[n])
+           for n in names}
       global_step = tf.compat.v1.train.get_or_create_global_step()
       opt = make_optimizer(kfac, optname, _loss_fn(kfac, case, v))
       step = _step_fn(kfac, case, opt, v, names, replicas, uneven,
@@ -236,10 +245,15 @@ def run_tf1(kfac, strategy, case, optname, replicas, uneven):
           train = strategy.group(
               strategy.extended.call_for_each_replica(step))
       store = opt.state_store.variables_by_name
+      saver = tf.compat.v1.train.Saver()
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        for _ in range(STEPS):
+        if restore:
+          saver.restore(sess, restore)
+        for _ in range(steps):
           sess.run(train)
+        if save:
+          saver.save(sess, save)
         weights = {n: sess.run(local(strategy, v[n])) for n in names}
         state = {k: sess.run(local(strategy, var)) for k, var in store.items()}
         weights["global_step"] = sess.run(local(strategy, global_step))
@@ -339,6 +353,30 @@ def main_multiworker(argv):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def main_checkpoint(kfac, strategy, replicas, specs):
+  """TF1 Saver checkpoints across replica counts: R replicas for 3 steps,
+  saved, restored in a one-replica graph for the other 2 (and the other
+  way round), against 5 straight one-replica steps."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  for spec in specs:
+    case, optname = spec.split(":")[:2]
+    with tempfile.TemporaryDirectory() as tmp:
+      ref = run_tf1(kfac, None, case, optname, 1, False)
+      run_tf1(kfac, strategy, case, optname, replicas, False, steps=3,
+              save=os.path.join(tmp, "many"))
+      down = run_tf1(kfac, None, case, optname, 1, False, steps=2,
+                     restore=os.path.join(tmp, "many"))
+      run_tf1(kfac, None, case, optname, 1, False, steps=3,
+              save=os.path.join(tmp, "one"))
+      up = run_tf1(kfac, strategy, case, optname, replicas, False, steps=2,
+                   restore=os.path.join(tmp, "one"))
+    for label, run in (("down", down), ("up", up)):
+      result = compare(ref, run, case)
+      result.update(case=spec + ":" + label, world="tf1_checkpoint",
+                    replicas=replicas)
+      print("RESULT " + json.dumps(result), flush=True)
+
+
 def main(argv):
   if argv[1] == "multiworker":
     main_multiworker(argv)
@@ -352,6 +390,9 @@ def main(argv):
   # same devices reuses the collective keys of the first.
   strategy = tf.distribute.MirroredStrategy(
       ["/cpu:%d" % i for i in range(replicas)])
+  if world == "tf1_checkpoint":
+    main_checkpoint(kfac, strategy, replicas, argv[3:])
+    return
   run = run_tf1 if world == "tf1" else run_tf2
   for spec in argv[3:]:
     parts = spec.split(":")

@@ -66,6 +66,8 @@ def run_program(replicas, world, cases):
   proc = subprocess.run(_PROGRAM + [str(replicas), world] + list(cases),
                         env=_env(), capture_output=True, text=True,
                         timeout=900, check=False, cwd=_ROOT)
+  if world == "tf1_checkpoint":  # two results per case
+    cases = [c + ":" + way for c in cases for way in ("down", "up")]
   return _results(proc.stdout, proc.stderr, proc.returncode, cases)
 
 
@@ -136,6 +138,19 @@ def test_replicas_equal_one(world, replicas):
   digests = {r["case"]: r["digest"] for r in results}
   for case in placed:
     assert digests[case + ":replica_round_robin"] == digests[case], case
+
+
+@pytest.mark.slow
+def test_tf1_checkpoints_move_between_replica_counts():
+  """A tf.compat.v1.train.Saver checkpoint written by 2 replicas after 3
+  steps, restored in a one-replica graph for 2 more steps (and the other
+  way round), equals 5 one-replica steps: K-FAC's state is saved once
+  under replica-count-independent names."""
+  cases = ["dense:periodic", "dense:adaptive"]
+  results = run_program(2, "tf1_checkpoint", cases)
+  assert [r["case"] for r in results] == [
+      c + ":" + way for c in cases for way in ("down", "up")]
+  check(results)
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ no sampling, so runs are reproducible bit for bit). The tests check that
     statistics, inverses, velocities, counters) within 1e-5 relative;
   * an Estimator that stops and resumes from its checkpoint (a second
     train() call in the same model_dir) continues exactly: K-FAC's state is
-    checkpointed and restored with the weights;
+    checkpointed and restored with the weights, also when the number of
+    replicas changes between the two calls (1 -> R and R -> 1);
   * a TPUEstimator(use_tpu=False) with a TPUEstimatorSpec trains exactly like
     the Estimator;
   * examples/distributed_estimator.py runs and its loss falls.
@@ -274,7 +275,8 @@ def _run_program(*args, timeout=300):
 
 def test_mirrored_estimator_trains_like_one_replica():
   """R = 2 and 4 logical CPUs, each replica on BATCH / R examples of every
-  global batch, against the one-replica Estimator on the global batches."""
+  global batch, against the one-replica Estimator on the global batches;
+  checkpoints resume across replica counts."""
   out = _run_program("-m", "kfac.python.kernel_tests.estimator_tf215_test",
                      "mirrored", "2", "4")
   results = [json.loads(line[len("RESULT "):])
@@ -282,12 +284,18 @@ def test_mirrored_estimator_trains_like_one_replica():
   assert [r["replicas"] for r in results] == [2, 4], out[-3000:]
   for r in results:
     _assert_trains(r["losses"])
-    assert not r["missing"], r
-    # Measured (R = 2 / 4): weights 1.8e-7 / 2.4e-7, every replica's copy
-    # of K-FAC's state 8.3e-7 / 5.5e-7, losses 1.3e-7 / 9.9e-8.
+    # The checkpoint holds the same variables under the same names as the
+    # one-replica run's (K-FAC's state saved once, from the first replica).
+    assert r["names"] and r["up_names"] and r["down_names"], r
+    # Measured (R = 2 / 4): weights 1.8e-7 / 2.4e-7, K-FAC's state
+    # 8.3e-7 / 5.5e-7, losses 1.3e-7 / 9.9e-8.
     assert r["weights_rel"] <= 1e-5, r
     assert r["state_rel"] <= 1e-5, r
     assert r["losses_rel"] <= 1e-5, r
+    # Resumed with another replica count (1 -> R, R -> 1 at step 4): every
+    # variable as after 10 one-replica steps.
+    assert r["up_rel"] <= 1e-5, r
+    assert r["down_rel"] <= 1e-5, r
     assert r["moved"] > 0.05, r  # it did train
 
 
@@ -307,50 +315,42 @@ def test_distributed_estimator_example_runs():
 
 # ---------------------------------------------------------------- program
 
-def _state_key(name):
-  """A checkpoint name without what depends on the replica count: the
-  optimizer's name scope is uniquified against the other scopes of the
-  graph ("KFAC_1" with one replica, "KFAC_2" under MirroredStrategy), and
-  each replica's copy of K-FAC's replica-local state is saved as
-  "NAME/replica_<r>" beside the first replica's "NAME"."""
-  name = re.sub(r"^KFAC_\d+/", "KFAC_n/", name)
-  return re.sub(r"/replica_\d+$", "", name)
-
-
 def _mirrored(replica_counts):
-  """One-replica Estimator, then one MirroredStrategy Estimator per R (the
-  process has max(R) logical CPUs; a strategy over the first R of them)."""
+  """One-replica Estimator, then per R (the process has max(R) logical
+  CPUs; one strategy over the first R of them): a MirroredStrategy
+  Estimator, and two resumed runs that change the replica count at step 4
+  (1 -> R and R -> 1) in the same model_dir."""
   with tempfile.TemporaryDirectory() as tmp:
     losses1, values1 = run_estimator(os.path.join(tmp, "one"))
     weights1 = {n: values1[n] for n in INIT}
-    state1 = {_state_key(n): v for n, v in values1.items() if n not in INIT}
+    state1 = {n: v for n, v in values1.items() if n not in INIT}
     for replicas in replica_counts:
       strategy = tf.distribute.MirroredStrategy(
           ["/cpu:%d" % i for i in range(replicas)])
       losses, values = run_estimator(
           os.path.join(tmp, "r%d" % replicas), replicas, strategy)
       w_rel, w_worst = rel_diff(values, weights1)
-      # Every replica's copy of every state variable against one replica.
-      s_rel, s_worst, copies = 0.0, None, 0
-      for name, value in values.items():
-        if name in INIT:
-          continue
-        key = _state_key(name)
-        if key not in state1:
-          s_rel, s_worst = float("inf"), name
-          continue
-        rel, _ = rel_diff({key: value}, {key: state1[key]})
-        copies += 1
-        if rel > s_rel or s_worst is None:
-          s_rel, s_worst = rel, name
-      found = {_state_key(n) for n in values}
+      # K-FAC's state is saved once (from the first replica), under the
+      # names of the one-replica run.
+      s_rel, s_worst = rel_diff(values, state1)
       l_rel = float(np.max(np.abs(np.subtract(losses, losses1)) /
                            np.abs(losses1)))
+      up = os.path.join(tmp, "up%d" % replicas)
+      run_estimator(up, steps=4)
+      _, values_up = run_estimator(up, replicas, strategy, steps=STEPS - 4,
+                                   first_step=4)
+      down = os.path.join(tmp, "down%d" % replicas)
+      run_estimator(down, replicas, strategy, steps=4)
+      _, values_down = run_estimator(down, steps=STEPS - 4, first_step=4)
       print("RESULT " + json.dumps(dict(
           replicas=replicas, losses=losses, losses_rel=l_rel,
           weights_rel=w_rel, weights_worst=w_worst, state_rel=s_rel,
-          state_worst=s_worst, n_state=len(state1), state_copies=copies,
-          missing=sorted(set(state1) - found),
+          state_worst=s_worst, n_state=len(state1),
+          names=sorted(values) == sorted(values1),
+          up_rel=rel_diff(values_up, values1)[0],
+          up_names=sorted(values_up) == sorted(values1),
+          down_rel=rel_diff(values_down, values1)[0],
+          down_names=sorted(values_down) == sorted(values1),
           moved=max(float(np.max(np.abs(values1[n] - INIT[n])))
                     for n in INIT))), flush=True)
 

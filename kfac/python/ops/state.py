@@ -9,6 +9,8 @@ Variables are created under `tf.init_scope()`, i.e. eagerly in a TF2 program
 and in the current graph under a TF1 Session, never inside a trace.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from kfac.python.ops import utils
@@ -60,7 +62,7 @@ class StateStore(tf.Module):
           "Restored K-FAC state %r has shape %s but the model now needs %s. "
           "Was it saved from a different model?" % (key, pending.shape, shape))
     strategy = _multi_replica_strategy()
-    with tf.init_scope():
+    with tf.init_scope(), _root_name_scope():
       if pending is not None:
         value = tf.constant(pending, dtype=dtype)
       else:
@@ -131,10 +133,37 @@ def _replica_local_variable(strategy, value, name):
   if tf.distribute.has_strategy():
     # TF1 graph: init_scope stays in the graph and in the replica (or
     # cross-replica) context, where the strategy creates the variable.
-    return tf.Variable(value, **kwargs)
+    var = tf.Variable(value, **kwargs)
+    if not tf.executing_eagerly():
+      _save_once(var)
+    return var
   # TF2: init_scope left the function graph that strategy.run entered.
   with strategy.scope():
     return tf.Variable(value, **kwargs)
+
+
+def _root_name_scope():
+  """In a TF1 graph: the top-level name scope, so that a state variable's
+  name is "<store name>/<key>" wherever the step is built (a Saver's
+  checkpoint keys must not depend on the name scopes opened before, which
+  differ between one and several replicas). A no-op elsewhere (TF2 state
+  is saved by object, not by name)."""
+  if tf.executing_eagerly():
+    return contextlib.nullcontext()
+  return tf.compat.v1.get_default_graph().name_scope(None)
+
+
+def _save_once(var):
+  """A TF1 graph's GLOBAL_VARIABLES list the replica-local variable once
+  (a tf.compat.v1.train.Saver saves it from the first replica and restores
+  every copy) instead of each replica's copy under its own name, so that a
+  checkpoint restores under any number of replicas."""
+  graph = tf.compat.v1.get_default_graph()
+  listed = graph.get_collection_ref(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+  components = {id(v) for v in var.values}
+  listed[:] = [v for v in listed if id(v) not in components]
+  if not any(v is var for v in listed):
+    listed.append(var)
 
 
 def _sanitize(name):
