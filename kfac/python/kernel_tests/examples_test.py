@@ -152,3 +152,31 @@ def test_distributed_mirrored_matches_one_replica(world, replicas):
   assert losses[1] < losses[0], out
   (line,) = [l for l in out.splitlines() if l.startswith("max relative")]
   assert float(line.split()[-1]) <= 1e-5, line
+
+
+def test_distributed_multiworker_matches_one_process():
+  """examples/distributed_multiworker.py --launch_local=2: two localhost
+  worker processes (MultiWorkerMirroredStrategy) train as one process on
+  the same batches (measured 1.8e-6 relative after 20 steps, loss 0.51 at
+  step 5 -> 0.078 at step 20), every replica's weights bit-identical, and
+  the launcher finds the two workers' weight digests equal."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  env.pop("TF_CONFIG", None)
+  proc = subprocess.run(
+      [sys.executable, str(EXAMPLES / "distributed_multiworker.py"),
+       "--launch_local=2", "--dataset=digits", "--steps=20",
+       "--batch_size=64", "--check_single"],
+      cwd=str(EXAMPLES), env=env, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  out = proc.stdout
+  assert "K-FAC on 2 workers, 2 replicas in sync" in out, out
+  assert "all 2 replicas' weights identical: True" in out, out
+  assert "the 2 workers' weight digests agree: True" in out, out
+  losses = [float(l.split()[3]) for l in out.splitlines()
+            if l.startswith("step ")]
+  assert len(losses) == 8, out  # 4 progress lines per run, 2 runs
+  assert all(math.isfinite(l) for l in losses), out
+  assert losses[3] < 0.5 * losses[0], out
+  (line,) = [l for l in out.splitlines() if l.startswith("max relative")]
+  assert float(line.split()[-1]) <= 1e-5, line
