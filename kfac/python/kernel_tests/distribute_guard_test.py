@@ -56,6 +56,23 @@ def report(error):
   print("ERROR", type(error).__name__, str(error).replace("\n", " "))
 
 
+def run_tf1_step(make, error):
+  """Builds one TF1 replica step (call_for_each_replica) with the optimizer
+  make(w) under MirroredStrategy; reports `error`."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with tf.Graph().as_default(), strategy.scope():
+    w = tf.Variable(W0)
+    opt = make(w)
+    def step():
+      lc = kfac.LayerCollection()
+      return opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
+                          layer_collection=lc)
+    try:
+      strategy.extended.call_for_each_replica(step)
+    except error as e:
+      report(e)
+
+
 def run_tf2_step(strategy, w, opt, error):
   """Builds and runs one TF2 step under strategy.run; reports `error`."""
   @tf.function
@@ -75,20 +92,10 @@ _CASES = {
     # TF1 Session graph, one step per replica, the damping rule adapting a
     # variable of the user's.
     "tf1_adapt_damping": r'''
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with tf.Graph().as_default(), strategy.scope():
-  w = tf.Variable(W0)
-  damping = tf.Variable(0.1, name="my_damping")
-  opt = make_opt(adapt_damping=True, damping=damping, learning_rate=0.1,
-                 loss_fn=lambda batch: tf.constant(0.0), train_batch=())
-  def step():
-    lc = kfac.LayerCollection()
-    return opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
-                        layer_collection=lc)
-  try:
-    strategy.extended.call_for_each_replica(step)
-  except NotImplementedError as e:
-    report(e)
+run_tf1_step(lambda w: make_opt(
+    adapt_damping=True, damping=tf.Variable(0.1, name="my_damping"),
+    learning_rate=0.1, loss_fn=lambda batch: tf.constant(0.0),
+    train_batch=()), NotImplementedError)
 ''',
     # TF2: a tf.function step run by strategy.run, with burn-in calibration.
     "tf2_calibrate_damping": r'''
@@ -108,19 +115,9 @@ run_tf2_step(strategy, w, opt, ValueError)
 ''',
     # The asynchronous optimizer (Session threads) in a TF1 replica step.
     "tf1_async": r'''
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with tf.Graph().as_default(), strategy.scope():
-  w = tf.Variable(W0)
-  args = dict(learning_rate=0.1, damping=0.1, momentum=0.0)
-  opt = kfac.AsyncInvCovUpdateKfacOpt(None, None, **args)
-  def step():
-    lc = kfac.LayerCollection()
-    return opt.minimize(model(tf.constant(X), w, lc), var_list=[w],
-                        layer_collection=lc)
-  try:
-    strategy.extended.call_for_each_replica(step)
-  except NotImplementedError as e:
-    report(e)
+run_tf1_step(lambda w: kfac.AsyncInvCovUpdateKfacOpt(
+    None, None, learning_rate=0.1, damping=0.1, momentum=0.0),
+    NotImplementedError)
 ''',
     # The estimator's update ops, built in the strategy's cross-replica scope.
     "estimator_in_scope": r'''

@@ -267,6 +267,13 @@ def run_tf2(kfac, strategy, case, optname, replicas, uneven):
     v = {n: tf.Variable(INIT[n], name=n) for n in names}
   opt = make_optimizer(kfac, optname, _loss_fn(kfac, case, v))
   step = _step_fn(kfac, case, opt, v, names, replicas, uneven, None)
+  return train_tf2(strategy, step, STEPS, opt, {n: v[n] for n in names})
+
+
+def train_tf2(strategy, step, steps, opt, variables):
+  """Runs `step` (strategy.run under a strategy) `steps` times in a
+  tf.function; ({name: copies} of `variables`, {key: copies} of the
+  optimizer's state)."""
 
   @tf.function
   def train():
@@ -275,9 +282,10 @@ def run_tf2(kfac, strategy, case, optname, replicas, uneven):
     else:
       strategy.run(step)
 
-  for _ in range(STEPS):
+  for _ in range(steps):
     train()
-  weights = {n: [c.numpy() for c in local(strategy, v[n])] for n in names}
+  weights = {n: [c.numpy() for c in local(strategy, var)]
+             for n, var in variables.items()}
   state = {k: [c.numpy() for c in local(strategy, var)]
            for k, var in opt.state_store.variables_by_name.items()}
   return weights, state

@@ -46,7 +46,9 @@ _PROGRAM = [sys.executable, "-m",
             "kfac.python.kernel_tests.distribute_program"]
 
 
-def _env():
+def env():
+  """The environment of the test programs (the source tree first on the
+  path; no TF_CONFIG)."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   env["PYTHONPATH"] = os.pathsep.join(
       [_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -64,14 +66,14 @@ def _results(stdout, stderr, returncode, cases):
 
 def run_program(replicas, world, cases):
   proc = subprocess.run(_PROGRAM + [str(replicas), world] + list(cases),
-                        env=_env(), capture_output=True, text=True,
+                        env=env(), capture_output=True, text=True,
                         timeout=900, check=False, cwd=_ROOT)
   if world == "tf1_checkpoint":  # two results per case
     cases = [c + ":" + way for c in cases for way in ("down", "up")]
   return _results(proc.stdout, proc.stderr, proc.returncode, cases)
 
 
-def _free_ports(count):
+def free_ports(count):
   socks = [socket.socket() for _ in range(count)]
   try:
     for s in socks:
@@ -140,6 +142,26 @@ def test_replicas_equal_one(world, replicas):
     assert digests[case + ":replica_round_robin"] == digests[case], case
 
 
+def run_workers(program, cases, environ, parse, workers=2, timeout=900):
+  """Runs `program multiworker I PORTS cases...` as `workers` localhost
+  processes at once; [parse(stdout, stderr, returncode)] per worker."""
+  ports = ",".join(str(p) for p in free_ports(workers))
+  procs = [subprocess.Popen(
+      program + ["multiworker", str(i), ports] + list(cases), env=environ,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT)
+           for i in range(workers)]
+  outs = []
+  try:
+    for proc in procs:
+      stdout, stderr = proc.communicate(timeout=timeout)
+      outs.append(parse(stdout, stderr, proc.returncode))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  return outs
+
+
 @pytest.mark.slow
 def test_tf1_checkpoints_move_between_replica_counts():
   """A tf.compat.v1.train.Saver checkpoint written by 2 replicas after 3
@@ -159,20 +181,8 @@ def test_two_workers_equal_one_process():
   each, TF_CONFIG cluster) train as one process on the global batch."""
   cases = ["dense:periodic", "conv:periodic", "dense:adaptive:uneven",
            "dense:periodic:lazy_statistics_sync:replica_round_robin"]
-  ports = ",".join(str(p) for p in _free_ports(2))
-  procs = [subprocess.Popen(
-      _PROGRAM + ["multiworker", str(i), ports] + cases, env=_env(),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT)
-           for i in range(2)]
-  outs = []
-  try:
-    for proc in procs:
-      stdout, stderr = proc.communicate(timeout=900)
-      outs.append(_results(stdout, stderr, proc.returncode, cases))
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
+  outs = run_workers(_PROGRAM, cases, env(),
+                     lambda out, err, rc: _results(out, err, rc, cases))
   for worker, results in enumerate(outs):
     assert all(r["worker"] == worker and r["replicas"] == 2
                for r in results), results

@@ -23,15 +23,14 @@ SGD as well), so it is not tested and not worked around.
 """
 
 import json
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 
 import kfac
+from kfac.python.kernel_tests import distribute_test
 
 pytestmark = pytest.mark.slow  # subprocesses
 
@@ -44,22 +43,7 @@ _PROGRAM = [sys.executable, "-m",
 
 
 def _env():
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
-  env["PYTHONPATH"] = os.pathsep.join(
-      [_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-  env.pop("TF_CONFIG", None)
-  return env
-
-
-def _free_ports(count):
-  socks = [socket.socket() for _ in range(count)]
-  try:
-    for s in socks:
-      s.bind(("localhost", 0))
-    return [s.getsockname()[1] for s in socks]
-  finally:
-    for s in socks:
-      s.close()
+  return dict(distribute_test.env(), TF_USE_LEGACY_KERAS="1")
 
 
 def _results(stdout, stderr, returncode):
@@ -76,20 +60,8 @@ def _results(stdout, stderr, returncode):
 
 
 def test_tf_keras_fit_two_workers_equal_one_process():
-  ports = ",".join(str(p) for p in _free_ports(2))
-  procs = [subprocess.Popen(
-      _PROGRAM + ["multiworker", str(i), ports] + CASES, env=_env(),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT)
-           for i in range(2)]
-  outs = []
-  try:
-    for proc in procs:
-      stdout, stderr = proc.communicate(timeout=600)
-      outs.append(_results(stdout, stderr, proc.returncode))
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
+  outs = distribute_test.run_workers(_PROGRAM, CASES, _env(), _results,
+                                     timeout=600)
   for worker, results in enumerate(outs):
     assert all(r["worker"] == worker and r["replicas"] == 2
                for r in results), results

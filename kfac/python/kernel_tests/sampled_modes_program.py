@@ -73,20 +73,7 @@ def run(kfac, strategy, mode, batch, seed):
     return opt.minimize(loss, var_list=[v[k] for k in NAMES],
                         layer_collection=lc)
 
-  @tf.function
-  def train():
-    if strategy is None:
-      step()
-    else:
-      strategy.run(step)
-
-  for _ in range(STEPS):
-    train()
-  weights = {k: [c.numpy() for c in dp.local(strategy, v[k])]
-             for k in NAMES}
-  state = {k: [c.numpy() for c in dp.local(strategy, var)]
-           for k, var in opt.state_store.variables_by_name.items()}
-  return weights, state
+  return dp.train_tf2(strategy, step, STEPS, opt, {k: v[k] for k in NAMES})
 
 
 def _max_rel(one, other, keys):
