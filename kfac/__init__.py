@@ -28,6 +28,7 @@ from kfac.python.ops import estimator
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import fisher_factors
 from kfac.python.ops import layer_collection
+from kfac.python.ops import linear_operator
 from kfac.python.ops import loss_functions
 from kfac.python.ops import optimizer
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt
@@ -49,6 +50,18 @@ AsyncInvCovUpdateKfacOpt = (
 
 __version__ = "0.3.0.dev0"
 
+# `import kfac.estimator` (and the other submodules below) works as well as
+# attribute access: the modules are registered under their kfac.* names.
+import sys as _sys  # pylint: disable=g-import-not-at-top,g-bad-import-order
+for _name in ("batch_size_schedules", "curvature_matrix_vector_products",
+              "data_reader", "data_reader_alt", "estimator", "fisher_blocks",
+              "fisher_factors", "layer_collection", "linear_operator",
+              "loss_functions", "optimizer", "periodic_inv_cov_update_kfac_opt",
+              "placement", "schedules", "state", "utils",
+              "async_inv_cov_update_kfac_opt"):
+  _sys.modules.setdefault(__name__ + "." + _name, globals()[_name])
+del _name, _sys
+
 
 def __getattr__(name):
   # kfac.keras imports Keras, so it is loaded on first use only.
@@ -63,6 +76,6 @@ __all__ = [
     "CurvatureMatrixVectorProductComputer", "batch_size_schedules",
     "curvature_matrix_vector_products", "data_reader", "data_reader_alt",
     "schedules", "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
-    "loss_functions", "optimizer", "placement", "state", "utils", "StateStore",
+    "linear_operator", "loss_functions", "optimizer", "placement", "state", "utils", "StateStore",
     "keras",
 ]
