@@ -520,3 +520,30 @@ def test_no_losses_and_missing_targets():
       with pytest.raises(ValueError, match="targets"):
         getattr(cmvp, method)(vecs)
 
+
+
+def test_factor_inner_shapes_match_the_factor_vectors():
+  """fisher/ggn_factor_inner_(static_)shapes (old public properties) give
+  the shapes multiply_*_factor take: those of the transposed products; the
+  old keyword loss_inner_vecs is accepted."""
+  with tf.Graph().as_default():
+    lc, variables = _graph_setup()
+    cmvp = CurvatureMatrixVectorProductComputer(lc, variables)
+    good = [tf.zeros(v.shape, tf.float64) for v in variables]
+    us = cmvp.multiply_fisher_factor_transpose(good)
+    gs = cmvp.multiply_ggn_factor_transpose(good)
+    assert len(cmvp.fisher_factor_inner_static_shapes) == len(us)
+    for u, static in zip(us, cmvp.fisher_factor_inner_static_shapes):
+      assert u.shape.as_list() == static.as_list()
+    for g, static in zip(gs, cmvp.ggn_factor_inner_static_shapes):
+      assert g.shape.as_list() == static.as_list()
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      dyn_f, dyn_g = sess.run([cmvp.fisher_factor_inner_shapes,
+                               cmvp.ggn_factor_inner_shapes])
+    assert [list(s) for s in dyn_f] == [u.shape.as_list() for u in us]
+    assert [list(s) for s in dyn_g] == [g.shape.as_list() for g in gs]
+    back = cmvp.multiply_fisher_factor(loss_inner_vecs=us)
+    assert [b.shape for b in back] == [v.shape for v in variables]
+    back = cmvp.multiply_ggn_factor(loss_inner_vecs=gs)
+    assert [b.shape for b in back] == [v.shape for v in variables]

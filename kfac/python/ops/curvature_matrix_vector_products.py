@@ -172,10 +172,11 @@ class CurvatureMatrixVectorProductComputer(object):
     return self._multiply_factor_transpose(vecs,
                                            "multiply_fisher_factor_transpose")
 
-  def multiply_fisher_factor(self, loss_vecs):
-    """sum_l sqrt(c_l) J_l^T B_l u_l for `loss_vecs` = [u_l per loss
-    tower] (as returned by multiply_fisher_factor_transpose)."""
-    return self._multiply_factor(loss_vecs, "multiply_fisher_factor")
+  def multiply_fisher_factor(self, loss_inner_vecs):
+    """sum_l sqrt(c_l) J_l^T B_l u_l for `loss_inner_vecs` = [u_l per loss
+    tower] (as returned by multiply_fisher_factor_transpose; shapes in
+    `fisher_factor_inner_shapes`)."""
+    return self._multiply_factor(loss_inner_vecs, "multiply_fisher_factor")
 
   def multiply_ggn_factor_transpose(self, vecs):
     """[sqrt(c_l) B_l^T J_l v for each loss tower] with the GGN factors
@@ -184,10 +185,31 @@ class CurvatureMatrixVectorProductComputer(object):
     return self._multiply_factor_transpose(vecs,
                                            "multiply_ggn_factor_transpose")
 
-  def multiply_ggn_factor(self, loss_vecs):
-    """sum_l sqrt(c_l) J_l^T B_l u_l with the GGN factors."""
+  def multiply_ggn_factor(self, loss_inner_vecs):
+    """sum_l sqrt(c_l) J_l^T B_l u_l with the GGN factors (shapes in
+    `ggn_factor_inner_shapes`)."""
     self._check_ggn_targets()
-    return self._multiply_factor(loss_vecs, "multiply_ggn_factor")
+    return self._multiply_factor(loss_inner_vecs, "multiply_ggn_factor")
+
+  # Shapes of the vectors multiply_fisher_factor / multiply_ggn_factor take,
+  # one per loss tower (dynamic: tensors; static: tf.TensorShape).
+  @property
+  def fisher_factor_inner_shapes(self):
+    return tuple(loss.fisher_factor_inner_shape for loss, _ in self._losses())
+
+  @property
+  def fisher_factor_inner_static_shapes(self):
+    return tuple(loss.fisher_factor_inner_static_shape
+                 for loss, _ in self._losses())
+
+  @property
+  def ggn_factor_inner_shapes(self):
+    return tuple(loss.ggn_factor_inner_shape for loss, _ in self._losses())
+
+  @property
+  def ggn_factor_inner_static_shapes(self):
+    return tuple(loss.ggn_factor_inner_static_shape
+                 for loss, _ in self._losses())
 
   # ------------------------------------------------------------ internals
   @staticmethod
