@@ -122,8 +122,108 @@ def diagonal_matpower(diag, exp, damping):
 
 
 def kronecker_product(mat1, mat2):
-  """Dense Kronecker product (for tests and `full_fisher_block`)."""
+  """Dense Kronecker product of two matrices (the static shape is kept when
+  both shapes are known)."""
+  mat1 = tf.convert_to_tensor(mat1)
+  mat2 = tf.convert_to_tensor(mat2, dtype=mat1.dtype)
+  if mat1.shape.rank != 2 or mat2.shape.rank != 2:
+    raise ValueError("kronecker_product needs two matrices, got shapes %s "
+                     "and %s." % (mat1.shape, mat2.shape))
+  prod = mat1[:, tf.newaxis, :, tf.newaxis] * mat2[tf.newaxis, :, tf.newaxis, :]
+  if mat1.shape.is_fully_defined() and mat2.shape.is_fully_defined():
+    (m1, n1), (m2, n2) = mat1.shape.as_list(), mat2.shape.as_list()
+    return tf.reshape(prod, [m1 * m2, n1 * n2])
   m1, n1 = tf.unstack(tf.shape(mat1))
   m2, n2 = tf.unstack(tf.shape(mat2))
-  prod = mat1[:, tf.newaxis, :, tf.newaxis] * mat2[tf.newaxis, :, tf.newaxis, :]
   return tf.reshape(prod, [m1 * m2, n1 * n2])
+
+
+# ------------------------------------------------ the old utils.posdef_* API
+# (mat + damping * I)^-1 by a chosen method, and eigendecompositions of PSD
+# matrices; the factors themselves use damped_inverse / eigh above.
+
+POSDEF_INV_METHODS = ("cholesky", "matrix_inverse", "eig")
+POSDEF_EIG_METHODS = ("self_adjoint", "svd")
+
+
+def _identity_like(tensor):
+  n = tensor.shape[-1]
+  if n is None:
+    n = tf.shape(tensor)[-1]
+  return tf.eye(n, dtype=tensor.dtype)
+
+
+def posdef_inv_matrix_inverse(tensor, identity, damping):
+  """inverse(tensor + damping * identity) by a general matrix inverse."""
+  damping = utils.cast(damping, tensor.dtype)
+  return tf.linalg.inv(tensor + damping * identity)
+
+
+def posdef_inv_cholesky(tensor, identity, damping):
+  """inverse(tensor + damping * identity) by a Cholesky factorization."""
+  damping = utils.cast(damping, tensor.dtype)
+  chol = tf.linalg.cholesky(tensor + damping * identity)
+  return tf.linalg.cholesky_solve(chol, identity)
+
+
+def posdef_inv_eig(tensor, identity, damping):
+  """inverse(tensor + damping * identity) by an eigendecomposition."""
+  damping = utils.cast(damping, tensor.dtype)
+  evals, evecs = tf.linalg.eigh(tensor + damping * identity)
+  return tf.matmul(evecs / evals[tf.newaxis, :], evecs, transpose_b=True)
+
+
+posdef_inv_functions = {
+    "cholesky": posdef_inv_cholesky,
+    "matrix_inverse": posdef_inv_matrix_inverse,
+    "eig": posdef_inv_eig,
+}
+
+
+def _check_method(method, table, what):
+  if method not in table:
+    raise ValueError("Unknown %s %r; expected one of %s." %
+                     (what, method, ", ".join(sorted(table))))
+  return table[method]
+
+
+def posdef_inv(tensor, damping, method="cholesky"):
+  """(tensor + damping * I)^-1 of a symmetric PSD matrix, by `method`
+  ("cholesky", "matrix_inverse" or "eig")."""
+  fn = _check_method(method, posdef_inv_functions, "posdef_inv method")
+  tensor = tf.convert_to_tensor(tensor)
+  return fn(tensor, _identity_like(tensor), damping)
+
+
+def posdef_eig_svd(mat):
+  """(singular values, left singular vectors) of a PSD matrix (equal to
+  its eigendecomposition, eigenvalues in decreasing order)."""
+  evals, evecs, _ = tf.linalg.svd(mat)
+  return evals, evecs
+
+
+def posdef_eig_self_adjoint(mat):
+  """(|eigenvalues|, eigenvectors) of a symmetric PSD matrix by `eigh`
+  (absolute values, as the SVD would give them)."""
+  evals, evecs = tf.linalg.eigh(mat)
+  return tf.abs(evals), evecs
+
+
+posdef_eig_functions = {
+    "self_adjoint": posdef_eig_self_adjoint,
+    "svd": posdef_eig_svd,
+}
+
+
+def posdef_eig(mat, method="self_adjoint"):
+  """Eigendecomposition (eigenvalues, eigenvectors) of a PSD matrix by
+  `method` ("self_adjoint" or "svd")."""
+  return _check_method(method, posdef_eig_functions,
+                       "posdef_eig method")(mat)
+
+
+def cholesky(tensor, damping):
+  """Lower Cholesky factor of tensor + damping * I."""
+  tensor = tf.convert_to_tensor(tensor)
+  damping = utils.cast(damping, tensor.dtype)
+  return tf.linalg.cholesky(tensor + damping * _identity_like(tensor))

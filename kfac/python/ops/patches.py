@@ -333,3 +333,113 @@ def sample_patch_rows(x, spec, row_indices):
   gathered = tf.gather_nd(x, tf.concat([example, positions], axis=-1))
   gathered = gathered * tf.cast(valid, x.dtype)[..., tf.newaxis]
   return tf.reshape(gathered, [-1, spec.num_taps * int(x.shape[-1])])
+
+
+# ------------------------------------------------ the old utils.* patch API
+def is_data_format_channel_last(data_format):
+  """True when `data_format` puts channels last (None counts as NHWC)."""
+  if data_format is None:
+    return True
+  return data_format.endswith("C") or data_format == "channels_last"
+
+
+def extract_convolution_patches(inputs, filter_shape, padding, strides=None,
+                                dilation_rate=None, name=None,
+                                data_format=None):
+  """The input patch under the filter at every output location of
+  `tf.nn.convolution(inputs, filter, padding, strides, dilation_rate)`.
+
+  Args:
+    inputs: [batch, spatial..., in_channels] tensor (any number of spatial
+      dimensions; channels last).
+    filter_shape: [k..., in_channels, out_channels] ints.
+    padding: "SAME", "VALID" or explicit pairs.
+    strides, dilation_rate: None, spatial ints, or the full
+      [1, s..., 1] form.
+    name: name scope.
+    data_format: None or a channels-last format.
+
+  Returns:
+    [batch, out_spatial..., k..., in_channels]: reshaped to
+    [-1, prod(k) * in_channels] and multiplied by the filter reshaped to
+    [-1, out_channels] it gives the convolution's outputs.
+
+  Raises:
+    ValueError: channels-first `data_format`, or `inputs` and
+      `filter_shape` disagree on in_channels.
+  """
+  if not is_data_format_channel_last(data_format):
+    raise ValueError("Channel must be last dimension (data_format %r)." %
+                     data_format)
+  filter_shape = [int(d) for d in filter_shape]
+  inputs = tf.convert_to_tensor(inputs)
+  spatial_kernel = filter_shape[:-2]
+  if inputs.shape.rank is not None and (
+      inputs.shape.rank != len(spatial_kernel) + 2):
+    raise ValueError("inputs of shape %s do not match a filter of shape %s."
+                     % (inputs.shape, filter_shape))
+  in_channels = inputs.shape[-1]
+  if in_channels != filter_shape[-2]:
+    raise ValueError("inputs and filter_shape must agree on in_channels "
+                     "(%s vs %d)." % (in_channels, filter_shape[-2]))
+  with tf.name_scope(name or "extract_convolution_patches"):
+    spec = make_conv_spec(spatial_kernel, strides, dilation_rate, padding)
+    patches = extract_patches(inputs, spec)  # [N, out..., K*C]
+    out_shape = patches.shape[1:-1]
+    if out_shape.is_fully_defined():
+      out_dims = out_shape.as_list()
+    else:
+      out_dims = tf.unstack(tf.shape(patches)[1:-1])
+    batch = inputs.shape[0] if inputs.shape[0] is not None else -1
+    return tf.reshape(patches, [batch] + list(out_dims) +
+                      list(spatial_kernel) + [int(in_channels)])
+
+
+def extract_pointwise_conv2d_patches(inputs, filter_shape, name=None,
+                                     data_format=None):
+  """Patches of a 1x1 conv2d: [batch, height, width, 1, 1, in_channels]
+  (each pixel's channels), for `filter_shape` [1, 1, in, out]."""
+  inputs = tf.convert_to_tensor(inputs)
+  if inputs.shape.rank != 4:
+    raise ValueError("inputs must have 4 dims, got shape %s." % inputs.shape)
+  if len(filter_shape) != 4:
+    raise ValueError("filter_shape must have 4 dims, got %s." %
+                     (filter_shape,))
+  if filter_shape[0] != 1 or filter_shape[1] != 1:
+    raise ValueError("filter_shape must have shape 1 along spatial "
+                     "dimensions, got %s." % (filter_shape,))
+  if not is_data_format_channel_last(data_format):
+    raise ValueError("data_format must be channels last, got %r." %
+                     data_format)
+  if inputs.shape[-1] != filter_shape[2]:
+    raise ValueError("inputs and filter_shape must agree on in_channels "
+                     "(%s vs %s)." % (inputs.shape[-1], filter_shape[2]))
+  with tf.name_scope(name or "extract_pointwise_conv2d_patches"):
+    return inputs[:, :, :, tf.newaxis, tf.newaxis, :]
+
+
+def num_conv_locations(input_shape, filter_shape, strides, padding):
+  """Number of output locations of a 1-d or 2-d convolution.
+
+  Args:
+    input_shape: [batch, spatial..., in] ints (length 3 or 4).
+    filter_shape: [k..., in, out] ints (same length).
+    strides: None or [1, s..., 1] ints.
+    padding: "SAME" or "VALID" (None counts as SAME).
+  """
+  if len(input_shape) not in (3, 4):
+    raise ValueError("input_shape must be length 4, corresponding to a "
+                     "Conv2D, or length 3, corresponding to a Conv1D; got "
+                     "%s." % (input_shape,))
+  if len(input_shape) != len(filter_shape):
+    raise ValueError("Inconsistent number of dimensions between input and "
+                     "filter for convolution: %s vs %s." %
+                     (input_shape, filter_shape))
+  d = len(input_shape) - 2
+  strides = [1] * (d + 2) if strides is None else list(strides)
+  valid = padding is not None and padding.upper() == "VALID"
+  total = 1
+  for i in range(d):
+    n, k, s = input_shape[1 + i], filter_shape[i], strides[1 + i]
+    total *= -(-(n - k + 1) // s) if valid else -(-n // s)
+  return total
