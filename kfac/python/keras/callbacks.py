@@ -48,11 +48,23 @@ def _callback_base():
 _Callback = _callback_base()
 
 
+def _get_value(value):
+  """The numpy value of an int, numpy value, tensor or (Keras) variable, also
+  in a TF1 graph (tf_keras with v2 behaviour disabled: read in the Keras
+  session)."""
+  if hasattr(value, "numpy"):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if tf.executing_eagerly() or not isinstance(value, (tf.Tensor,
+                                                        tf.Variable)):
+      return np.asarray(value.numpy())
+    from kfac.python.keras import keras_flavor  # pylint: disable=g-import-not-at-top
+    return np.asarray(keras_flavor.keras_module().backend.get_value(value))
+  return np.asarray(value)
+
+
 def _to_int(value):
   """A Python int from an int, numpy value, tensor or (Keras) variable."""
-  if hasattr(value, "numpy"):
-    value = value.numpy()
-  return int(np.asarray(value))
+  return int(_get_value(value))
 
 
 def _check_number(name, value, positive=False):
@@ -140,13 +152,16 @@ class HyperparameterDecay(_Callback):
     name = type(optimizer).__name__
     if not hasattr(optimizer, self._hyperparameter):
       raise ValueError(
-          "%s cannot schedule %r: the optimizer %s has no attribute %r." %
-          (type(self).__name__, self._hyperparameter, name,
-           self._hyperparameter))
+          "%s cannot schedule %r: Optimizer must have a \"%s\" attribute; "
+          "%s has no attribute %r." % (type(self).__name__,
+                                       self._hyperparameter,
+                                       self._hyperparameter, name,
+                                       self._hyperparameter))
     if not hasattr(optimizer, "iterations"):
       raise ValueError(
-          "%s needs the optimizer's step counter, but the optimizer %s has "
-          "no 'iterations' attribute." % (type(self).__name__, name))
+          "%s needs the optimizer's step counter: Optimizer must have a "
+          "\"iterations\" attribute; %s has no 'iterations' attribute." %
+          (type(self).__name__, name))
     if not isinstance(getattr(type(optimizer), self._hyperparameter, None),
                       property):
       current = getattr(optimizer, self._hyperparameter)
@@ -245,16 +260,17 @@ class ExponentialDecay(HyperparameterDecay):
   """Exponential decay of an optimizer hyperparameter over optimizer steps.
 
   At optimizer step t, with s = max(t - num_delay_steps, 0), the schedule is
-  given in exactly one of two ways:
+  given by exactly two of final_value, decay_rate and num_decay_steps (as
+  in kfac 0.2.x; one or all three is a ValueError):
 
-  (a) `decay_rate` given:
+  (a) `decay_rate` with `num_decay_steps` or `final_value`:
           value = init_value * decay_rate**s
-      with s further capped at `num_decay_steps` if that is given (the
-      value stops changing after that many steps), and, if `final_value` is
-      given, the value never passes it in the direction of the decay
-      (max(value, final_value) for decay_rate < 1, min for decay_rate > 1;
-      decay_rate = 1 keeps init_value). A final_value on the wrong side of
-      init_value for the direction of decay_rate is a ValueError.
+      with s capped at `num_decay_steps` (the value stops changing after
+      that many steps), or the value never passing `final_value` in the
+      direction of the decay (max(value, final_value) for decay_rate < 1,
+      min for decay_rate > 1; decay_rate = 1 keeps init_value). A
+      final_value on the wrong side of init_value for the direction of
+      decay_rate is a ValueError.
   (b) `final_value` and `num_decay_steps` given, no `decay_rate`:
           value = init_value * (final_value / init_value)**(s' / num_decay_steps)
       with s' = min(s, num_decay_steps): the rate
@@ -262,8 +278,7 @@ class ExponentialDecay(HyperparameterDecay):
       value to `final_value` exactly at the end of the decay; it stays
       there.
 
-  Any other combination of final_value / decay_rate / num_decay_steps is a
-  ValueError. Values must be > 0.
+  Values must be > 0.
   """
 
   def __init__(self, hyperparameter, init_value, final_value=None,
@@ -293,13 +308,14 @@ class ExponentialDecay(HyperparameterDecay):
                         _check_number("decay_rate", decay_rate, positive=True))
     self._num_decay_steps = (None if num_decay_steps is None else
                              _check_int("num_decay_steps", num_decay_steps, 1))
-    if self._decay_rate is None and (self._final_value is None or
-                                     self._num_decay_steps is None):
+    given = [v is not None for v in (self._final_value, self._decay_rate,
+                                     self._num_decay_steps)]
+    if sum(given) != 2:
       raise ValueError(
-          "ExponentialDecay needs either decay_rate (optionally with "
-          "final_value and/or num_decay_steps), or both final_value and "
-          "num_decay_steps; got final_value=%r, decay_rate=%r, "
-          "num_decay_steps=%r." % (final_value, decay_rate, num_decay_steps))
+          "ExponentialDecay: you must specify exactly two of final_value, "
+          "decay_rate, and num_decay_steps; got final_value=%r, "
+          "decay_rate=%r, num_decay_steps=%r." %
+          (final_value, decay_rate, num_decay_steps))
     if self._decay_rate is not None and self._final_value is not None:
       if ((self._decay_rate < 1 and self._final_value > self._init_value) or
           (self._decay_rate > 1 and self._final_value < self._init_value)):

@@ -45,21 +45,12 @@ POLY_CASES = [
 ]
 
 EXP_CASES = [
-    # (a) decay_rate only: 2 * 0.5**max(t - 1, 0), forever
-    (dict(init_value=2.0, decay_rate=0.5, num_delay_steps=1),
-     {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.5, 11: 0.001953125}),
     # (a) decay_rate, final_value: 0.5**t, never below 0.2
     (dict(init_value=1.0, decay_rate=0.5, final_value=0.2),
      {0: 1.0, 1: 0.5, 2: 0.25, 3: 0.2, 50: 0.2}),
     # (a) decay_rate, num_decay_steps: stops after 2 steps
     (dict(init_value=1.0, decay_rate=0.5, num_decay_steps=2),
      {1: 0.5, 2: 0.25, 3: 0.25, 100: 0.25}),
-    # (a) all three: the final value binds first ...
-    (dict(init_value=1.0, decay_rate=0.5, final_value=0.3, num_decay_steps=3),
-     {1: 0.5, 2: 0.3, 5: 0.3}),
-    # ... or the number of steps binds first
-    (dict(init_value=1.0, decay_rate=0.5, final_value=0.1, num_decay_steps=2),
-     {1: 0.5, 2: 0.25, 5: 0.25}),
     # (a) growth: 0.5 * 2**t, never above 3
     (dict(init_value=0.5, decay_rate=2.0, final_value=3.0),
      {0: 0.5, 1: 1.0, 2: 2.0, 3: 3.0, 9: 3.0}),
@@ -129,13 +120,18 @@ BAD_EXP = [
     (dict(final_value=0.0, decay_rate=0.5), "final_value"),
     (dict(decay_rate=0.0), "decay_rate"),
     (dict(decay_rate=-0.5), "decay_rate"),
-    (dict(), "either decay_rate"),
-    (dict(final_value=0.1), "either decay_rate"),
-    (dict(num_decay_steps=3), "either decay_rate"),
+    (dict(), "exactly two of"),
+    (dict(final_value=0.1), "exactly two of"),
+    (dict(num_decay_steps=3), "exactly two of"),
+    # kfac 0.2.x: one or all three of them is an error
+    (dict(decay_rate=0.5), "exactly two of"),
+    (dict(decay_rate=0.5, final_value=0.3, num_decay_steps=3),
+     "exactly two of"),
     (dict(decay_rate=0.5, final_value=2.0), "away from final_value"),
     (dict(decay_rate=2.0, final_value=0.5), "away from final_value"),
     (dict(final_value=0.1, num_decay_steps=0), "num_decay_steps"),
-    (dict(decay_rate=0.5, num_delay_steps=-2), "num_delay_steps"),
+    (dict(decay_rate=0.5, num_decay_steps=2, num_delay_steps=-2),
+     "num_delay_steps"),
 ]
 
 
