@@ -17,3 +17,18 @@ from kfac.python.ops.conv_blocks import *  # pylint: disable=wildcard-import
 from kfac.python.ops.embedding_blocks import *  # pylint: disable=wildcard-import
 from kfac.python.ops.multi_use_blocks import *  # pylint: disable=wildcard-import
 from kfac.python.ops.scale_shift_blocks import *  # pylint: disable=wildcard-import
+
+# ---------------------------------------------------------------------------
+# Old module-level names (kfac 0.2.x); set_global_constants accepts the old
+# call and warns or raises for values we do not offer
+# (compat_utils/legacy_constants.py).
+# pylint: disable=g-import-not-at-top,g-multiple-import
+from kfac.python.ops.compat_utils.block_helpers import (
+    PI_OFF_NAME, PI_TRACENORM_NAME, PackagedFunc, compute_pi_adjusted_damping,
+    compute_pi_tracenorm, conv2d_filter_to_depthwise_conv2d_filter,
+    depthwise_conv2d_filter_to_conv2d_filter, maybe_tuple, normalize_damping)
+from kfac.python.ops.compat_utils.legacy_constants import (
+    set_fisher_blocks_constants as set_global_constants)
+
+NORMALIZE_DAMPING_POWER = 1.0
+PI_TYPE = PI_TRACENORM_NAME

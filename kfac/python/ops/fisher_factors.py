@@ -19,3 +19,23 @@ from kfac.python.ops.conv_factors import *  # pylint: disable=wildcard-import
 from kfac.python.ops.embedding_factors import *  # pylint: disable=wildcard-import
 from kfac.python.ops.multi_use_factors import *  # pylint: disable=wildcard-import
 from kfac.python.ops.scale_shift_factors import *  # pylint: disable=wildcard-import
+
+# ---------------------------------------------------------------------------
+# Old module-level names (kfac 0.2.x). The old global constants are fixed
+# behaviour here; set_global_constants accepts the old call and warns or
+# raises for values we do not offer (compat_utils/legacy_constants.py).
+from kfac.python.ops.compat_utils.factor_helpers import append_homog  # pylint: disable=g-import-not-at-top
+from kfac.python.ops.compat_utils.factor_helpers import compute_cov  # pylint: disable=g-import-not-at-top
+from kfac.python.ops.compat_utils.legacy_constants import (  # pylint: disable=g-import-not-at-top
+    set_fisher_factors_constants as set_global_constants)
+
+DenseSquareMatrixFactor = DenseSquareFactor  # the old name of the base class
+
+INIT_COVARIANCES_AT_ZERO = True
+ZERO_DEBIAS = True
+INIT_INVERSES_AT_ZERO = True
+EIGENVALUE_DECOMPOSITION_THRESHOLD = 4
+EIGENVALUE_CLIPPING_THRESHOLD = 0.0
+ASSUME_ZERO_MEAN_ACTIVATIONS = False
+SUBTRACT_MEAN_CONTRIB_FROM_COV = True
+TOWER_STRATEGY = "concat"

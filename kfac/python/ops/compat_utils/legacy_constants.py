@@ -6,7 +6,8 @@ ops were built. This package has none: each setting is either the one fixed
 behaviour (the old default), or an explicit argument of the registration or
 function it affects. The old calls still work:
 
-* a value equal to our behaviour (the old default) is accepted silently;
+* a value equal to our behaviour (the old default), or one that changed
+  only where ops were placed (tower_strategy), is accepted silently;
 * a value that only tuned speed, naming or placement, or had no effect in
   the old library either, is accepted with a `LegacyConstantWarning` saying
   what we do instead;
@@ -113,7 +114,7 @@ LEGACY_SETTINGS = {
             3.0, "warn", "positive",
             "pass sub_sample_patches=<number of patches> to register_conv2d"),
         "tower_strategy": (
-            "separate", "warn", ("separate", "concat"),
+            "separate", "accept", ("separate", "concat"),
             "towers' statistics are always computed on their concatenation; "
             "the results are the same"),
         "get_sanitized_name_fn": (
@@ -187,6 +188,8 @@ def apply(module, settings):
     _validate(module, name, value, kind)
     if default is not None and value == default and (
         type(value) is type(default) or isinstance(default, float)):
+      continue
+    if action == "accept":
       continue
     if action == "warn":
       _warn(module, name, value, why)
