@@ -30,6 +30,7 @@ from kfac.python.ops import fisher_factors
 from kfac.python.ops import layer_collection
 from kfac.python.ops import linear_operator
 from kfac.python.ops import loss_functions
+from kfac.python.ops import op_queue
 from kfac.python.ops import optimizer
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt
 from kfac.python.ops import placement
@@ -56,7 +57,8 @@ import sys as _sys  # pylint: disable=g-import-not-at-top,g-bad-import-order
 for _name in ("batch_size_schedules", "curvature_matrix_vector_products",
               "data_reader", "data_reader_alt", "estimator", "fisher_blocks",
               "fisher_factors", "layer_collection", "linear_operator",
-              "loss_functions", "optimizer", "periodic_inv_cov_update_kfac_opt",
+              "loss_functions", "op_queue", "optimizer",
+              "periodic_inv_cov_update_kfac_opt",
               "placement", "schedules", "state", "utils",
               "async_inv_cov_update_kfac_opt"):
   _sys.modules.setdefault(__name__ + "." + _name, globals()[_name])
@@ -76,6 +78,6 @@ __all__ = [
     "CurvatureMatrixVectorProductComputer", "batch_size_schedules",
     "curvature_matrix_vector_products", "data_reader", "data_reader_alt",
     "schedules", "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
-    "linear_operator", "loss_functions", "optimizer", "placement", "state", "utils", "StateStore",
+    "linear_operator", "loss_functions", "op_queue", "optimizer", "placement", "state", "utils", "StateStore",
     "keras",
 ]
