@@ -39,6 +39,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops.compat_utils import batch_stream
+
 __all__ = ["VariableBatchReader", "CachedDataReader"]
 
 
@@ -66,8 +68,10 @@ def as_components(dataset, owner):
       if value is None:
         raise ValueError(
             "%s: dataset component %d is a symbolic tensor without a "
-            "constant value; the readers hold the dataset in memory: pass "
-            "numpy arrays or eager tensors." % (owner, i))
+            "constant value; this reader holds the dataset in memory: pass "
+            "numpy arrays or eager tensors (kfac.data_reader's readers also "
+            "take per-step batch tensors, e.g. iterator.get_next())."
+            % (owner, i))
       component = value
     array = np.asarray(component)
     if array.ndim == 0:
@@ -294,31 +298,55 @@ class ReaderBase:
 
 
 class VariableBatchReader(ReaderBase):
-  """Batches of a variable size from an in-memory dataset (tf.data).
+  """Batches of a variable size from an in-memory dataset (tf.data), or from
+  graph tensors that hold a new batch every step.
 
   Args:
     dataset: tuple or list of arrays (numpy arrays or eager tensors) with
-      the same leading dimension, e.g. (images, labels).
+      the same leading dimension, e.g. (images, labels); or (the old
+      library's contract) a tuple or list of graph tensors holding one
+      mini-batch of at least `max_batch_size` rows that changes at every
+      step, e.g. `iterator.get_next()` of a shuffled, repeated, batched
+      tf.data pipeline in a TF1 graph.
     max_batch_size: positive int, the largest batch size a call may ask for.
-    seed: int or None, the shuffle seed (None: `tf.data`'s default, which
-      follows `tf.random.set_seed`).
+    seed: int or None, the shuffle seed of in-memory data (None: `tf.data`'s
+      default, which follows `tf.random.set_seed`); unused for graph
+      tensors.
 
   `reader(batch_size)` returns a list of tensors (one per component), each
-  with `batch_size` rows: the first `batch_size` rows of the next batch of
-  `max_batch_size` rows from the shuffled, repeated dataset (the other rows of
-  that batch are skipped). Rows of all components come from the same
-  examples. A Python int `batch_size` gives a static leading dimension and is
-  checked now (ValueError outside [1, max_batch_size]); an integer tensor is
-  checked at run time (InvalidArgumentError).
+  with `batch_size` rows. In-memory data: the first `batch_size` rows of the
+  next batch of `max_batch_size` rows from the shuffled, repeated dataset
+  (the other rows of that batch are skipped). Graph tensors: their first
+  `batch_size` rows (call the reader in their graph, or in a tf.function
+  traced inside it). Rows of all components come from the same examples. A
+  Python int `batch_size` gives a static leading dimension and is checked
+  now (ValueError outside [1, max_batch_size]); an integer tensor is checked
+  at run time (InvalidArgumentError).
   """
 
   _owner = "VariableBatchReader"
 
   def __init__(self, dataset, max_batch_size, seed=None):
-    super().__init__(dataset, max_batch_size, seed)
+    self._stream = None
     self._iterators = {}  # outer context key -> iterator
+    if _is_stream(dataset):
+      self._max_batch_size = check_max_batch_size(max_batch_size,
+                                                  self._owner)
+      self._seed = check_seed(seed, self._owner)
+      self._stream = batch_stream.BatchStream(dataset, self._max_batch_size,
+                                              self._owner)
+      self._components = None
+      return
+    super().__init__(dataset, max_batch_size, seed)
     if tf.executing_eagerly():
       self._iterator()
+
+  @property
+  def num_examples(self):
+    """Examples of an in-memory dataset (None for per-step graph tensors)."""
+    if self._stream is not None:
+      return None
+    return super().num_examples
 
   def _make_dataset(self):
     data = tf.data.Dataset.from_tensor_slices(tuple(self._components))
@@ -342,44 +370,65 @@ class VariableBatchReader(ReaderBase):
   def _next_max_batch(self):
     return list(self._iterator().get_next())
 
+  def _rows(self, size, checks):
+    """(the rows a call returns, rows for the cache: [max_batch_size, ...]
+    tensors) for the checked int32 `size`."""
+    static = tf.get_static_value(size)
+    static = int(static) if static is not None else None
+    if self._stream is not None:
+      with tf.control_dependencies(checks):
+        rows = self._stream.rows(size, static)
+      return rows, self._stream.padded(rows, size)
+    full = self._next_max_batch()
+    with tf.control_dependencies(checks):
+      end = static if static is not None else size
+      return ([tf.identity(f[:end]) for f in full],
+              [tf.identity(f) for f in full])
+
   def __call__(self, batch_size):
     size, checks = self._size(batch_size)
-    full = self._next_max_batch()
-    static = tf.get_static_value(size)
-    with tf.control_dependencies(checks):
-      if static is not None:
-        return [f[:int(static)] for f in full]
-      return [f[:size] for f in full]
+    return self._rows(size, checks)[0]
+
+
+def _is_stream(dataset):
+  """Whether `dataset` holds per-step graph tensors (the old contract)."""
+  parts = dataset if isinstance(dataset, (tuple, list)) else (dataset,)
+  return any(batch_stream.is_symbolic(p) for p in parts)
 
 
 class CachedDataReader(VariableBatchReader):
   """A `VariableBatchReader` that keeps each batch for the next step.
 
-  Each call stores the max-size batch it drew and the batch size in
-  variables (shapes [max_batch_size, ...] and []); `cached_batch` is the
-  previous step's batch (0 rows before the first call), under the ordering
-  contract of the module docstring.
+  Each call stores the batch it drew (its max-size batch for in-memory
+  data; the returned rows, zero-padded, for graph tensors) and the batch
+  size in variables (shapes [max_batch_size, ...] and []); `cached_batch`
+  is the previous step's batch (0 rows before the first call), under the
+  ordering contract of the module docstring.
   """
 
   _owner = "CachedDataReader"
 
   def __init__(self, dataset, max_batch_size, seed=None):
     super().__init__(dataset, max_batch_size, seed=seed)
-    self._cache = StepCache(
-        [(self._max_batch_size,) + c.shape[1:] for c in self._components],
-        [c.dtype for c in self._components], self._owner)
+    if self._stream is not None:
+      shapes, dtypes = self._stream.shapes, self._stream.dtypes
+    else:
+      shapes = [(self._max_batch_size,) + c.shape[1:]
+                for c in self._components]
+      dtypes = [c.dtype for c in self._components]
+    self._cache = StepCache(shapes, dtypes, self._owner)
     if tf.executing_eagerly():
       self._cache.variables()
 
   def __call__(self, batch_size):
     size, checks = self._size(batch_size)
-    full = self._next_max_batch()
-    with tf.control_dependencies(checks):
-      write = self._cache.write(full, size)
-    static = tf.get_static_value(size)
-    end = int(static) if static is not None else size
+    # The stored rows depend on the checks; the write itself is made outside
+    # them, so that reading `cached_batch` in a later run needs no feeds of
+    # this call's batch size.
+    rows, full = self._rows(size, checks)
+    write = self._cache.write(full, size)
     with tf.control_dependencies([write] if write is not None else []):
-      return [tf.identity(f[:end]) for f in full]
+      return [tf.identity(r) for r in rows]
 
   @property
   def cached_batch(self):
