@@ -1,4 +1,4 @@
-"""Readers of in-memory datasets whose batch size may change every step.
+"""Readers of datasets whose batch size may change every step.
 
 `VariableBatchReader(dataset, max_batch_size)` streams shuffled batches of
 `max_batch_size` rows from a `tf.data` pipeline (shuffle over the whole
@@ -27,6 +27,13 @@ The iterator and the cache variables are created outside any trace
 (`tf.init_scope`): at construction in eager mode, otherwise once per TF1
 graph on first use, so a `tf.function` that calls the reader keeps its state
 across calls and retraces.
+
+The old library's contract is kept too: a dataset of symbolic graph
+tensors holding one batch of at least `max_batch_size` rows that changes at
+every step (e.g. `iterator.get_next()` of a shuffled, repeated, batched
+`tf.data` pipeline in a TF1 graph; see compat_utils/batch_stream.py): a call
+returns their first `batch_size` rows, and `CachedDataReader` caches those
+rows (zero-padded to `max_batch_size`) with the same ordering contract.
 
 `kfac.data_reader_alt` has gather-based readers (no `tf.data`) whose cache
 holds only the indices of the previous batch.
