@@ -21,7 +21,9 @@ Keras flavours: the callbacks derive from `tf.keras.callbacks.Callback` of
 the flavour `tf.keras` resolves to (Keras 3 by default; `tf_keras` when
 TF_USE_LEGACY_KERAS=1), and also carry the few private hooks `tf_keras`'s
 `CallbackList` asks of a callback, so one instance works in the `fit` of
-either flavour. `tf_keras` is never imported by this module.
+either flavour. `tf_keras` is imported only to read the step counter in a
+TF1 graph (tf_keras's v1 engine, v2 behaviour disabled), where only it can
+be training.
 """
 
 import math
@@ -57,8 +59,9 @@ def _get_value(value):
     if tf.executing_eagerly() or not isinstance(value, (tf.Tensor,
                                                         tf.Variable)):
       return np.asarray(value.numpy())
-    from kfac.python.keras import keras_flavor  # pylint: disable=g-import-not-at-top
-    return np.asarray(keras_flavor.keras_module().backend.get_value(value))
+    # Only tf_keras trains in a TF1 graph (Keras 3 is eager/tf.function).
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    return np.asarray(tf_keras.backend.get_value(value))
   return np.asarray(value)
 
 

@@ -18,6 +18,13 @@ def legacy_keras_active():
   return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 
+def v1_graph_mode():
+  """True where tf_keras builds models with its v1 (TF1 graph) engine:
+  v2 behaviour disabled, or inside a tf.compat.v1.Graph."""
+  return not (tf.executing_eagerly() or
+              tf.compat.v1.executing_eagerly_outside_functions())
+
+
 def keras_module():
   """The `keras` package of the active flavour (`keras` or `tf_keras`)."""
   if legacy_keras_active():

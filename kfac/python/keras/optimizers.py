@@ -60,6 +60,8 @@ from kfac.python.ops.distribute import collective
 # them between steps without retracing.
 MUTABLE_HYPERPARAMETERS = ("learning_rate", "damping", "momentum",
                            "weight_decay_coeff", "norm_constraint")
+# kfac 0.2.x's name of the same set.
+_MUTABLE_HYPER_PARAMS = frozenset(MUTABLE_HYPERPARAMETERS)
 _CORE_DEFAULTS = {"momentum": 0.9, "weight_decay_coeff": 0.1}
 # Keras optimizer options that do not make sense for K-FAC: rejected.
 _KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
@@ -98,10 +100,17 @@ def _check_before_base(learning_rate, adaptive, kfac_kwargs):
   _check_kwargs(kfac_kwargs)
   momentum_type = kfac_kwargs.get("momentum_type", "qmodel" if adaptive
                                   else "adam")
+  if "loss_tensor" in kfac_kwargs:
+    raise ValueError(
+        "Kfac(loss_tensor=...) is a TF1-graph argument (a loss tensor built "
+        "before the optimizer): in TF2 pass the loss to "
+        "optimizer.minimize(loss, var_list) inside the tf.function; the "
+        "damping rule (adaptive=True) evaluates model.compute_loss itself.")
   if adaptive:
     if learning_rate is not None:
       raise ValueError(
-          "adaptive=True chooses the learning rate at every step from the "
+          "learning_rate must be None with adaptive=True, which chooses the "
+          "learning rate at every step from the "
           "quadratic model: pass learning_rate=None (got %r)." %
           (learning_rate,))
     if not str(momentum_type).startswith("qmodel"):
@@ -230,6 +239,70 @@ class KfacKerasMixin:
   def kfac_optimizer(self):
     """The core PeriodicInvCovUpdateKfacOpt doing the work."""
     return self._kfac_core
+
+  @property
+  def optimizer(self):
+    """The core PeriodicInvCovUpdateKfacOpt (kfac 0.2.x's name)."""
+    return self._kfac_core
+
+  @property
+  def mutable_hyperparameters(self):
+    """Names of the hyperparameters that can be set between steps."""
+    names = set(self._kfac_hyper)
+    if not self._kfac_adaptive:
+      names.add("learning_rate")
+    else:
+      names -= {"learning_rate", "damping", "momentum"}
+    return names
+
+  def register_layers(self, model=None, loss=None, layer_collection=None):
+    """kfac 0.2.x's way to give the model (and its loss) after creation.
+
+    The layers are registered from each traced step, so this records the
+    model (as register_model) and the loss (default: the compiled one)."""
+    if layer_collection is not None:
+      raise ValueError(
+          "register_layers(layer_collection=...) is not supported by the "
+          "TF2 Keras optimizer: its collection is rebuilt from the model on "
+          "every trace. Use register_layers(model=..., loss=...), or a "
+          "custom loop with kfac.PeriodicInvCovUpdateKfacOpt and "
+          "minimize(..., layer_collection=lc).")
+    if model is None:
+      raise ValueError("Please provide a model with a loss, a model and loss, "
+                       "or a LayerCollection.")
+    if loss is not None:
+      for one_loss in tf.nest.flatten(loss):
+        loss_registration.loss_spec(one_loss)
+      if self._kfac_loss is not None and not _same_losses(loss,
+                                                          self._kfac_loss):
+        raise ValueError("register_layers(loss=%s) disagrees with Kfac(loss="
+                         "%s)." % (_describe(loss), _describe(self._kfac_loss)))
+      self._kfac_loss = loss
+    self.register_model(model)
+
+  def minimize(self, loss, var_list=None, tape=None, **kwargs):
+    """One K-FAC step. `loss` may be a tensor computed in the traced step
+    (as kfac 0.2.x's minimize: no tape needed inside a tf.function), a
+    callable, or a tensor with the tape that recorded it. var_list defaults
+    to the model's trainable variables."""
+    if var_list is None:
+      model = self._kfac_model
+      if model is None:
+        raise ValueError("minimize needs var_list=... (or Kfac(model=...)).")
+      var_list = model.trainable_variables
+    if callable(var_list):
+      var_list = var_list()
+    if tape is not None or callable(loss):
+      return super().minimize(loss, var_list, tape=tape, **kwargs)
+    if tf.executing_eagerly():
+      raise RuntimeError(
+          "Kfac.minimize(loss_tensor) without a tape needs the tensor of a "
+          "traced step: call it inside a tf.function (or pass tape=..., or a "
+          "callable loss).")
+    variables = list(var_list)
+    grads = tf.gradients(loss, [keras_flavor.unwrap_variable(v)
+                                for v in variables])
+    return self.apply_gradients(list(zip(grads, variables)))
 
   @property
   def state_store(self):
@@ -686,6 +759,12 @@ def _make_keras3_class(keras):
                  loss=None, loss_weights=None, fisher_approx=None,
                  layer_collection=None, adaptive=False, train_batch=None,
                  name="Kfac", seed=None, **kfac_kwargs):
+      if keras_flavor.v1_graph_mode():
+        raise RuntimeError(
+            "Keras 3 does not run in TF1 graph mode (v2 behaviour disabled "
+            "or inside a tf.compat.v1.Graph). For kfac 0.2.x graph-mode "
+            "Keras code set TF_USE_LEGACY_KERAS=1 (tf_keras) before "
+            "importing TensorFlow; or run in TF2 (eager + tf.function).")
       _check_before_base(learning_rate, adaptive, kfac_kwargs)
       super().__init__(learning_rate=float(learning_rate or 0.0), name=name)
       self._kfac_init(learning_rate, damping, model, loss, loss_weights,
@@ -719,6 +798,13 @@ def _make_legacy_class(tf_keras):
   @tf_keras.saving.register_keras_serializable(package="kfac", name="Kfac")
   class Kfac(KfacKerasMixin, tf_keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
     __doc__ = _CONSTRUCTOR_DOC
+
+    def __new__(cls, *args, **kwargs):
+      if keras_flavor.v1_graph_mode():
+        # tf_keras's v1 engine takes only its legacy optimizers: kfac
+        # 0.2.x's graph-mode Kfac (get_updates / minimize return TF1 ops).
+        return _graph_class(tf_keras)(*args, **kwargs)
+      return super().__new__(cls)
 
     def __init__(self, learning_rate=None, damping=None, model=None,
                  loss=None, loss_weights=None, fisher_approx=None,
@@ -759,6 +845,14 @@ def _make_legacy_class(tf_keras):
 
 
 _CLASSES = {}
+
+
+def _graph_class(tf_keras):
+  """The Kfac class of tf_keras's v1 graph engine (graph_optimizer)."""
+  if "graph" not in _CLASSES:
+    from kfac.python.keras import graph_optimizer  # pylint: disable=g-import-not-at-top
+    _CLASSES["graph"] = graph_optimizer.make_graph_class(tf_keras)
+  return _CLASSES["graph"]
 
 
 def kfac_class(legacy=None):
