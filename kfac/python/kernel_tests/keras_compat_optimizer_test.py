@@ -215,6 +215,25 @@ def test_graph_name_config_and_loss_tensor():
       adapt.name = "other"
 
 
+@pytest.mark.parametrize("kwargs", [dict(adaptive=True),
+                                    dict(adapt_damping=True,
+                                         learning_rate=0.1)])
+def test_graph_adaptive_fit_adapts_the_damping(kwargs):
+  with tf.Graph().as_default():
+    model = _dense_model()
+    opt = _legacy_kfac(damping=1.0, model=model, loss="mse",
+                       layer_collection=_register(model.layers[0]),
+                       train_batch=(tf.constant(X), tf.constant(Y)), **kwargs)
+    assert opt._kfac_kwargs["batch_size"] == len(X)
+    model.compile(opt, "mse")
+    history = model.fit(X, Y, batch_size=len(X), epochs=10, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.5 * losses[0]
+    # Adapted every 5 steps (the old default interval): no longer 1.0.
+    assert tf_keras.backend.get_value(opt.optimizer.damping) != 1.0
+    assert "damping" not in opt.mutable_hyperparameters
+
+
 def test_graph_callback_schedules_damping_in_fit():
   with tf.Graph().as_default():
     model = _dense_model()
