@@ -15,6 +15,13 @@ def _make_variable(name, shape, dtype, initial):
     return tf.Variable(value, trainable=False, name=name)
 
 
+def _as_dtype(value, dtype):
+  """value in `dtype`; Python numbers directly (not rounded via float32)."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return tf.constant(value, dtype)
+  return tf.cast(value, dtype)
+
+
 def _zeros(shape, dtype):
   return tf.zeros(shape, dtype)
 
@@ -97,8 +104,8 @@ class MovingAverageVariable(object):
     return tf.identity(self._var)
 
   def add_to_average(self, value, decay=1.0, weight=1.0):
-    decay = tf.cast(decay, self.dtype)
-    weight = tf.cast(weight, self.dtype)
+    decay = _as_dtype(decay, self.dtype)
+    weight = _as_dtype(weight, self.dtype)
     value = tf.cast(value, self.dtype)
     return tf.group(
         replication.smart_assign(self._var, decay * self._var + weight * value),

@@ -98,7 +98,9 @@ class BatchStream(object):
       raise ValueError(
           "%s: the reader is used in a graph that cannot see its dataset "
           "tensors (they belong to %r); call it in that graph or in a "
-          "tf.function traced inside it." % (self._owner, self._graph))
+          "tf.function traced inside it. A reader made from the tensors of "
+          "a tf.function trace belongs to that trace: in TF2 give the "
+          "reader in-memory data instead." % (self._owner, self._graph))
 
   def rows(self, size, static_size):
     """The first `size` rows of every component (after a run-time check

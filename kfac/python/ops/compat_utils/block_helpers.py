@@ -5,6 +5,7 @@ depthwise <-> dense conv2d filter conversion."""
 import tensorflow as tf
 
 from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import utils
 
 PI_OFF_NAME = "off"
 PI_TRACENORM_NAME = "tracenorm"
@@ -42,7 +43,7 @@ def compute_pi_adjusted_damping(left_cov, right_cov, damping):
   squared (pass the square root of the block's damping, as the old
   library's blocks did)."""
   pi = compute_pi_tracenorm(left_cov, right_cov)
-  damping = tf.cast(damping, pi.dtype)
+  damping = utils.cast(damping, pi.dtype)
   return damping * pi, damping / pi
 
 

@@ -13,6 +13,11 @@ def _is_resource_variable(var):
       getattr(var.handle, "dtype", None) == tf.resource)
 
 
+def _key(node):
+  """A hashable key: tensors (unhashable in TF2) by reference."""
+  return node.ref() if isinstance(node, tf.Tensor) else node
+
+
 class SubGraph(object):
   """All ancestors (tensors and ops) of `outputs` in their graph.
 
@@ -32,9 +37,9 @@ class SubGraph(object):
     stack = list(outputs)
     while stack:
       node = stack.pop()
-      if node in self._members:
+      if _key(node) in self._members:
         continue
-      self._members.add(node)
+      self._members.add(_key(node))
       if isinstance(node, tf.Tensor):
         stack.append(node.op)
       elif isinstance(node, tf.Operation):
@@ -44,7 +49,7 @@ class SubGraph(object):
 
   def is_member(self, node):
     """Whether `node` (a tensor or an op) is in this subgraph."""
-    return node in self._members
+    return _key(node) in self._members
 
   def filter_list(self, node_list):
     """The members of `node_list` that are in this subgraph, in order."""
