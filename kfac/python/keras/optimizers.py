@@ -792,11 +792,22 @@ def _make_keras3_class(keras):
   return Kfac
 
 
+class _LegacyKfacMeta(type):
+  """isinstance(opt, Kfac) holds for the graph-mode Kfac that Kfac(...)
+  builds in a TF1 graph too."""
+
+  def __instancecheck__(cls, obj):
+    graph_cls = _CLASSES.get("graph")
+    return type.__instancecheck__(cls, obj) or (
+        graph_cls is not None and isinstance(obj, graph_cls))
+
+
 def _make_legacy_class(tf_keras):
   """The tf_keras (Keras 2) optimizer class."""
 
   @tf_keras.saving.register_keras_serializable(package="kfac", name="Kfac")
-  class Kfac(KfacKerasMixin, tf_keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
+  class Kfac(KfacKerasMixin, tf_keras.optimizers.Optimizer,  # pylint: disable=missing-docstring
+             metaclass=_LegacyKfacMeta):
     __doc__ = _CONSTRUCTOR_DOC
 
     def __new__(cls, *args, **kwargs):

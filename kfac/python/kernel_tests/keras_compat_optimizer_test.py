@@ -61,6 +61,7 @@ def test_graph_mode_class_is_a_legacy_keras_optimizer():
     opt = _legacy_kfac(learning_rate=0.1, damping=0.01)
     assert isinstance(opt, tf_keras.optimizers.legacy.Optimizer)
     assert type(opt).__name__ == "Kfac"
+    assert isinstance(opt, optimizers.kfac_class(legacy=True))
   # Outside a TF1 graph the TF2 class.
   opt = _legacy_kfac(learning_rate=0.1, damping=0.01)
   assert isinstance(opt, tf_keras.optimizers.Optimizer)
