@@ -129,7 +129,6 @@ def make_graph_class(tf_keras):
       self._layer_collection = None
       self._model = model
       self._loss = loss
-      self._var_ids = None
       self._kfac_kwargs = kfac_kwargs
       self._layer_collection_kwargs = {
           "loss_weights": loss_weights,
@@ -251,22 +250,17 @@ def make_graph_class(tf_keras):
           _ = self.iterations
           self._create_hypers()
       kwargs.update(self._hyper)
-      before = _global_variable_ids()
       self._optimizer = periodic_lib.PeriodicInvCovUpdateKfacOpt(
           layer_collection=self._layer_collection, **kwargs)
-      self._var_ids = before
 
     def _track_new_variables(self):
-      """Gives the Keras session (and optimizer.weights) the variables the
-      core optimizer created since it was made."""
-      if self._var_ids is None:
-        return
+      """Gives the Keras session (and optimizer.weights) the K-FAC state
+      variables, in the order the core optimizer created them."""
       known = {id(w) for w in self._weights}
-      for var in tf.compat.v1.global_variables():
-        if id(var) not in self._var_ids and id(var) not in known:
+      for var in self._optimizer.state_store.variables_by_name.values():
+        if id(var) not in known:
           track_variable(var)
           self._weights.append(var)
-      self._var_ids = None
 
     # ------------------------------------------------------------ updates
     def minimize(self, loss, var_list=None, grad_loss=None, name=None,
@@ -338,10 +332,6 @@ def make_graph_class(tf_keras):
 
   Kfac.__qualname__ = "Kfac"
   return Kfac
-
-
-def _global_variable_ids():
-  return {id(v) for v in tf.compat.v1.global_variables()}
 
 
 def _encode_keys(fisher_approx):
