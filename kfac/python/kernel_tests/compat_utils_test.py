@@ -627,3 +627,61 @@ def test_reader_graph_tensor_errors():
   with tf.Graph().as_default():
     with pytest.raises(ValueError, match="cannot see its dataset"):
       reader(2)
+
+
+# ----------------------------------------------------------- loss functions
+def test_distribution_negative_log_prob_loss():
+  # pylint: disable=g-import-not-at-top
+  from kfac.python.ops import loss_functions as lf
+
+  class UnitNormal(object):
+
+    def __init__(self, mean):
+      self.mean = mean
+
+    def log_prob(self, x):
+      return -0.5 * tf.square(x - self.mean) - 0.5 * np.log(2 * np.pi)
+
+    def sample(self, seed=None):
+      del seed
+      return self.mean + 1.0
+
+  class MyLoss(lf.DistributionNegativeLogProbLoss):
+
+    def __init__(self, mean, targets):
+      super().__init__()
+      self._mean, self._targets = mean, targets
+
+    @property
+    def dist(self):
+      return UnitNormal(self._mean)
+
+    @property
+    def inputs(self):
+      return (self._mean,)
+
+    @property
+    def targets(self):
+      return self._targets
+
+    def _multiply_fisher(self, vector):
+      return vector
+
+    def _multiply_fisher_factor(self, vector):
+      return vector
+
+    def _multiply_fisher_factor_transpose(self, vector):
+      return vector
+
+    def _fisher_factor_one_hot(self, index):
+      raise NotImplementedError
+
+  mean, targets = np.array([1., 2.]), np.array([0., 0.5])
+  loss = MyLoss(tf.constant(mean), tf.constant(targets))
+  ref = np.sum(0.5 * (targets - mean) ** 2 + 0.5 * np.log(2 * np.pi))
+  np.testing.assert_allclose(loss.evaluate().numpy(), ref, rtol=1e-14)
+  np.testing.assert_array_equal(loss.sample().numpy(), mean + 1)
+  assert isinstance(lf.CategoricalLogitsNegativeLogProbLoss(tf.zeros([1, 2])),
+                    lf.DistributionNegativeLogProbLoss)
+  with pytest.raises(TypeError, match="abstract"):
+    lf.DistributionNegativeLogProbLoss()  # pylint: disable=abstract-class-instantiated

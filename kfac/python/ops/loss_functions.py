@@ -602,3 +602,43 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
   def ggn_factor_signs(self):
     d = self._dim
     return np.concatenate([np.ones(d), -np.ones(d)])
+
+
+class DistributionNegativeLogProbLoss(NegativeLogProbLoss):
+  """The old library's base of negative log-probability losses defined by a
+  distribution object (kfac 0.2.x).
+
+  A subclass implements the `dist` property (any object with `log_prob`
+  and `sample(seed=...)`, e.g. a tfp distribution) plus `inputs`, `targets`
+  and the Fisher products (`_multiply_fisher`, `_multiply_fisher_factor`,
+  `_multiply_fisher_factor_transpose`, `_fisher_factor_one_hot`), like any
+  `NegativeLogProbLoss`; the loss and sampling come from `dist`.
+
+  The package's own negative log-probability losses are registered as
+  virtual subclasses, so `isinstance(loss, DistributionNegativeLogProbLoss)`
+  holds for them as it did in the old library (they compute log-probabilities
+  with plain TensorFlow ops and build a tfp `dist` only when asked).
+  """
+
+  @property
+  @abc.abstractmethod
+  def dist(self):
+    """The predictive distribution (log_prob, sample)."""
+
+  def _make_dist(self, tfd):
+    del tfd
+    return self.dist
+
+  def _nll(self, targets):
+    return -self.dist.log_prob(targets)
+
+  def _sample(self, seed):
+    return self.dist.sample(seed=seed)
+
+
+for _cls in (CategoricalLogitsNegativeLogProbLoss,
+             OnehotCategoricalLogitsNegativeLogProbLoss,
+             MultiBernoulliNegativeLogProbLoss, NormalMeanNegativeLogProbLoss,
+             NormalMeanVarianceNegativeLogProbLoss):
+  DistributionNegativeLogProbLoss.register(_cls)
+del _cls
