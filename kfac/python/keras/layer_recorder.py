@@ -33,8 +33,13 @@ FUSED_ACTIVATION_LAYERS = ("Dense", "EinsumDense", "Conv", "Conv1D", "Conv2D",
                            "Conv3D", "DepthwiseConv2D", "DepthwiseConv1D",
                            "SeparableConv2D", "SeparableConv1D")
 
+# from_node: the call was read from a built tf_keras model's graph node
+# (node_calls), not recorded; its `training` may be the learning-phase
+# tensor, so BatchNormalization is undone from its outputs.
 Call = collections.namedtuple(
-    "Call", ["inputs", "preactivations", "outputs", "training", "mask"])
+    "Call", ["inputs", "preactivations", "outputs", "training", "mask",
+             "from_node"])
+Call.__new__.__defaults__ = (False,)
 
 _RECORDERS = weakref.WeakKeyDictionary()
 

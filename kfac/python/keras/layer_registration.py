@@ -42,6 +42,19 @@ from kfac.python.keras import keras_flavor
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
+# How kfac 0.2.x stored a layer-class key (kfac.keras.utils
+# serialize_fisher_approx); read as well as CLASS_KEY_PREFIX.
+OLD_CLASS_KEY_PREFIX = "kfac_class_"
+_CLASS_PREFIXES = (CLASS_KEY_PREFIX, OLD_CLASS_KEY_PREFIX)
+
+
+def class_key_name(key):
+  """The class name a "__class__:Name" / "kfac_class_Name" key stands for,
+  or None for a layer-name key."""
+  for prefix in _CLASS_PREFIXES:
+    if isinstance(key, str) and key.startswith(prefix):
+      return key[len(prefix):]
+  return None
 
 Plan = collections.namedtuple(
     "Plan", ["layer", "kind", "approx", "params", "reason"])
@@ -68,9 +81,10 @@ def resolve_fisher_approx(fisher_approx, layer):
   for cls in type(layer).__mro__:
     if cls in fisher_approx:
       return fisher_approx[cls]
-    key = CLASS_KEY_PREFIX + cls.__name__
-    if key in fisher_approx:
-      return fisher_approx[key]
+    for prefix in _CLASS_PREFIXES:
+      key = prefix + cls.__name__
+      if key in fisher_approx:
+        return fisher_approx[key]
   return None
 
 
@@ -88,8 +102,8 @@ def _check_layer_keys(mapping, model, what, check_value):
     check_value(key, value)
     if isinstance(key, type):
       found = key.__name__ in class_names
-    elif isinstance(key, str) and key.startswith(CLASS_KEY_PREFIX):
-      found = key[len(CLASS_KEY_PREFIX):] in class_names
+    elif class_key_name(key) is not None:
+      found = class_key_name(key) in class_names
     elif isinstance(key, str):
       found = key in names
     else:
@@ -104,9 +118,10 @@ def _check_layer_keys(mapping, model, what, check_value):
 def check_fisher_approx(fisher_approx, model):
   """Raises unless every key of fisher_approx names some layer of model."""
   def check(key, value):
-    if not isinstance(value, str):
+    if value is not None and not isinstance(value, str):
       raise RegistrationError("fisher_approx[%r] must be an approximation "
-                              "name (a string), got %r." % (key, value))
+                              "name (a string) or None (the default), got "
+                              "%r." % (key, value))
   _check_layer_keys(fisher_approx, model, "fisher_approx", check)
 
 
@@ -343,6 +358,12 @@ def _register_batch_norm(lc, plan, calls):
     raise _Fallback("BatchNormalization over axis %d, not the last axis "
                     "of its inputs %s" % (axis, x.shape))
   compute = x.dtype if x.dtype.size >= 4 else tf.float32
+  if call.from_node and not isinstance(call.training, bool):
+    # A tf_keras graph node: the layer ran in the learning phase's mode
+    # (a tensor), so undo its scale and shift, which is exact in both.
+    return lc.register_scale_and_shift(
+        _param_arg(plan.params), _undo_scale_and_shift(plan, call.outputs),
+        call.outputs, approx=plan.approx)
   x = tf.cast(x, compute)
   if call.training and layer.trainable:
     reduce_axes = [i for i in range(x.shape.rank) if i != axis]
@@ -381,6 +402,17 @@ def _register_layer_norm(lc, plan, calls):
   normalized = tf.cast(tf.stop_gradient(normalized), outputs.dtype)
   return lc.register_scale_and_shift(_param_arg(plan.params), normalized,
                                      outputs, approx=plan.approx)
+
+
+def _undo_scale_and_shift(plan, outputs):
+  """The normalised inputs of a scale-and-shift layer recovered from its
+  outputs: (outputs - beta) / gamma (kfac 0.2.x's registration)."""
+  outputs = tf.convert_to_tensor(outputs)
+  gamma = tf.cast(plan.params[0], outputs.dtype)
+  shifted = outputs
+  if len(plan.params) > 1:
+    shifted = outputs - tf.cast(plan.params[1], outputs.dtype)
+  return tf.stop_gradient(shifted / gamma)
 
 
 class _Fallback(Exception):

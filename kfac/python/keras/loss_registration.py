@@ -75,11 +75,13 @@ def loss_spec(loss):
   elif callable(loss):
     name = getattr(loss, "__name__", repr(loss))
   else:
-    raise RegistrationError("Unsupported loss %r." % (loss,))
+    raise RegistrationError("Unsupported loss function: %r (expected a Keras "
+                            "loss name, function or object)." % (loss,))
   kind = _ALIASES.get(name.lower())
   if kind is None:
     raise RegistrationError(
-        "kfac cannot register the loss %r: supported losses are mse, "
+        "Unsupported loss function: kfac cannot register the loss %r: "
+        "supported losses are mse, "
         "categorical_crossentropy, sparse_categorical_crossentropy and "
         "binary_crossentropy (strings, functions or loss objects). For "
         "another loss, register its predictive distribution yourself on a "
@@ -177,7 +179,10 @@ def register_keras_loss(lc, loss, prediction, targets=None,
     mse = spec.kind == "mean_squared_error"
     size = _static_size(logits.shape[1:],
                         "the prediction" if mse else "the logits")
-    flat = tf.reshape(logits, [-1, size])
+    # [batch, size] predictions are registered as they are (the tensor of
+    # the model, as kfac 0.2.x did); others flattened to [batch, size].
+    flat = (logits if logits.shape.rank == 2 else
+            tf.reshape(logits, [-1, size]))
     if targets is not None:
       targets = tf.reshape(targets, [-1, size])
     register = (lc.register_squared_error_loss if mse else

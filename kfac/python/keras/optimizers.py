@@ -474,7 +474,7 @@ class KfacKerasMixin:
           tf.cast(collective.replica_id(), tf.int64) * 1000003,
           tf.constant(0, tf.int64)])
     keras_utils.name_state_by_structure(self._kfac_model)
-    lc, report = keras_utils.get_layer_collection(
+    lc, report = keras_utils.register_model(
         self._kfac_model, *self._kfac_losses(),
         fisher_approx=self._kfac_fisher_approx, seed=seed,
         variables=variables, warn=self._kfac_warn,

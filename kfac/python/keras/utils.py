@@ -13,8 +13,15 @@ training loop can do it itself:
 
 `get_layer_collection` registers the layers of `model` from the tensors
 recorded during the model's call in the current trace (see layer_recorder)
-and the loss on the model's output; `register_layer` / `register_loss` do one
-layer / one loss on a collection of your own.
+and the loss on the model's output. A tf_keras model built in a TF1 graph
+(kfac 0.2.x's usage) needs neither watch nor trace: its layers' graph nodes
+hold the tensors its training function uses (see node_calls). Keras 3 and
+eagerly built tf_keras models keep symbolic tensors there, so outside a
+trace they raise an error naming the traced usage.
+`register_model` is get_layer_collection returning the registration report
+too; `register_layer` / `register_loss` do one layer / one loss on a
+collection of your own; `get_loss_fn` makes the model's loss a function of
+a batch (for damping adaptation).
 """
 
 import warnings
@@ -22,12 +29,27 @@ import warnings
 import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import keras_loss_fn
 from kfac.python.keras import layer_recorder
 from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
+from kfac.python.keras import model_args
+from kfac.python.keras import node_calls
 from kfac.python.ops import layer_collection as lc_lib
 
 RegistrationError = layer_registration.RegistrationError
+# How serialize_fisher_approx writes a layer-class key (kfac 0.2.x).
+_CLASS_NAME_PREFIX = layer_registration.OLD_CLASS_KEY_PREFIX
+# kfac 0.2.x: the LayerCollection method each logits loss registers with
+# (keys: Keras loss class names, lower case without underscores).
+_KERAS_LOSS_TO_KFAC_REGISTER_FUNC = {
+    "sparsecategoricalcrossentropy":
+        lc_lib.LayerCollection.register_softmax_cross_entropy_loss,
+    "categoricalcrossentropy":
+        lc_lib.LayerCollection.register_softmax_cross_entropy_loss,
+    "binarycrossentropy":
+        lc_lib.LayerCollection.register_sigmoid_cross_entropy_loss,
+}
 
 
 def watch(model):
@@ -71,12 +93,18 @@ def name_state_by_structure(model):
       assign(var, "keras/model/%s" % short(var))
 
 
-def _require_trace(what):
-  if tf.executing_eagerly():
-    raise RuntimeError(
-        "%s needs the tensors of a traced training step: call it inside a "
-        "tf.function (model.fit traces its train step unless "
-        "run_eagerly=True, which K-FAC does not support)." % what)
+def _no_graph_error(what, model_name):
+  return RuntimeError(
+      "%s needs the tensors the training step computes. Outside a trace it "
+      "reads them from the layers of a tf_keras model built in a TF1 graph "
+      "(TF_USE_LEGACY_KERAS=1 with tf.compat.v1.disable_v2_behavior(), or "
+      "inside tf.compat.v1.Graph().as_default()); model %r keeps symbolic "
+      "Keras tensors instead (Keras 3, or tf_keras built eagerly). Use "
+      "kfac.keras.optimizers.Kfac(model=..., loss=...) with model.fit, or "
+      "in a custom loop call kfac.keras.utils.watch(model) once and then, "
+      "inside the tf.function of the step, call the model and "
+      "kfac.keras.utils.get_layer_collection(model, loss) (or "
+      "register_model for the registration report)." % (what, model_name))
 
 
 def _seed_for(seed, index):
@@ -88,24 +116,170 @@ def _seed_for(seed, index):
   return seed + index
 
 
+def _has_recorded_calls(recorder, model):
+  if recorder.model_outputs() is not None:
+    return True
+  return any(recorder.calls(layer)
+             for layer in keras_flavor.leaf_layers(model))
+
+
+def _source_of_calls(model, what):
+  """(calls source, recorded?): the calls recorded in the current trace /
+  graph, else the layers' graph nodes of a tf_keras model built in this
+  graph; raises when neither is available."""
+  if tf.executing_eagerly():
+    raise _no_graph_error(what, model.name)
+  recorder = watch(model)
+  if _has_recorded_calls(recorder, model):
+    return recorder, True
+  if node_calls.graph_nodes_usable(model):
+    return node_calls.NodeCalls(model), False
+  raise RegistrationError(
+      "No call of model %r was recorded in this graph, and its layers were "
+      "not built on tensors of this graph. Call the model inside the traced "
+      "step (or this tf.compat.v1 graph) after creating the Kfac optimizer "
+      "or after kfac.keras.utils.watch(model); a tf_keras model built in "
+      "this TF1 graph needs no watch." % model.name)
+
+
+def _register_generic_orphans(lc, model, tf_vars, plans, batch_size, warn,
+                              rows):
+  covered = {p.ref() for plan in plans for p in plan.params}
+  orphans = [v for v in tf_vars if v.ref() not in covered]
+  if not orphans:
+    return
+  lc.register_generic(orphans[0] if len(orphans) == 1 else tuple(orphans),
+                      batch_size, approx=layer_registration.GENERIC_FALLBACK)
+  message = ("kfac: variables %s belong to no layer of %r; registered with "
+             "the generic %r approximation." %
+             (", ".join(v.name for v in orphans), model.name,
+              layer_registration.GENERIC_FALLBACK))
+  (warn or (lambda k, m: warnings.warn(m, stacklevel=3)))("orphans", message)
+  rows.append(layer_registration.Row(
+      model.name, "(model)", "NaiveDiagonalFB",
+      layer_registration.GENERIC_FALLBACK,
+      ", ".join(v.name for v in orphans), 0, "fallback: no owning layer"))
+
+
+def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
+                   layer_collection=None, seed=None, y_pred=None,
+                   targets=None, variables=None, warn=None,
+                   registration_options=None):
+  """Registers `model`'s layers and loss(es) on a LayerCollection and
+  returns (layer_collection, report), report being the text of the
+  registration report. Arguments as get_layer_collection's."""
+  what = "kfac.keras.utils.get_layer_collection"
+  source, recorded = _source_of_calls(model, what)
+  lc = layer_collection or lc_lib.LayerCollection()
+  fisher_approx = model_args.fisher_approx_dict(fisher_approx, model)
+  layer_registration.check_fisher_approx(fisher_approx, model)
+  layer_registration.check_registration_options(registration_options, model)
+  if variables is None:
+    variables = model.trainable_variables
+  tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
+  trainable = {v.ref() for v in tf_vars}
+  plans = layer_registration.plan_layers(model, fisher_approx, trainable)
+
+  if recorded:
+    pairs, targets, sample_weight = _recorded_losses(
+        source, model, loss, loss_weights, y_pred, targets)
+  else:
+    pairs, sample_weight = _node_losses(model, loss, loss_weights, y_pred), None
+  if pairs:
+    first = tf.nest.flatten(pairs[0][2])[0]
+  else:
+    first = tf.nest.flatten(node_calls.node_outputs(model.layers[-1]))[0]
+  batch_size = tf.shape(first)[0]
+
+  rows = layer_registration.register_layers(
+      lc, plans, source, batch_size, warn,
+      registration_options=registration_options)
+  _register_generic_orphans(lc, model, tf_vars, plans, batch_size, warn, rows)
+
+  target_list = ([None] * len(pairs) if targets is None else
+                 tf.nest.flatten(targets) if len(pairs) > 1 else [targets])
+  if len(target_list) != len(pairs):
+    target_list = [None] * len(pairs)
+  loss_lines = []
+  for i, ((one_loss, weight, pred), target) in enumerate(
+      zip(pairs, target_list)):
+    loss_lines.append(loss_registration.register_keras_loss(
+        lc, one_loss, pred, targets=target, coeff=weight,
+        seed=_seed_for(seed, i)))
+  if sample_weight is not None and warn is not None:
+    warn("sample_weight", "kfac: sample weights weight the gradient but not "
+         "the curvature statistics (K-FAC's Fisher is over the model's "
+         "predictive distribution).")
+  return lc, layer_registration.format_report(rows, loss_lines)
+
+
+def _recorded_losses(recorder, model, loss, loss_weights, y_pred, targets):
+  """(loss, weight, prediction) triples from the call recorded in this
+  trace, the targets and the sample weights fit passed to compute_loss."""
+  loss_args = recorder.loss_args() or {}
+  if y_pred is None:
+    y_pred = loss_args.get("y_pred")
+  if y_pred is None:
+    y_pred = recorder.model_outputs()
+  if y_pred is None:
+    raise RegistrationError(
+        "The model %r itself was not called in this trace (only some of its "
+        "layers were): call the model, or pass y_pred=..." % model.name)
+  if targets is None:
+    targets = loss_args.get("y")
+  if loss is None:
+    loss = getattr(model, "loss", None)
+    if loss is None:
+      raise RegistrationError(
+          "No loss: pass loss=... to Kfac / get_layer_collection, or compile "
+          "the model with a loss.")
+  pairs = loss_registration.flatten_outputs(
+      loss, loss_weights, y_pred, model_args.output_names(model) or None)
+  return pairs, targets, loss_args.get("sample_weight")
+
+
+def _node_losses(model, loss, loss_weights, y_pred):
+  """(loss, weight, prediction) triples on the output layers' latest graph
+  nodes (kfac 0.2.x: no loss registers none)."""
+  if loss is None:
+    loss = getattr(model, "loss", None)
+  losses = model_args.losses_by_output(loss, model)
+  weights = model_args.loss_weights_by_output(loss_weights, model)
+  if not losses:
+    return []
+  if y_pred is not None:
+    preds = dict(zip(losses, tf.nest.flatten(y_pred)))
+  else:
+    preds = node_calls.output_tensors(model, list(losses))
+  return [(one_loss, weights.get(name, 1.0), preds[name])
+          for name, one_loss in losses.items()]
+
+
 def get_layer_collection(model, loss=None, loss_weights=None,
-                         layer_collection=None, fisher_approx=None, seed=None,
-                         y_pred=None, targets=None, variables=None,
-                         warn=None, registration_options=None):
-  """Registers `model`'s layers and loss on a LayerCollection.
+                         fisher_approx=None, layer_collection=None, seed=None,
+                         y_pred=None, targets=None, variables=None, warn=None,
+                         registration_options=None):
+  """Registers `model`'s layers and loss(es) on a LayerCollection.
+
+  Where the tensors come from: the model's call recorded in the current
+  trace (a tf.function, after `watch(model)`; the Kfac optimizer watches
+  its model), else, for a tf_keras model built in the current TF1 graph,
+  its layers' latest graph nodes (no watch needed; kfac 0.2.x's usage).
 
   Args:
-    model: a Keras model (Keras 3 or tf_keras) whose call was traced in the
-      current graph after `watch(model)` (the Kfac optimizer watches its
-      model when it is created).
-    loss: the Keras loss(es) of the model (default: `model.loss`).
-    loss_weights: per-output coefficients of the losses.
+    model: a Keras model (Keras 3 or tf_keras).
+    loss: the Keras loss(es): one loss, a list in the order of the outputs
+      or a dict keyed by output name (default: `model.loss`).
+    loss_weights: per-output coefficients of the losses (a list, or a dict
+      keyed by output name; missing ones weigh 1.0).
+    fisher_approx: {layer name or class: approximation} (None: the
+      default), or a list with one entry per layer with trainable weights
+      (depth-first order of `model.layers`).
     layer_collection: a collection to add to (default: a new one).
-    fisher_approx: {layer name or class: approximation}.
     seed: seed of the sampled targets (an int, or a [2] tensor for
       stateless sampling).
     y_pred: the model output the loss is applied to (default: the output of
-      the model's last call in this trace, or the y_pred of compute_loss).
+      the model's last call).
     targets: the data targets (needed by estimation_mode="empirical";
       default: the y that model.fit passed to compute_loss).
     variables: register only the layers owning these variables (default:
@@ -118,123 +292,120 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       sub_sample_patches, patch_mask (see docs/convolutions.md).
 
   Returns:
-    (layer_collection, report): report is the text of the registration
-    report.
+    The LayerCollection (`register_model` also returns the registration
+    report).
   """
-  _require_trace("kfac.keras.utils.get_layer_collection")
-  recorder = watch(model)
-  lc = layer_collection or lc_lib.LayerCollection()
-  layer_registration.check_fisher_approx(fisher_approx, model)
-  layer_registration.check_registration_options(registration_options, model)
-  if variables is None:
-    variables = model.trainable_variables
-  tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
-  trainable = {v.ref() for v in tf_vars}
-  plans = layer_registration.plan_layers(model, fisher_approx, trainable)
-
-  loss_args = recorder.loss_args() or {}
-  if y_pred is None:
-    y_pred = loss_args.get("y_pred")
-  if y_pred is None:
-    y_pred = recorder.model_outputs()
-  if y_pred is None:
-    raise RegistrationError(
-        "No call of model %r was recorded in this trace: call the model "
-        "inside the traced step after creating the Kfac optimizer (or after "
-        "kfac.keras.utils.watch(model))." % model.name)
-  if targets is None:
-    targets = loss_args.get("y")
-  if loss is None:
-    loss = getattr(model, "loss", None)
-    if loss is None:
-      raise RegistrationError(
-          "No loss: pass loss=... to Kfac / get_layer_collection, or compile "
-          "the model with a loss.")
-  first = tf.nest.flatten(y_pred)[0]
-  batch_size = tf.shape(first)[0]
-
-  rows = layer_registration.register_layers(
-      lc, plans, recorder, batch_size, warn,
-      registration_options=registration_options)
-  covered = {p.ref() for plan in plans for p in plan.params}
-  orphans = [v for v in tf_vars if v.ref() not in covered]
-  if orphans:
-    lc.register_generic(orphans[0] if len(orphans) == 1 else tuple(orphans),
-                        batch_size,
-                        approx=layer_registration.GENERIC_FALLBACK)
-    message = ("kfac: variables %s belong to no layer of %r; registered with "
-               "the generic %r approximation." %
-               (", ".join(v.name for v in orphans), model.name,
-                layer_registration.GENERIC_FALLBACK))
-    (warn or (lambda k, m: warnings.warn(m, stacklevel=2)))(
-        "orphans", message)
-    rows.append(layer_registration.Row(
-        model.name, "(model)", "NaiveDiagonalFB",
-        layer_registration.GENERIC_FALLBACK,
-        ", ".join(v.name for v in orphans), 0, "fallback: no owning layer"))
-
-  output_names = getattr(model, "output_names", None)
-  pairs = loss_registration.flatten_outputs(loss, loss_weights, y_pred,
-                                            output_names)
-  target_list = ([None] * len(pairs) if targets is None else
-                 tf.nest.flatten(targets) if len(pairs) > 1 else [targets])
-  if len(target_list) != len(pairs):
-    target_list = [None] * len(pairs)
-  loss_lines = []
-  for i, ((one_loss, weight, pred), target) in enumerate(
-      zip(pairs, target_list)):
-    loss_lines.append(loss_registration.register_keras_loss(
-        lc, one_loss, pred, targets=target, coeff=weight,
-        seed=_seed_for(seed, i)))
-  sample_weight = loss_args.get("sample_weight")
-  if sample_weight is not None and warn is not None:
-    warn("sample_weight", "kfac: sample weights weight the gradient but not "
-         "the curvature statistics (K-FAC's Fisher is over the model's "
-         "predictive distribution).")
-  report = layer_registration.format_report(rows, loss_lines)
-  return lc, report
+  return register_model(
+      model, loss=loss, loss_weights=loss_weights,
+      fisher_approx=fisher_approx, layer_collection=layer_collection,
+      seed=seed, y_pred=y_pred, targets=targets, variables=variables,
+      warn=warn, registration_options=registration_options)[0]
 
 
-def register_layer(layer_collection, layer, fisher_approx=None,
-                   model=None):
-  """Registers one Keras layer from its call recorded in this trace.
-
-  `fisher_approx` is an approximation name (or a {name/class: approx} map).
-  The layer must be watched (through `watch(model)` on a model holding it,
-  or `model` given here) and called in the current trace."""
-  _require_trace("kfac.keras.utils.register_layer")
-  if isinstance(fisher_approx, str):
-    fisher_approx = {layer.name: fisher_approx}
-  recorder = layer_recorder.recorder_for(model) if model is not None else (
-      _recorder_of(layer))
-  plan = layer_registration.plan_layer(layer, fisher_approx)
-  if plan is None:
-    raise RegistrationError("Layer %s has no trainable parameters." %
-                            keras_flavor.layer_path(layer))
-  calls = recorder.calls(layer)
-  if not calls:
-    raise RegistrationError("Layer %s was not called in this trace." %
-                            keras_flavor.layer_path(layer))
-  batch_size = tf.shape(tf.nest.flatten(calls[0].outputs)[0])[0]
-  return layer_registration.register_layers(layer_collection, [plan],
-                                            recorder, batch_size)[0]
+def _is_layer(obj):
+  return keras_flavor.is_instance_by_name(obj, "Layer")
 
 
-def _recorder_of(layer):
-  ref = getattr(layer.call, "_kfac_recorder", None)
-  recorder = ref() if ref is not None else None
+def _calls_of(layer, model, what):
+  """The calls of `layer`: recorded in this trace, else its graph node."""
+  if tf.executing_eagerly():
+    raise _no_graph_error(what, getattr(model, "name", layer.name))
+  recorder = None
+  if model is not None:
+    recorder = layer_recorder.recorder_for(model)
+  else:
+    ref = getattr(layer.call, "_kfac_recorder", None)
+    recorder = ref() if ref is not None else None
+  if recorder is not None and recorder.calls(layer):
+    return recorder
+  node = node_calls.latest_node(layer)
+  if node is not None and all(
+      node_calls._is_graph_tensor(t)  # pylint: disable=protected-access
+      for t in tf.nest.flatten(node.output_tensors)):
+    return node_calls.NodeCalls(model)
   if recorder is None:
     raise RegistrationError(
-        "Layer %s is not watched: call kfac.keras.utils.watch(model) on its "
-        "model before tracing, or pass model=..." %
-        keras_flavor.layer_path(layer))
-  return recorder
+        "Layer %s is not watched and has no graph node: call "
+        "kfac.keras.utils.watch(model) on its model before tracing, or pass "
+        "model=..." % keras_flavor.layer_path(layer))
+  raise RegistrationError("Layer %s was not called in this trace." %
+                          keras_flavor.layer_path(layer))
 
 
-def register_loss(layer_collection, loss, prediction, targets=None,
+def register_layer(layer_collection, layer, fisher_approx=None, model=None):
+  """Registers one Keras layer on `layer_collection` from its call
+  recorded in this trace (the layer's model watched, or `model` given) or,
+  for tf_keras in a TF1 graph, from its latest graph node.
+
+  `fisher_approx` is an approximation name (or a {name/class: approx} map).
+  Returns the report row."""
+  what = "kfac.keras.utils.register_layer"
+  if isinstance(fisher_approx, str) or fisher_approx is None:
+    fisher_approx = {layer.name: fisher_approx} if fisher_approx else None
+  plan = layer_registration.plan_layer(layer, fisher_approx)
+  if plan is None:
+    # kfac 0.2.x: layers without trainable weights register nothing.
+    return None
+  source = _calls_of(layer, model, what)
+  calls = source.calls(layer)
+  batch_size = tf.shape(tf.nest.flatten(calls[0].outputs)[0])[0]
+  return layer_registration.register_layers(layer_collection, [plan],
+                                            source, batch_size)[0]
+
+
+def register_layers(layer_collection, layers, fisher_approx=None,
+                    model=None):
+  """register_layer for each of `layers`; returns the report rows."""
+  return [register_layer(layer_collection, layer, fisher_approx, model)
+          for layer in layers]
+
+
+def register_loss(layer_collection, loss, prediction=None, targets=None,
                   coeff=1.0, seed=None, name=None):
-  """Registers a Keras loss (string, function or object) applied to
-  `prediction`; returns its report line."""
+  """Registers a Keras loss (name, function or object) on
+  `layer_collection`; returns its report line.
+
+  Two forms: register_loss(lc, loss, prediction) applies `loss` to the
+  model output `prediction`; register_loss(lc, layer, loss) (kfac 0.2.x)
+  applies it to the output of the Keras layer `layer` (its call recorded
+  in this trace, or its latest node in a TF1 graph)."""
+  if _is_layer(loss):
+    layer, loss = loss, prediction
+    source = _calls_of(layer, None, "kfac.keras.utils.register_loss")
+    prediction = source.calls(layer)[-1].outputs
+  elif prediction is None:
+    raise TypeError("register_loss(layer_collection, loss, prediction): "
+                    "prediction is missing.")
   return loss_registration.register_keras_loss(
       layer_collection, loss, prediction, targets=targets, coeff=coeff,
       seed=seed, name=name)
+
+
+def get_parent(node):
+  """The tensor the op producing `node` computes it from (the
+  pre-activations behind an activation's output). Raises ValueError if that
+  op has several inputs or `node` is not a graph tensor."""
+  if not hasattr(node, "op"):
+    raise ValueError("%r is not a graph tensor (eager tensors and Keras "
+                     "symbolic tensors have no producing op)." % (node,))
+  return node_calls.parent_tensor(node)
+
+
+def serialize_fisher_approx(fisher_approx):
+  """fisher_approx with its layer-class keys as "kfac_class_<Name>" strings
+  (a JSON-able form, as kfac 0.2.x stored it); lists are unchanged."""
+  if isinstance(fisher_approx, dict):
+    return {(k if isinstance(k, str) else _CLASS_NAME_PREFIX + k.__name__): v
+            for k, v in fisher_approx.items()}
+  return fisher_approx
+
+
+def _get_verified_dict(container, container_name, layer_names):
+  """A {layer name: value} dict from a dict or a list matched with
+  `layer_names` (ValueError naming `container_name` when they do not
+  match)."""
+  return model_args.verified_dict(container, container_name, layer_names)
+
+
+serialize_loss = keras_loss_fn.serialize_loss
+get_loss_fn = keras_loss_fn.get_loss_fn

@@ -252,7 +252,7 @@ def test_core_optimizer_with_keras_registration(how):
       loss = loss_fn(y, probs)
     seed = tf.stack([tf.constant(SEED, tf.int64), i])
     if how == "get_layer_collection":
-      lc, _ = kfac.keras.utils.get_layer_collection(
+      lc, _ = kfac.keras.utils.register_model(
           model, "sparse_categorical_crossentropy", seed=seed)
     else:
       lc = kfac.LayerCollection()

@@ -672,7 +672,7 @@ def _curvatures(model, loss, x, y):
   def curvatures():
     pred = model(x, training=True)
     value = model.compute_loss(x=x, y=y, y_pred=pred)
-    lc, report = keras_utils.get_layer_collection(model, loss)
+    lc, report = keras_utils.register_model(model, loss)
     out["report"] = report
     registered = lc.losses_with_coeffs()
     assert len(registered) == 1, registered
@@ -754,7 +754,7 @@ def test_conv2d_channels_first_cannot_run_on_cpu_but_registers_as_nchw():
   @tf.function(autograph=False)
   def trace(x):
     model(x, training=True)
-    lc, report = keras_utils.get_layer_collection(
+    lc, report = keras_utils.register_model(
         model, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     found["report"] = report
     (call,) = keras_utils.watch(model).calls(conv)
@@ -797,7 +797,7 @@ def _trace_registration(model, loss, x=None, signature=None, **kwargs):
   @tf.function(autograph=False)  # errors keep their type
   def trace(x):
     model(x, training=True)
-    found["report"] = keras_utils.get_layer_collection(model, loss,
+    found["report"] = keras_utils.register_model(model, loss,
                                                        **kwargs)[1]
     return x
 
@@ -859,8 +859,9 @@ def test_fisher_approx_errors():
   with pytest.raises(layer_registration.RegistrationError,
                      match=r"keys must be layer names or layer classes"):
     _trace_registration(model, loss, fisher_approx={3: "diagonal"})
-  # Approximations that are not strings.
-  for value in (3, None, ["kron"]):
+  # Approximations that are not strings (None is the layer's default, as
+  # in kfac 0.2.x).
+  for value in (3, ["kron"]):
     with pytest.raises(layer_registration.RegistrationError,
                        match=r"fisher_approx\['dense'\] must be an "
                        r"approximation name \(a string\)"):
