@@ -685,3 +685,45 @@ def test_distribution_negative_log_prob_loss():
                     lf.DistributionNegativeLogProbLoss)
   with pytest.raises(TypeError, match="abstract"):
     lf.DistributionNegativeLogProbLoss()  # pylint: disable=abstract-class-instantiated
+
+
+def test_alt_reader_graph_tensor_dataset_tf1_and_function():
+  # pylint: disable=g-import-not-at-top
+  from kfac.python.ops import data_reader_alt
+  from kfac.python.ops.kfac_utils import data_reader_alt as old_alt
+  assert old_alt.CachedDataReader is data_reader_alt.CachedDataReader
+  n = 7
+  x = np.arange(n, dtype=np.float64)[:, None] * np.array([[1., -1.]])
+  graph = tf.Graph()
+  with graph.as_default():
+    # A graph tensor without a constant value, the same at every step.
+    data = tf.compat.v1.placeholder_with_default(x, [n, 2])
+    labels = tf.compat.v1.placeholder_with_default(np.arange(n), [n])
+    reader = data_reader_alt.CachedDataReader((data, labels), n, seed=1)
+    size = tf.compat.v1.placeholder(tf.int32, [])
+    before = reader.cached_batch[1]
+    bx, by = reader(size)
+
+    @tf.function
+    def in_function(k):
+      return reader(k)[1]
+
+    fn_out = in_function(size)
+    sess = tf.compat.v1.Session(graph=graph)
+    sess.run(tf.compat.v1.global_variables_initializer())
+  drawn, prev = [], np.zeros([0])
+  for k in (3, 4):  # exactly one epoch
+    cached, gx, gy = sess.run([before, bx, by], {size: k})
+    np.testing.assert_array_equal(gx, x[gy])
+    np.testing.assert_array_equal(cached, prev)
+    drawn += list(gy)
+    prev = gy
+  assert sorted(drawn) == list(range(n))
+  drawn = list(sess.run(fn_out, {size: 4})) + list(sess.run(fn_out, {size: 3}))
+  assert sorted(drawn) == list(range(n))
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match="cannot see its dataset"):
+      reader(2)
+    with pytest.raises(ValueError, match="static leading"):
+      data_reader_alt.VariableBatchReader(
+          (tf.compat.v1.placeholder(tf.float32, [None, 2]),), 3)

@@ -15,6 +15,11 @@ only on `seed` and the batch sizes, in a TF1 graph, a `tf.function` or
 eagerly alike. The state (current permutation, epoch, position) lives in
 variables created outside any trace (see `kfac.data_reader`).
 
+Old scripts may also pass graph tensors that hold the whole dataset and
+stay the same at every step (the old library's contract for these readers):
+they are gathered from directly, in their graph or a tf.function traced
+inside it.
+
 `CachedDataReader` caches only the indices of the last batch (an int32
 variable [max_batch_size] and the batch size) and `cached_batch` gathers
 them again, with the ordering contract of `kfac.data_reader`: in a step that
@@ -28,6 +33,7 @@ import tensorflow as tf
 
 from kfac.python.ops import counter_random
 from kfac.python.ops import data_reader
+from kfac.python.ops.compat_utils import batch_stream
 
 __all__ = ["VariableBatchReader", "CachedDataReader"]
 
@@ -37,8 +43,12 @@ class VariableBatchReader(data_reader.ReaderBase):
 
   Args:
     dataset: tuple or list of arrays (numpy arrays or eager tensors) with
-      the same leading dimension, e.g. (images, labels).
-    max_batch_size: positive int, the largest batch size a call may ask for.
+      the same leading dimension, e.g. (images, labels); or (the old
+      library's contract) graph tensors holding the whole dataset, the same
+      at every step, with a static number of examples (gathered from
+      directly; call the reader in their graph).
+    max_batch_size: positive int, the largest batch size a call may ask for
+      (old scripts pass the number of examples here, which works).
     seed: int or None (None: a random seed, see `seed`).
 
   `reader(batch_size)` returns a list of tensors (one per component) with
@@ -51,12 +61,48 @@ class VariableBatchReader(data_reader.ReaderBase):
   _owner = "data_reader_alt.VariableBatchReader"
 
   def __init__(self, dataset, max_batch_size, seed=None):
-    super().__init__(dataset, max_batch_size, seed)
+    self._graph = None
+    if data_reader._is_stream(dataset):  # pylint: disable=protected-access
+      self._init_graph_tensors(dataset, max_batch_size, seed)
+    else:
+      super().__init__(dataset, max_batch_size, seed)
     if self._seed is None:
       self._seed = random.SystemRandom().randrange(2**31)
     self._state = {}  # outer context key -> (constants, perm, epoch, pos)
     if tf.executing_eagerly():
       self._get_state()
+
+  def _init_graph_tensors(self, dataset, max_batch_size, seed):
+    """The old contract: graph tensors holding the whole dataset, the same
+    at every step (e.g. read from a file in the graph); gathered from
+    directly."""
+    owner = self._owner
+    self._max_batch_size = data_reader.check_max_batch_size(max_batch_size,
+                                                            owner)
+    self._seed = data_reader.check_seed(seed, owner)
+    parts = list(dataset) if isinstance(dataset, (tuple, list)) else [dataset]
+    if not all(batch_stream.is_symbolic(p) for p in parts):
+      raise ValueError(
+          "%s: dataset mixes symbolic tensors with in-memory data (arrays, "
+          "constants, eager tensors or variables); pass one kind." % owner)
+    graphs = set(p.graph for p in parts)
+    if len(graphs) != 1:
+      raise ValueError("%s: the dataset tensors belong to different graphs."
+                       % owner)
+    sizes = set()
+    for i, p in enumerate(parts):
+      if p.shape.rank is None or p.shape.rank == 0 or p.shape[0] is None:
+        raise ValueError(
+            "%s: dataset component %d (%s) needs a static leading (number "
+            "of examples) dimension, got shape %s." % (owner, i, p.name,
+                                                       p.shape))
+      sizes.add(int(p.shape[0]))
+    if len(sizes) != 1:
+      raise ValueError(
+          "%s: dataset components must have the same leading dimension "
+          "(number of examples), got %s." % (owner, sorted(sizes)))
+    self._graph = graphs.pop()
+    self._components = parts
 
   @property
   def seed(self):
@@ -69,7 +115,10 @@ class VariableBatchReader(data_reader.ReaderBase):
     if state is None:
       n = self.num_examples
       with tf.init_scope():
-        constants = [tf.constant(c) for c in self._components]
+        if self._graph is not None:  # graph tensors: gathered directly
+          constants = list(self._components)
+        else:
+          constants = [tf.constant(c) for c in self._components]
         # Epoch -1 fully consumed: the first call starts epoch 0.
         perm = tf.Variable(tf.range(n, dtype=tf.int32), trainable=False,
                            name="data_reader_alt/permutation")
@@ -117,6 +166,8 @@ class VariableBatchReader(data_reader.ReaderBase):
     return indices, advance
 
   def _gather(self, indices):
+    if self._graph is not None:
+      batch_stream.check_visible(self._graph, self._owner)
     constants = self._get_state()[0]
     return [tf.gather(c, indices) for c in constants]
 

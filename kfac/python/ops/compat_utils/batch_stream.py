@@ -31,6 +31,19 @@ def _graph_chain(graph):
     graph = getattr(graph, "outer_graph", None)
 
 
+def check_visible(graph, owner):
+  """Raises ValueError unless tensors of `graph` can be used in the current
+  graph (the same graph, or a tf.function traced inside it)."""
+  current = tf.compat.v1.get_default_graph()
+  if graph not in set(_graph_chain(current)):
+    raise ValueError(
+        "%s: the reader is used in a graph that cannot see its dataset "
+        "tensors (they belong to %r); call it in that graph or in a "
+        "tf.function traced inside it. A reader made from the tensors of "
+        "a tf.function trace belongs to that trace: in TF2 give the "
+        "reader in-memory data instead." % (owner, graph))
+
+
 class BatchStream(object):
   """Per-step batches given as graph tensors.
 
@@ -93,14 +106,7 @@ class BatchStream(object):
     return [c.dtype for c in self._components]
 
   def _check_graph(self):
-    current = tf.compat.v1.get_default_graph()
-    if self._graph not in set(_graph_chain(current)):
-      raise ValueError(
-          "%s: the reader is used in a graph that cannot see its dataset "
-          "tensors (they belong to %r); call it in that graph or in a "
-          "tf.function traced inside it. A reader made from the tensors of "
-          "a tf.function trace belongs to that trace: in TF2 give the "
-          "reader in-memory data instead." % (self._owner, self._graph))
+    check_visible(self._graph, self._owner)
 
   def rows(self, size, static_size):
     """The first `size` rows of every component (after a run-time check
