@@ -416,6 +416,12 @@ def test_fisher_module_helpers():
       np.concatenate([t, 2 * np.ones([5, 1])], 1))
   assert fisher_factors.DenseSquareMatrixFactor is (
       fisher_factors.DenseSquareFactor)
+  with tf.Graph().as_default():
+    with fisher_factors.maybe_place_on_device("/cpu:0"):
+      on_cpu = tf.constant(1.)
+    with fisher_factors.maybe_place_on_device(""):
+      anywhere = tf.constant(1.)
+  assert "CPU:0" in on_cpu.device.upper() and anywhere.device == ""
 
   a, g = psd(3), psd(2, seed=3)
   pi_ref = np.sqrt((np.trace(a) / 3) / (np.trace(g) / 2))

@@ -1,5 +1,7 @@
 """Module-level helpers of the old fisher_factors module."""
 
+import contextlib
+
 import tensorflow as tf
 
 
@@ -27,3 +29,13 @@ def append_homog(tensor, homog_value=None):
   value = 1.0 if homog_value is None else homog_value
   ones = tf.ones_like(tensor[..., :1]) * tf.cast(value, tensor.dtype)
   return tf.concat([tensor, ones], axis=-1)
+
+
+@contextlib.contextmanager
+def maybe_place_on_device(device):
+  """`tf.device(device)` when device is a non-empty string, else nothing."""
+  if device:
+    with tf.device(device):
+      yield
+  else:
+    yield
