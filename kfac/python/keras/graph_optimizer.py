@@ -34,7 +34,6 @@ import numbers
 
 import tensorflow as tf
 
-from kfac.python.keras import layer_registration
 from kfac.python.keras import utils as keras_utils
 from kfac.python.ops import optimizer as optimizer_lib
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
@@ -139,9 +138,10 @@ def make_graph_class(tf_keras):
       self._config.update({k: v for k, v in kfac_kwargs.items()
                            if k not in _NOT_IN_CONFIG})
       self._config.update(loss_weights=loss_weights,
-                          fisher_approx=_encode_keys(fisher_approx),
+                          fisher_approx=keras_utils.serialize_fisher_approx(
+                              fisher_approx),
                           seed=seed, adaptive=bool(adaptive),
-                          loss=_serialize_loss(tf_keras, loss))
+                          loss=keras_utils.serialize_loss(loss))
       mutable = set(MUTABLE_HYPER_PARAMS)
       if kfac_kwargs.get("adapt_damping"):
         mutable.discard("damping")
@@ -242,9 +242,12 @@ def make_graph_class(tf_keras):
               "register_train_batch or pass it in during optimizer "
               "construction.")
         if kwargs.get("loss_fn") is None:
-          kwargs["loss_fn"] = _loss_fn(self._model, self._loss,
-                                       self._layer_collection_kwargs[
-                                           "loss_weights"], tf_keras)
+          if self._model is None or self._loss is None:
+            raise ValueError("adapt_damping needs loss_fn=..., or model=... "
+                             "and loss=... to build it.")
+          kwargs["loss_fn"] = keras_utils.get_loss_fn(
+              self._model, self._loss,
+              loss_weights=self._layer_collection_kwargs["loss_weights"])
       with tf.name_scope(self._name):
         with tf.init_scope():
           _ = self.iterations
@@ -332,56 +335,3 @@ def make_graph_class(tf_keras):
 
   Kfac.__qualname__ = "Kfac"
   return Kfac
-
-
-def _encode_keys(fisher_approx):
-  if not isinstance(fisher_approx, dict):
-    return fisher_approx
-  return {(layer_registration.CLASS_KEY_PREFIX + k.__name__
-           if isinstance(k, type) else k): v
-          for k, v in fisher_approx.items()}
-
-
-def _serialize_loss(tf_keras, loss):
-  if loss is None or isinstance(loss, str):
-    return loss
-  if isinstance(loss, (list, tuple)):
-    return [_serialize_loss(tf_keras, l) for l in loss]
-  if isinstance(loss, dict):
-    return {k: _serialize_loss(tf_keras, v) for k, v in loss.items()}
-  name = getattr(loss, "__name__", None)
-  if name and callable(loss) and not isinstance(loss, type):
-    return name  # a loss function: its registered name
-  return tf_keras.losses.serialize(loss)
-
-
-def _loss_fn(model, loss, loss_weights, tf_keras):
-  """The model's training loss on a batch (inputs, labels): what the
-  damping rule evaluates after the update."""
-  if model is None or loss is None:
-    raise ValueError("adapt_damping needs loss_fn=..., or model=... and "
-                     "loss=... to build it.")
-
-  def loss_fn(batch):
-    inputs, labels = batch[0], batch[1]
-    preds = tf.nest.flatten(model(inputs))
-    targets = tf.nest.flatten(labels)
-    losses = loss
-    if isinstance(losses, dict):
-      names = list(getattr(model, "output_names", []))
-      losses = [losses[n] for n in names]
-    if not isinstance(losses, (list, tuple)):
-      losses = [losses] * len(preds)
-    weights = loss_weights
-    if isinstance(weights, dict):
-      names = list(getattr(model, "output_names", []))
-      weights = [weights.get(n, 1.0) for n in names]
-    if weights is None:
-      weights = [1.0] * len(preds)
-    total = 0.0
-    for one, w, pred, target in zip(losses, weights, preds, targets):
-      fn = tf_keras.losses.get(one)
-      total += w * tf.reduce_mean(fn(target, pred))
-    return total
-
-  return loss_fn
