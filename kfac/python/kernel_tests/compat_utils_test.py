@@ -733,3 +733,45 @@ def test_alt_reader_graph_tensor_dataset_tf1_and_function():
     with pytest.raises(ValueError, match="static leading"):
       data_reader_alt.VariableBatchReader(
           (tf.compat.v1.placeholder(tf.float32, [None, 2]),), 3)
+
+
+def test_old_argument_names():
+  # pylint: disable=g-import-not-at-top
+  from kfac.python.ops import data_reader_alt
+  from kfac.python.ops import loss_functions as lf
+  x = np.arange(5.)[:, None]
+  reader = data_reader_alt.CachedDataReader((x,), num_examples=5, seed=0)
+  assert reader.max_batch_size == 5
+  assert sorted(reader(5)[0].numpy()[:, 0]) == list(range(5))
+  with pytest.raises(TypeError, match="once"):
+    data_reader_alt.VariableBatchReader((x,), 5, num_examples=5)
+
+  mean, var = np.array([[1., 2.]]), np.array([[0.5, 2.]])
+  loss = lf.NormalMeanVarianceNegativeLogProbLoss(tf.constant(mean),
+                                                  tf.constant(var))
+  vecs = (tf.constant([[1., 1.]], tf.float64), tf.constant([[1., 1.]],
+                                                            tf.float64))
+  by_old_name = loss.multiply_fisher(vecs=vecs)
+  # Fisher of N(mean, var) w.r.t. (mean, var): diag(1/var, 1/(2 var^2)).
+  np.testing.assert_allclose(by_old_name[0].numpy(), 1 / var, rtol=1e-14)
+  np.testing.assert_allclose(by_old_name[1].numpy(), 1 / (2 * var ** 2),
+                             rtol=1e-14)
+  np.testing.assert_allclose(loss.multiply_fisher(vector=vecs)[1].numpy(),
+                             by_old_name[1].numpy())
+  with pytest.raises(TypeError, match="once"):
+    loss.multiply_fisher()
+
+  class ValueOnly(lf.LossFunction):
+
+    @property
+    def inputs(self):
+      return (tf.ones([2, 3]),)
+
+    def evaluate(self):
+      return tf.constant(0.)
+
+  loss = ValueOnly()
+  assert loss.ggn_factor_inner_static_shape.as_list() == [2, 3]
+  with pytest.raises(NotImplementedError, match="ValueOnly does not "
+                     "implement GGN"):
+    loss.multiply_ggn(tf.ones([2, 3]))

@@ -38,6 +38,13 @@ from kfac.python.ops.compat_utils import batch_stream
 __all__ = ["VariableBatchReader", "CachedDataReader"]
 
 
+def _max_batch_size_arg(max_batch_size, num_examples, owner):
+  if (max_batch_size is None) == (num_examples is None):
+    raise TypeError("%s: pass max_batch_size (or num_examples, its old "
+                    "name) once." % owner)
+  return num_examples if max_batch_size is None else max_batch_size
+
+
 class VariableBatchReader(data_reader.ReaderBase):
   """Batches of a variable size drawn by index from an in-memory dataset.
 
@@ -60,7 +67,12 @@ class VariableBatchReader(data_reader.ReaderBase):
 
   _owner = "data_reader_alt.VariableBatchReader"
 
-  def __init__(self, dataset, max_batch_size, seed=None):
+  def __init__(self, dataset, max_batch_size=None, seed=None,
+               num_examples=None):
+    # Old scripts name the second argument num_examples (then the largest
+    # batch a call may ask for).
+    max_batch_size = _max_batch_size_arg(max_batch_size, num_examples,
+                                         self._owner)
     self._graph = None
     if data_reader._is_stream(dataset):  # pylint: disable=protected-access
       self._init_graph_tensors(dataset, max_batch_size, seed)
@@ -196,8 +208,10 @@ class CachedDataReader(VariableBatchReader):
 
   _owner = "data_reader_alt.CachedDataReader"
 
-  def __init__(self, dataset, max_batch_size, seed=None):
-    super().__init__(dataset, max_batch_size, seed=seed)
+  def __init__(self, dataset, max_batch_size=None, seed=None,
+               num_examples=None):
+    super().__init__(dataset, max_batch_size, seed=seed,
+                     num_examples=num_examples)
     self._cache = data_reader.StepCache(
         [(self._max_batch_size,)], [tf.int32], "data_reader_alt")
     if tf.executing_eagerly():

@@ -90,6 +90,59 @@ class LossFunction(abc.ABC):
   def evaluate(self):
     """The loss at the data targets, summed over the batch."""
 
+  # GGN products: the Hessian of the loss w.r.t. its inputs (the old
+  # library's LossFunction interface). A subclass supplies _multiply_ggn,
+  # _multiply_ggn_factor, _multiply_ggn_factor_transpose and
+  # _ggn_factor_one_hot.
+  def multiply_ggn(self, vector):
+    return self._from_tuple(self._multiply_ggn(self._to_tuple(vector)))
+
+  def multiply_hessian(self, vector):
+    return self.multiply_ggn(vector)
+
+  def multiply_ggn_factor(self, vector):
+    return self._from_tuple(self._multiply_ggn_factor(vector))
+
+  def multiply_ggn_factor_transpose(self, vector):
+    return self._multiply_ggn_factor_transpose(self._to_tuple(vector))
+
+  def multiply_ggn_factor_replicated_one_hot(self, index):
+    return self._from_tuple(self._ggn_factor_one_hot(_check_index(index)))
+
+  @property
+  def ggn_factor_inner_shape(self):
+    return tf.shape(self.inputs[0])
+
+  @property
+  def ggn_factor_inner_static_shape(self):
+    return self.inputs[0].shape
+
+  @property
+  def ggn_factor_signs(self):
+    """None when the GGN is B B^T; else a numpy vector of +-1 over the last
+    axis of the GGN factor space with GGN = B diag(signs) B^T."""
+    return None
+
+  @property
+  def ggn_requires_targets(self):
+    return False
+
+  def _multiply_ggn(self, vectors):
+    raise NotImplementedError("%s does not implement GGN products." %
+                              type(self).__name__)
+
+  def _multiply_ggn_factor(self, vector):
+    raise NotImplementedError("%s does not implement GGN products." %
+                              type(self).__name__)
+
+  def _multiply_ggn_factor_transpose(self, vectors):
+    raise NotImplementedError("%s does not implement GGN products." %
+                              type(self).__name__)
+
+  def _ggn_factor_one_hot(self, index):
+    raise NotImplementedError("%s does not implement GGN products." %
+                              type(self).__name__)
+
   # Structure helpers: public input-space vectors are a Tensor when the loss
   # has one input and a tuple otherwise.
   def _to_tuple(self, vector):
@@ -177,22 +230,6 @@ class NegativeLogProbLoss(LossFunction):
   def fisher_factor_inner_static_shape(self):
     return self.inputs[0].shape
 
-  # GGN products: the Hessian of the loss w.r.t. its inputs.
-  def multiply_ggn(self, vector):
-    return self._from_tuple(self._multiply_ggn(self._to_tuple(vector)))
-
-  def multiply_hessian(self, vector):
-    return self.multiply_ggn(vector)
-
-  def multiply_ggn_factor(self, vector):
-    return self._from_tuple(self._multiply_ggn_factor(vector))
-
-  def multiply_ggn_factor_transpose(self, vector):
-    return self._multiply_ggn_factor_transpose(self._to_tuple(vector))
-
-  def multiply_ggn_factor_replicated_one_hot(self, index):
-    return self._from_tuple(self._ggn_factor_one_hot(_check_index(index)))
-
   @property
   def ggn_factor_inner_shape(self):
     return self.fisher_factor_inner_shape
@@ -200,16 +237,6 @@ class NegativeLogProbLoss(LossFunction):
   @property
   def ggn_factor_inner_static_shape(self):
     return self.fisher_factor_inner_static_shape
-
-  @property
-  def ggn_factor_signs(self):
-    """None when the GGN is B B^T; else a numpy vector of +-1 over the last
-    axis of the GGN factor space with GGN = B diag(signs) B^T."""
-    return None
-
-  @property
-  def ggn_requires_targets(self):
-    return False
 
   @abc.abstractmethod
   def _multiply_fisher(self, vectors):
@@ -239,6 +266,13 @@ class NegativeLogProbLoss(LossFunction):
 
   def _ggn_factor_one_hot(self, index):
     return self._fisher_factor_one_hot(index)
+
+
+def _one_of(vecs, vector):
+  if (vecs is None) == (vector is None):
+    raise TypeError("Pass the vectors once, as `vecs` (the old name) or "
+                    "`vector`.")
+  return vector if vecs is None else vecs
 
 
 def _normal_nll(targets, mean, var):
@@ -483,6 +517,17 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
     self._mean = mean
     self._variance = variance
     self._targets = targets
+
+  # The old library named the argument of these `vecs` (a (mean, variance)
+  # pair of vectors); keyword calls with either name work.
+  def multiply_fisher(self, vecs=None, vector=None):
+    return super().multiply_fisher(_one_of(vecs, vector))
+
+  def multiply_fisher_factor(self, vecs=None, vector=None):
+    return super().multiply_fisher_factor(_one_of(vecs, vector))
+
+  def multiply_fisher_factor_transpose(self, vecs=None, vector=None):
+    return super().multiply_fisher_factor_transpose(_one_of(vecs, vector))
 
   @property
   def inputs(self):
