@@ -193,7 +193,7 @@ def register_keras_loss(lc, loss, prediction, targets=None,
         logits.shape, coeff / size)
   else:
     positions = _static_size(logits.shape[1:-1], "the logits")
-    lc.register_categorical_predictive_distribution(
+    lc.register_softmax_cross_entropy_loss(
         logits, seed=seed, targets=targets, coeff=coeff / positions,
         name=name)
     what = "categorical on logits %s, coeff %g" % (logits.shape,

@@ -65,6 +65,15 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
     self._diag_in = diagonal_approx_for_input
     self._diag_out = diagonal_approx_for_output
 
+  # kfac 0.2.x's names of the diagonal options.
+  @property
+  def _diagonal_approx_for_input(self):
+    return self._diag_in
+
+  @property
+  def _diagonal_approx_for_output(self):
+    return self._diag_out
+
   @property
   def _renorm_coeff(self):
     return num_shared_positions(self._inputs[0])

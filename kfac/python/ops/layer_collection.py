@@ -9,6 +9,7 @@ state.py). Variables are never used as dict keys: they are keyed by `ref()`.
 """
 
 import collections
+import collections.abc
 import contextlib
 import math
 import threading
@@ -106,6 +107,45 @@ def set_default_layer_collection(layer_collection):
     stack.append(layer_collection)
 
 
+class BlocksByParams(collections.abc.Mapping):
+  """The blocks of a LayerCollection keyed by their parameters as
+  registered (a variable or a tuple of variables). Looking up takes a
+  variable, a tuple or a list of them (variables themselves are unhashable
+  in TF2)."""
+
+  def __init__(self, blocks, params):
+    self._blocks = blocks  # hashable key -> block
+    self._params = params  # hashable key -> params as registered
+
+  @staticmethod
+  def _key(params):
+    return utils.hashable_key(tuple(utils.ensure_sequence(params)))
+
+  def __getitem__(self, params):
+    try:
+      return self._blocks[self._key(params)]
+    except (KeyError, TypeError):
+      raise KeyError(params)
+
+  def __contains__(self, params):
+    try:
+      return self._key(params) in self._blocks
+    except TypeError:
+      return False
+
+  def __iter__(self):
+    return iter([self._params[k] for k in self._blocks])
+
+  def __len__(self):
+    return len(self._blocks)
+
+  def items(self):
+    return [(self._params[k], b) for k, b in self._blocks.items()]
+
+  def values(self):
+    return list(self._blocks.values())
+
+
 @utils.exclude_from_autograph
 class LayerCollection(conv_registration.ConvRegistrationMixin,
                       embedding_registration.EmbeddingRegistrationMixin,
@@ -122,7 +162,11 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     self._factors = collections.OrderedDict()  # factor key -> factor
     self._factor_names = set()
     self._block_names = set()
-    self._loss_dict = collections.OrderedDict()  # name -> [(loss, coeff)]
+    self._loss_dict = collections.OrderedDict()  # name -> [loss per tower]
+    # kfac 0.2.x's public maps: loss -> its coefficient, and loss -> the
+    # tensor it was registered on (its logits / mean / prediction).
+    self.loss_coeffs = {}
+    self.loss_colocation_ops = {}
     self._linked = collections.OrderedDict()  # frozenset(refs) -> approx
     self._linked_params = collections.OrderedDict()  # same key -> params
     self._defaults = dict(_DEFAULT_APPROXIMATIONS)
@@ -174,8 +218,9 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
 
   @property
   def fisher_blocks(self):
-    """Blocks keyed by the hashable key of their parameters."""
-    return collections.OrderedDict(self._blocks)
+    """Blocks keyed by their parameters (a BlocksByParams view: look a
+    block up by its variable, or its tuple / list of variables)."""
+    return BlocksByParams(self._blocks, self._block_params)
 
   def get_factors(self):
     return list(self._factors.values())
@@ -196,16 +241,15 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
 
   @property
   def losses(self):
-    return [loss for towers in self._loss_dict.values() for loss, _ in towers]
+    return [loss for towers in self._loss_dict.values() for loss in towers]
 
   @property
   def towers_by_loss(self):
-    return [tuple(loss for loss, _ in towers)
-            for towers in self._loss_dict.values()]
+    return [tuple(towers) for towers in self._loss_dict.values()]
 
   def losses_with_coeffs(self):
-    return [(loss, coeff) for towers in self._loss_dict.values()
-            for loss, coeff in towers]
+    return [(loss, self.loss_coeffs[loss])
+            for towers in self._loss_dict.values() for loss in towers]
 
   @property
   def loss_names(self):
@@ -457,7 +501,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     return self._finalized
 
   # ------------------------------------------------------------ losses
-  def _register_loss(self, loss, base_name, name, coeff, reuse):
+  def _register_loss(self, loss, base_name, name, coeff, reuse,
+                     colocation=None):
     self._check_not_finalized()
     if name is None:
       name = self._unique(base_name, set(self._loss_dict))
@@ -466,9 +511,11 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
         raise ValueError(
             "A loss named %r is already registered. Pass reuse=True to add "
             "a tower to it, or use another name." % name)
-      self._loss_dict[name].append((loss, coeff))
+      self._loss_dict[name].append(loss)
     else:
-      self._loss_dict[name] = [(loss, coeff)]
+      self._loss_dict[name] = [loss]
+    self.loss_coeffs[loss] = coeff
+    self.loss_colocation_ops[loss] = colocation
     return loss
 
   @staticmethod
@@ -481,6 +528,13 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       reuse=VARIABLE_SCOPE):
     """Categorical over the last axis of `logits`. `targets` are integer
     labels, or one-hot rows (same shape as logits)."""
+    return self._register_categorical(
+        logits, seed, targets, name, coeff, reuse,
+        "categorical_predictive_distribution")
+
+  # The base names of unnamed losses are kfac 0.2.x's, per method.
+  def _register_categorical(self, logits, seed, targets, name, coeff, reuse,
+                            base_name):
     self._check_coeff(coeff)
     onehot = targets is not None and targets.shape.rank == logits.shape.rank
     if targets is not None:
@@ -496,29 +550,32 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                                                            seed)
     else:
       loss = lf.CategoricalLogitsNegativeLogProbLoss(logits, targets, seed)
-    return self._register_loss(loss, "categorical_predictive_distribution",
-                               name, coeff, reuse)
+    return self._register_loss(loss, base_name, name, coeff, reuse, logits)
 
   def register_softmax_cross_entropy_loss(self, logits, seed=None,
                                           targets=None, name=None, coeff=1.0,
                                           reuse=VARIABLE_SCOPE):
     """Softmax cross-entropy: the categorical predictive distribution."""
-    return self.register_categorical_predictive_distribution(
-        logits, seed=seed, targets=targets, name=name, coeff=coeff,
-        reuse=reuse)
+    return self._register_categorical(logits, seed, targets, name, coeff,
+                                      reuse,
+                                      "sparse_softmax_cross_entropy_loss")
 
   def register_normal_predictive_distribution(self, mean, var=0.5, seed=None,
                                               targets=None, name=None,
                                               coeff=1.0,
                                               reuse=VARIABLE_SCOPE):
     """Gaussian with mean `mean` and fixed variance `var`."""
+    return self._register_normal(mean, var, seed, targets, name, coeff,
+                                 reuse, "normal_predictive_distribution")
+
+  def _register_normal(self, mean, var, seed, targets, name, coeff, reuse,
+                       base_name):
     self._check_coeff(coeff)
     if utils.is_python_number(var) and var <= 0:
       raise ValueError("var must be positive, got %s." % var)
     self._check_targets_like(targets, mean)
     loss = lf.NormalMeanNegativeLogProbLoss(mean, var, targets, seed)
-    return self._register_loss(loss, "normal_predictive_distribution", name,
-                               coeff, reuse)
+    return self._register_loss(loss, base_name, name, coeff, reuse, mean)
 
   def register_squared_error_loss(self, prediction, seed=None, targets=None,
                                   name=None, coeff=1.0,
@@ -526,27 +583,30 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     """||t - y||^2 summed over outputs (a Gaussian with variance 0.5, whose
     Fisher 2 I is the Hessian of the squared error). If your loss is
     0.5 ||t - y||^2, pass coeff=0.5."""
-    return self.register_normal_predictive_distribution(
-        prediction, var=0.5, seed=seed, targets=targets, name=name,
-        coeff=coeff, reuse=reuse)
+    return self._register_normal(prediction, 0.5, seed, targets, name, coeff,
+                                 reuse, "squared_error_loss")
 
   def register_multi_bernoulli_predictive_distribution(
       self, logits, seed=None, targets=None, name=None, coeff=1.0,
       reuse=VARIABLE_SCOPE):
     """Independent Bernoullis with `logits` (targets in [0, 1])."""
+    return self._register_bernoulli(
+        logits, seed, targets, name, coeff, reuse,
+        "multi_bernoulli_predictive_distribution")
+
+  def _register_bernoulli(self, logits, seed, targets, name, coeff, reuse,
+                          base_name):
     self._check_coeff(coeff)
     self._check_targets_like(targets, logits)
     loss = lf.MultiBernoulliNegativeLogProbLoss(logits, targets, seed)
-    return self._register_loss(loss, "multi_bernoulli_predictive_distribution",
-                               name, coeff, reuse)
+    return self._register_loss(loss, base_name, name, coeff, reuse, logits)
 
   def register_sigmoid_cross_entropy_loss(self, logits, seed=None,
                                           targets=None, name=None, coeff=1.0,
                                           reuse=VARIABLE_SCOPE):
     """Sigmoid cross-entropy: the multi-Bernoulli predictive distribution."""
-    return self.register_multi_bernoulli_predictive_distribution(
-        logits, seed=seed, targets=targets, name=name, coeff=coeff,
-        reuse=reuse)
+    return self._register_bernoulli(logits, seed, targets, name, coeff, reuse,
+                                    "sigmoid_cross_entropy_loss")
 
   def register_normal_mean_variance_predictive_distribution(
       self, mean, variance, seed=None, targets=None, name=None, coeff=1.0,
@@ -557,7 +617,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     loss = lf.NormalMeanVarianceNegativeLogProbLoss(mean, variance, targets,
                                                     seed)
     return self._register_loss(loss, "normal_mean_variance", name, coeff,
-                               reuse)
+                               reuse, mean)
 
   @staticmethod
   def _check_targets_like(targets, prediction):

@@ -33,6 +33,8 @@ class _ScaleShiftBlock(InputsOutputsTowersMixin, FisherBlock):
   def has_shift(self):
     return self._shift_shape is not None
 
+  _has_shift = has_shift  # kfac 0.2.x's name
+
   def _make_scale_shift_factor(self, cls, grads_list, weights, role):
     weights = None if weights is None else tuple(weights)
     return self._make_factor(
