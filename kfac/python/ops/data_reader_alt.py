@@ -39,9 +39,10 @@ __all__ = ["VariableBatchReader", "CachedDataReader"]
 
 
 def _max_batch_size_arg(max_batch_size, num_examples, owner):
-  if (max_batch_size is None) == (num_examples is None):
+  if max_batch_size is not None and num_examples is not None:
     raise TypeError("%s: pass max_batch_size (or num_examples, its old "
                     "name) once." % owner)
+  # Neither: None, which the max_batch_size check rejects.
   return num_examples if max_batch_size is None else max_batch_size
 
 
