@@ -185,6 +185,12 @@ def make_graph_class(tf_keras):
       return self._layer_collection
 
     @property
+    def loss_tensor(self):
+      """The loss given as loss_tensor= (or to minimize, with
+      adapt_damping), None otherwise."""
+      return self._kfac_kwargs.get("loss")
+
+    @property
     def mutable_hyperparameters(self):
       """Names of the hyperparameters that can be set after creation."""
       return set(self._mutable_hypers)
@@ -235,6 +241,10 @@ def make_graph_class(tf_keras):
       if self._layer_collection is None:
         self.register_layers(self._model, self._loss)
       kwargs = dict(self._kfac_kwargs)
+      if not (kwargs.get("adapt_damping") or kwargs.get("calibrate_damping")):
+        # loss_tensor is the damping rule's loss: unused (and refused by the
+        # core optimizer) without it; kept readable as opt.loss_tensor.
+        kwargs.pop("loss", None)
       if kwargs.get("adapt_damping"):
         if "train_batch" not in kwargs:
           raise ValueError(

@@ -36,6 +36,14 @@ Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.3).astype(
 STEPS = 4
 
 
+def _graph():
+  """A TF1 graph with a fixed seed (the layers' initial weights)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.set_random_seed(0)
+  return graph.as_default()
+
+
 def _legacy_kfac(**kwargs):
   return optimizers.kfac_class(legacy=True)(**kwargs)
 
@@ -57,7 +65,7 @@ def _register(layer):
 
 
 def test_graph_mode_class_is_a_legacy_keras_optimizer():
-  with tf.Graph().as_default():
+  with _graph():
     opt = _legacy_kfac(learning_rate=0.1, damping=0.01)
     assert isinstance(opt, tf_keras.optimizers.legacy.Optimizer)
     assert type(opt).__name__ == "Kfac"
@@ -68,7 +76,7 @@ def test_graph_mode_class_is_a_legacy_keras_optimizer():
 
 
 def test_graph_fit_equals_core_optimizer_steps():
-  with tf.Graph().as_default():
+  with _graph():
     model = _dense_model()
     layer = model.layers[0]
     opt = _legacy_kfac(learning_rate=0.2, damping=0.05,
@@ -111,7 +119,7 @@ def test_graph_fit_equals_core_optimizer_steps():
 
 
 def test_graph_custom_session_loop_minimize_loss_tensor():
-  with tf.Graph().as_default():
+  with _graph():
     model = _dense_model()
     layer = model.layers[0]
     x_in = tf.constant(X)
@@ -130,7 +138,7 @@ def test_graph_custom_session_loop_minimize_loss_tensor():
 
 
 def test_graph_hyperparameters():
-  with tf.Graph().as_default():
+  with _graph():
     opt = _legacy_kfac(learning_rate=0.1, damping=0.01)
     assert opt.mutable_hyperparameters == {
         "learning_rate", "damping", "momentum", "weight_decay_coeff"}
@@ -161,7 +169,7 @@ def test_graph_hyperparameters():
 
 
 def test_graph_argument_errors():
-  with tf.Graph().as_default():
+  with _graph():
     with pytest.raises(ValueError, match="Do not pass positional"):
       optimizers.kfac_class(legacy=True)(0.1, 0.1)
     with pytest.raises(ValueError, match="damping"):
@@ -191,7 +199,7 @@ def test_graph_argument_errors():
 
 
 def test_graph_name_config_and_loss_tensor():
-  with tf.Graph().as_default():
+  with _graph():
     model = _dense_model()
     opt = _legacy_kfac(learning_rate=0.1, damping=0.01, momentum=0.8,
                        invert_every=3, fisher_approx={
@@ -206,12 +214,18 @@ def test_graph_name_config_and_loss_tensor():
     copy = type(opt).from_config(config)
     assert copy.get_config() == config
     loss_tensor = tf.constant(2.0)
+    plain = _legacy_kfac(learning_rate=0.1, damping=0.01,
+                         loss_tensor=loss_tensor,
+                         layer_collection=_register(model.layers[0]))
+    assert plain.loss_tensor is loss_tensor
+    assert plain.optimizer._loss is None  # only the damping rule uses it
     adapt = _legacy_kfac(learning_rate=0.1, damping=0.01, adapt_damping=True,
                          loss_tensor=loss_tensor,
                          layer_collection=_register(model.layers[0]),
                          train_batch=(tf.constant(X), tf.constant(Y)),
                          loss_fn=lambda batch: loss_tensor)
     assert adapt.optimizer._loss is loss_tensor
+    assert adapt.loss_tensor is loss_tensor
     with pytest.raises(ValueError, match="after the variables are created"):
       adapt.name = "other"
 
@@ -220,7 +234,7 @@ def test_graph_name_config_and_loss_tensor():
                                     dict(adapt_damping=True,
                                          learning_rate=0.1)])
 def test_graph_adaptive_fit_adapts_the_damping(kwargs):
-  with tf.Graph().as_default():
+  with _graph():
     model = _dense_model()
     opt = _legacy_kfac(damping=1.0, model=model, loss="mse",
                        layer_collection=_register(model.layers[0]),
@@ -236,7 +250,7 @@ def test_graph_adaptive_fit_adapts_the_damping(kwargs):
 
 
 def test_graph_callback_schedules_damping_in_fit():
-  with tf.Graph().as_default():
+  with _graph():
     model = _dense_model()
     opt = _legacy_kfac(learning_rate=0.05, damping=0.1,
                        layer_collection=_register(model.layers[0]))
@@ -333,6 +347,6 @@ def test_tf2_old_names_and_errors(legacy):
 
 
 def test_keras3_in_a_tf1_graph_names_tf_keras():
-  with tf.Graph().as_default():
+  with _graph():
     with pytest.raises(RuntimeError, match="TF_USE_LEGACY_KERAS=1"):
       optimizers.kfac_class(legacy=False)(learning_rate=0.1, damping=0.01)
