@@ -12,12 +12,23 @@ object, or a list / dict of them) into its JSON-able form (names for the
 built-in loss functions, Keras configs for loss objects).
 """
 
+import importlib
+
 import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
 
 
-def _losses_module():
+def _losses_module(obj=None):
+  """The `losses` module of the Keras flavour `obj` (a model, a loss) comes
+  from, else of the active flavour."""
+  module = getattr(type(obj), "__module__", "") or ""
+  if obj is not None and not isinstance(obj, (str, dict)):
+    if callable(obj) and not hasattr(obj, "get_config"):
+      module = getattr(obj, "__module__", "") or ""
+    root = module.split(".")[0]
+    if root in ("tf_keras", "keras"):
+      return importlib.import_module(root).losses
   return keras_flavor.keras_module().losses
 
 
@@ -29,11 +40,11 @@ def _serialize_one(loss):
     name = getattr(loss, "__name__", None)
     if name is not None:
       try:
-        if _losses_module().get(name) is not None:
+        if _losses_module(loss).get(name) is not None:
           return name
       except (ValueError, TypeError):
         pass
-  return _losses_module().serialize(loss)
+  return _losses_module(loss).serialize(loss)
 
 
 def serialize_loss(loss):
@@ -48,9 +59,9 @@ def serialize_loss(loss):
   return _serialize_one(loss)
 
 
-def _deserialize_one(loss):
+def _deserialize_one(loss, model):
   if isinstance(loss, (str, dict)):
-    return _losses_module().get(loss)
+    return _losses_module(model).get(loss)
   if not callable(loss):
     raise ValueError("A loss must be a Keras loss name, function or object, "
                      "got %r." % (loss,))
@@ -91,9 +102,9 @@ def get_loss_fn(model, loss, training=None, loss_weights=None,
   if isinstance(loss, dict) and not _is_config(loss):
     loss = [loss[n] for n in _output_names(model)]
   if isinstance(loss, (list, tuple)):
-    loss = [_deserialize_one(l) for l in loss]
+    loss = [_deserialize_one(l, model) for l in loss]
   else:
-    loss = _deserialize_one(loss)
+    loss = _deserialize_one(loss, model)
   if isinstance(loss_weights, dict):
     loss_weights = [loss_weights.get(n, 1.0) for n in _output_names(model)]
 
