@@ -46,7 +46,12 @@ def load_model(filepath, custom_objects=None, compile=True,  # pylint: disable=r
   objects = {"Kfac": optimizers.Kfac, "kfac>Kfac": optimizers.Kfac}
   objects.update(custom_objects or {})
   if keras_flavor.v1_graph_mode() and compile:
-    return _load_hdf5_graph_mode(keras, filepath, objects, optimizer_name)
+    # Only tf_keras builds models in a TF1 graph.
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    legacy_kfac = optimizers.kfac_class(legacy=True)
+    objects = {"Kfac": legacy_kfac, "kfac>Kfac": legacy_kfac}
+    objects.update(custom_objects or {})
+    return _load_hdf5_graph_mode(tf_keras, filepath, objects, optimizer_name)
   model = keras.saving.load_model(filepath, custom_objects=objects,
                                   compile=compile, **kwargs)
   optimizer = getattr(model, "optimizer", None)

@@ -350,3 +350,59 @@ def test_keras3_in_a_tf1_graph_names_tf_keras():
   with _graph():
     with pytest.raises(RuntimeError, match="TF_USE_LEGACY_KERAS=1"):
       optimizers.kfac_class(legacy=False)(learning_rate=0.1, damping=0.01)
+
+
+# -- TF1 graph mode with model= (registration from the layers' graph nodes) ---
+
+
+def _mlp():
+  return tf_keras.Sequential([
+      tf_keras.layers.Dense(8, input_shape=(3,), activation="tanh"),
+      tf_keras.layers.Dense(1)])
+
+
+def test_graph_model_fit_and_session_loop():
+  with _graph():
+    model = _mlp()
+    opt = _legacy_kfac(learning_rate=0.2, damping=0.05, model=model,
+                       loss="mse", seed=1)
+    model.compile(opt, "mse")
+    history = model.fit(X, Y, batch_size=len(X), epochs=STEPS, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    registered = {v.ref() for v in opt.layers.registered_variables}
+    assert registered == {v.ref() for v in model.trainable_weights}
+  with _graph():
+    # kfac 0.2.x's custom loop: the optimizer made before the model is
+    # called on the data tensors, then minimize(loss_tensor), no tape.
+    model = _mlp()
+    opt = _legacy_kfac(learning_rate=0.2, damping=0.05, model=model,
+                       loss="mse", seed=1)
+    pred = model(tf_keras.Input(tensor=tf.constant(X)))
+    loss = tf.reduce_mean(tf.square(pred - Y))
+    train_op = opt.minimize(loss, var_list=model.trainable_weights)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      losses = [sess.run([train_op, loss])[1] for _ in range(STEPS)]
+    assert losses[-1] < losses[0]
+
+
+def test_graph_hdf5_save_and_load_continue_alike(tmp_path):
+  pytest.importorskip("h5py")
+  from kfac.python.keras import saving_utils  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / "model.h5")
+  with _graph():
+    model = _mlp()
+    opt = _legacy_kfac(learning_rate=0.1, damping=0.05, model=model,
+                       loss="mse", estimation_mode="exact", invert_every=1)
+    model.compile(opt, "mse")
+    model.fit(X, Y, batch_size=len(X), epochs=2, verbose=0)
+    model.save(path)
+    loaded = saving_utils.load_model(path, optimizer_name="new")
+    assert isinstance(loaded.optimizer, optimizers.kfac_class(legacy=True))
+    assert loaded.optimizer.name == "new"
+    for a, b in zip(opt.get_weights(), loaded.optimizer.get_weights()):
+      np.testing.assert_allclose(a, b)
+    model.train_on_batch(X, Y)
+    loaded.train_on_batch(X, Y)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
