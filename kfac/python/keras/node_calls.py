@@ -165,9 +165,8 @@ def output_tensors(model, loss_names):
       if len(names) != 1:
         raise RegistrationError(
             "Nested models with multiple outputs are unsupported.")
-      layer = layer.layers[-1] if names[0] not in {
-          l.name for l in layer.layers} else [
-              l for l in layer.layers if l.name == names[0]][0]
+      inner = {l.name: l for l in layer.layers}
+      layer = inner.get(names[0], layer.layers[-1])
     tensor = node_outputs(layer)
     if isinstance(tensor, (list, tuple)) and len(tensor) == 1:
       tensor = tensor[0]
