@@ -48,8 +48,15 @@ def _legacy_kfac(**kwargs):
   return optimizers.kfac_class(legacy=True)(**kwargs)
 
 
+def _init(shape, seed):
+  """A constant initializer of fixed random values (no seed dependence)."""
+  values = np.random.RandomState(seed).uniform(-0.5, 0.5, shape)
+  return tf_keras.initializers.Constant(values.tolist())
+
+
 def _dense_model():
-  return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(3,))])
+  return tf_keras.Sequential([tf_keras.layers.Dense(
+      1, input_shape=(3,), kernel_initializer=_init((3, 1), 1))])
 
 
 def _register(layer):
@@ -372,8 +379,9 @@ def test_keras3_in_a_tf1_graph_names_tf_keras():
 
 def _mlp():
   return tf_keras.Sequential([
-      tf_keras.layers.Dense(8, input_shape=(3,), activation="tanh"),
-      tf_keras.layers.Dense(1)])
+      tf_keras.layers.Dense(8, input_shape=(3,), activation="tanh",
+                            kernel_initializer=_init((3, 8), 2)),
+      tf_keras.layers.Dense(1, kernel_initializer=_init((8, 1), 3))])
 
 
 def test_graph_model_fit_and_session_loop():
@@ -390,7 +398,7 @@ def test_graph_model_fit_and_session_loop():
     # kfac 0.2.x's custom loop: the optimizer made before the model is
     # called on the data tensors, then minimize(loss_tensor), no tape.
     model = _mlp()
-    opt = _legacy_kfac(learning_rate=0.2, damping=0.05, model=model,
+    opt = _legacy_kfac(learning_rate=0.1, damping=0.05, model=model,
                        loss="mse", seed=1)
     pred = model(tf_keras.Input(tensor=tf.constant(X)))
     loss = tf.reduce_mean(tf.square(pred - Y))
