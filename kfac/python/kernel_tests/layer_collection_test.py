@@ -490,18 +490,27 @@ def test_make_or_get_factor(graph):
 
 # ----------------------------------------------------- auto_register_layers
 def test_auto_register_layers(graph):
+  """auto_register_layers searches the graph (graph_search_test.py covers
+  the patterns): the manually registered layer is left alone, variables no
+  layer uses fall back to generic blocks with a warning (which needs
+  batch_size), and var_list defaults to the graph's trainable variables."""
   lc = kfac.LayerCollection()
   params, x, y = _layer("manual")
   dense = lc.register_fully_connected(params, x, y)
   extra1, extra2 = _var("auto_one", 3), _var("auto_two", 2, 2)
   all_vars = list(params) + [extra1, extra2]
+  with pytest.raises(ValueError, match="No registered losses"):
+    lc.auto_register_layers(all_vars, batch_size=N)
+  lc.register_squared_error_loss(y)
   with pytest.raises(ValueError,
-                     match=r"needs batch_size to register auto_one, auto_two"):
+                     match=r"register auto_one as generic without knowledge "
+                     r"of batch_size"):
     lc.auto_register_layers(all_vars)
-  with pytest.raises(ValueError, match="needs var_list"):
-    lc.auto_register_layers(batch_size=N)
+  with pytest.raises(ValueError, match="auto_one as generic"):
+    lc.auto_register_layers()  # the graph's trainable variables
   assert len(lc.get_blocks()) == 1
-  lc.auto_register_layers(all_vars, batch_size=N)
+  with pytest.warns(UserWarning, match="registering auto_one as generic"):
+    lc.auto_register_layers(all_vars, batch_size=N)
   blocks = lc.get_blocks()
   assert blocks[0] is dense
   assert [type(b) for b in blocks[1:]] == [fb.NaiveDiagonalFB] * 2

@@ -32,3 +32,7 @@ from kfac.python.ops.compat_utils.legacy_constants import (
 
 NORMALIZE_DAMPING_POWER = 1.0
 PI_TYPE = PI_TRACENORM_NAME
+
+# kfac 0.2.x's full generic block base class; its only full block is
+# NaiveFullFB (isinstance(block, FullFB) holds for generic "full" blocks).
+FullFB = NaiveFullFB

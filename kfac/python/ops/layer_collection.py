@@ -471,19 +471,32 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       raise ValueError("Variables " + "; ".join(problems) + ".")
 
   def auto_register_layers(self, var_list=None, batch_size=None):
-    """Registers every variable of `var_list` that is not registered yet as
-    a generic layer (with the default generic approximation). Pattern
-    matching of dense/conv layers in the graph is not done by this version.
+    """Registers the layers not registered yet by searching the graph.
+
+    Call it after registering the losses and any layers you want to
+    register yourself. Graph search (kfac.python.ops.tensormatch.
+    graph_search) finds the dense, convolution, embedding, scale-and-shift
+    and batch-norm layers that use the variables, multi-use (RNN, tied)
+    and folded layers, and towers; it registers them with the default
+    approximations (or those given by define_linked_parameters). Variables
+    it cannot place are registered with register_generic, with a warning.
+    In a TF2 program call it inside the traced step, on the collection
+    built in that trace.
+
+    Args:
+      var_list: the variables to register (default: the trainable
+        variables of the TF1 graph, or inside a tf.function the trainable
+        variables the trace has read).
+      batch_size: the batch size per tower / replica; needed for generic
+        registrations and to detect uses folded into the batch dimension.
+
+    Returns:
+      A mapping (by params) of the blocks registered by this call.
     """
+    from kfac.python.ops.tensormatch import graph_search  # pylint: disable=g-import-not-at-top
     if var_list is None:
-      raise ValueError("auto_register_layers needs var_list.")
-    todo = [v for v in var_list if v.ref() not in self._var_owner]
-    if todo and batch_size is None:
-      raise ValueError("auto_register_layers needs batch_size to register "
-                       "%s generically." % ", ".join(
-                           utils.variable_name(v) for v in todo))
-    for v in todo:
-      self.register_generic(v, batch_size)
+      var_list = graph_search.default_variables(self)
+    return graph_search.register_layers(self, var_list, batch_size=batch_size)
 
   def finalize(self):
     if not self._loss_dict:

@@ -146,8 +146,9 @@ def _normalize_uses(names, inputs, outputs, num_uses):
         raise ValueError(
             "Layer %s: num_uses=%d but %d uses were given as lists." %
             (names, num_uses, len(inputs)))
-    batches = set(int(x.shape[0]) for x in inputs + outputs
-                  if x.shape.rank and x.shape[0] is not None)
+    batches = set(tf.compat.dimension_value(x.shape[0])
+                  for x in inputs + outputs if x.shape.rank)
+    batches.discard(None)
     if len(batches) > 1:
       raise ValueError("The uses of layer %s have different batch sizes %s." %
                        (names, sorted(batches)))
