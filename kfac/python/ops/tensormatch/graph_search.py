@@ -487,6 +487,12 @@ def _register_one(lc, params, record_list, reuse, batch_size):
   first = record_list[0]
   data = first.data
   name = _records.describe(params)
+  num_uses = None  # of a single record that folds its uses into the batch
+  if len(record_list) == 1 and kind is RecordType.fully_connected:
+    num_uses = _folded_uses(params, first, batch_size,
+                            2 if data["dense_inputs"] else 1)
+  elif len(record_list) == 1 and kind is RecordType.conv2d:
+    num_uses = _folded_uses(params, first, batch_size, 4)
   try:
     if kind is RecordType.fully_connected:
       dense = data["dense_inputs"]
@@ -496,7 +502,6 @@ def _register_one(lc, params, record_list, reuse, batch_size):
         lc.register_fully_connected_multi(params, inputs, outputs,
                                           dense_inputs=dense, reuse=reuse)
         return True
-      num_uses = _folded_uses(params, first, batch_size, 2 if dense else 1)
       if num_uses is not None:
         lc.register_fully_connected_multi(
             params, data["inputs"], data["outputs"], num_uses=num_uses,
@@ -516,7 +521,6 @@ def _register_one(lc, params, record_list, reuse, batch_size):
         lc.register_conv2d_multi(params, data["strides"], data["padding"],
                                  list(inputs), list(outputs), **conv)
         return True
-      num_uses = _folded_uses(params, first, batch_size, 4)
       if num_uses is not None:
         lc.register_conv2d_multi(params, data["strides"], data["padding"],
                                  data["inputs"], data["outputs"],
