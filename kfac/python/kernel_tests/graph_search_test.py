@@ -190,6 +190,32 @@ def test_convolutions_equal_manual_registration(world):
       ("FullyConnectedKFACBasicFB", ("v5",))])
 
 
+def _dilated(vs, lc, auto):
+  """Dilated convolutions, which TensorFlow computes through
+  SpaceToBatchND / BatchToSpaceND, with a reshaped bias (as Keras 3
+  adds it)."""
+  f2, b2, f1 = vs
+  x = tf.constant(_rand(15, N, 7, 7, 2, scale=1.0))
+  c = tf.nn.convolution(x, f2, padding="SAME", dilations=2) + tf.reshape(
+      b2, [1, 1, 1, 3])
+  h = tf.reshape(tf.tanh(c), [N, 49, 3])
+  c1 = tf.nn.convolution(h, f1, padding="VALID", dilations=3)
+  logits = tf.reduce_mean(c1, axis=1)
+  if not auto:
+    lc.register_conv2d((f2, b2), 1, "SAME", x, c, dilations=2)
+    lc.register_conv1d(f1, 1, "VALID", h, c1, dilations=3)
+  return _ce(lc, logits, _labels(16, N, 2))
+
+
+DILATED_INITS = [_rand(17, 3, 3, 2, 3), _rand(18, 3), _rand(19, 3, 3, 2)]
+
+
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
+def test_dilated_convolutions_equal_manual_registration(world):
+  _assert_same_training(world, DILATED_INITS, _dilated, expected=[
+      ("ConvKFCBasicFB", ("v0", "v1")), ("ConvKFCBasicFB", ("v2",))])
+
+
 T = 3  # RNN steps
 
 

@@ -11,8 +11,9 @@ The layer patterns bind these names (defaults shown):
 * `Affine`: 'in' (the layer input), 'weights', 'biases' (optional),
   'linear_op' (the MatMul / BatchMatMul / Conv2D / Conv3D /
   DepthwiseConv2dNative op; for a 1-d convolution, the Conv2D between
-  tf.nn.conv1d's ExpandDims and Squeeze) and 'pre_activations' (the
-  output).
+  tf.nn.conv1d's ExpandDims and Squeeze), 'block_shape' (the dilation of
+  a convolution that TensorFlow dilates by SpaceToBatchND /
+  BatchToSpaceND) and 'pre_activations' (the output).
 * `Embed`: 'in' (the ids), 'weights' (the table), 'linear_op' (the Gather,
   GatherV2 or ResourceGather op), 'axis' (GatherV2's axis) and
   'pre_activations'.
@@ -80,6 +81,22 @@ _ADD_OPS = ("Add", "AddV2", "BiasAdd")
 
 
 # ------------------------------------------------------ layer patterns
+def _reshaped(inner):
+  """`inner` through one shape-only op (Reshape, ExpandDims, Squeeze)."""
+  return _value_of(("?:choice",
+                    (_op("Reshape"), ("In", inner, Tensor())),
+                    (_op("ExpandDims"), ("In", inner, Tensor())),
+                    (_op("Squeeze"), ("In", inner))))
+
+
+def _variable_maybe_reshaped(name):
+  """A variable, possibly through up to two shape-only ops (Keras 3
+  reshapes a convolution's bias to broadcast it, then squeezes it for
+  BiasAdd)."""
+  var = Variable(name)
+  return ("?:choice", var, _reshaped(var), _reshaped(_reshaped(var)))
+
+
 def Affine(in_pattern=Tensor("in"),
            linear_op_name="linear_op",
            weights_name="weights",
@@ -87,18 +104,28 @@ def Affine(in_pattern=Tensor("in"),
            output_name="pre_activations"):
   """inputs (x) weights (+ biases): a dense layer (MatMul / BatchMatMul), a
   convolution (Conv2D, Conv3D, DepthwiseConv2dNative, or tf.nn.conv1d's
-  ExpandDims -> Conv2D -> Squeeze) with an optional bias add."""
-  direct = (_ops(("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
-                  "Conv3D", "DepthwiseConv2dNative"), linear_op_name),
-            ("In", in_pattern, Variable(weights_name)))
-  conv1d = (_op("Squeeze"), ("In", _value_of(
-      (_op("Conv2D", linear_op_name),
-       ("In", _value_of((_op("ExpandDims"), ("In", in_pattern, Tensor()))),
-        _value_of((_op("ExpandDims"),
-                   ("In", Variable(weights_name), Tensor()))))))))
-  linear = ("?:choice", direct, conv1d)
+  ExpandDims -> Conv2D -> Squeeze), possibly dilated through
+  SpaceToBatchND -> conv -> BatchToSpaceND (binding 'block_shape'), with an
+  optional bias add."""
+
+  def core(inputs):
+    direct = (_ops(("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
+                    "Conv3D", "DepthwiseConv2dNative"), linear_op_name),
+              ("In", inputs, Variable(weights_name)))
+    conv1d = (_op("Squeeze"), ("In", _value_of(
+        (_op("Conv2D", linear_op_name),
+         ("In", _value_of((_op("ExpandDims"), ("In", inputs, Tensor()))),
+          _value_of((_op("ExpandDims"),
+                     ("In", Variable(weights_name), Tensor()))))))))
+    return ("?:choice", direct, conv1d)
+
+  to_batch = _value_of((_op("SpaceToBatchND"),
+                        ("In", in_pattern, Tensor("block_shape"), Tensor())))
+  dilated = (_op("BatchToSpaceND"),
+             ("In", _value_of(core(to_batch)), Tensor(), Tensor()))
+  linear = ("?:choice", core(in_pattern), dilated)
   with_bias = _either_order(_ops(_ADD_OPS), _value_of(linear),
-                            Variable(biases_name))
+                            _variable_maybe_reshaped(biases_name))
   return (Tensor(output_name), ("In", ("?:choice", with_bias, linear)))
 
 

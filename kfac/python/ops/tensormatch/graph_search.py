@@ -78,7 +78,8 @@ class GraphSearchWarning(UserWarning):
 _SEARCHES = (
     (gp.Affine, _records.record_affine_from_bindings,
      ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
-      "DepthwiseConv2dNative", "Squeeze", "Add", "AddV2", "BiasAdd")),
+      "DepthwiseConv2dNative", "Squeeze", "BatchToSpaceND", "Add", "AddV2",
+      "BiasAdd")),
     (gp.ScaleAndShift, _records.record_scale_and_shift_from_bindings,
      ("Mul", "Add", "AddV2", "BiasAdd")),
     (gp.BatchNorm, _records.record_batch_norm_from_bindings,

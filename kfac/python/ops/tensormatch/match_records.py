@@ -255,34 +255,97 @@ def record_affine_from_bindings(bindings, consumed_tensors,
   elif op_type in ("Conv2D", "DepthwiseConv2dNative", "Conv3D"):
     if not _float_tensor(inputs):
       return None
-    data_format = _attr(linear_op, "data_format")
-    strides = tuple(int(s) for s in _attr(linear_op, "strides"))
-    dilations = tuple(int(d) for d in _attr(linear_op, "dilations",
-                                            (1,) * len(strides)))
-    first = data_format.startswith("NC")
-    spatial = (list(range(2, len(strides))) if first else
-               list(range(1, len(strides) - 1)))
-    if op_type == "Conv2D" and rank == 3:
-      # tf.nn.conv1d: the width axis is the last spatial axis of the 2-D op.
-      axis = spatial[-1]
-      record_type = RecordType.conv1d
-      data.update(strides=strides[axis], dilations=dilations[axis],
-                  padding=_conv_padding(linear_op, [axis]),
-                  data_format="NCW" if first else "NWC")
-    else:
-      expected_rank = {"Conv2D": 4, "DepthwiseConv2dNative": 4,
-                       "Conv3D": 5}[op_type]
-      if rank != expected_rank:
-        return None
-      record_type = {"Conv2D": RecordType.conv2d,
-                     "DepthwiseConv2dNative": RecordType.depthwise_conv2d,
-                     "Conv3D": RecordType.convolution}[op_type]
-      data.update(strides=strides, dilations=dilations,
-                  padding=_conv_padding(linear_op, spatial),
-                  data_format=data_format)
+    record_type = _conv_record_data(linear_op, weights, bindings, data)
+    if record_type is None:
+      return None
   else:
     raise ValueError("Can't register operation: %r" % (linear_op,))
+  if biases is not None and not _bias_fits(biases, weights, record_type):
+    return None  # not a per-output bias; the match without it remains
   return MatchRecord(record_type, params, consumed_tensors, data=data)
+
+
+def _bias_fits(biases, weights, record_type):
+  """A bias of the layer's outputs: shape [outputs]."""
+  dims = weights.shape.as_list()
+  if record_type is RecordType.depthwise_conv2d:
+    outputs = dims[-2] * dims[-1] if None not in dims[-2:] else None
+  else:
+    outputs = dims[-1]
+  return biases.shape.rank == 1 and biases.shape.as_list()[0] == outputs
+
+
+def _conv_record_data(op, weights, bindings, data):
+  """Fills `data` with a convolution's attributes; its RecordType, or None
+  if the convolution cannot be registered."""
+  op_type = op.type
+  rank = weights.shape.rank
+  data_format = _attr(op, "data_format")
+  strides = tuple(int(s) for s in _attr(op, "strides"))
+  dilations = tuple(int(d) for d in _attr(op, "dilations",
+                                          (1,) * len(strides)))
+  first = data_format.startswith("NC")
+  spatial = (list(range(2, len(strides))) if first else
+             list(range(1, len(strides) - 1)))
+  conv1d = op_type == "Conv2D" and rank == 3
+  if conv1d:
+    # tf.nn.conv1d: the width axis is the last spatial axis of the 2-D op.
+    spatial = spatial[-1:]
+  elif rank != {"Conv2D": 4, "DepthwiseConv2dNative": 4, "Conv3D": 5}[op_type]:
+    return None
+  padding = _conv_padding(op, spatial)
+  core_input = graph_util.reduce_identity_ops(op.inputs[0])
+  if conv1d and core_input.op.type == "ExpandDims":
+    core_input = graph_util.reduce_identity_ops(core_input.op.inputs[0])
+  if "block_shape" in bindings:
+    # Dilated by SpaceToBatchND / BatchToSpaceND around a stride-1,
+    # undilated, channels-last convolution.
+    block = tf.get_static_value(bindings["block_shape"])
+    if (block is None or first or any(s != 1 for s in strides) or
+        any(d != 1 for d in dilations)):
+      return None
+    block = [int(b) for b in block]
+    padding = _padding_from_shapes(data["inputs"], data["outputs"], weights,
+                                   block)
+    if padding is None:
+      return None
+    if conv1d:
+      data.update(strides=1, dilations=block[0], padding=padding,
+                  data_format="NWC")
+      return RecordType.conv1d
+    strides = (1,) * len(strides)
+    dilations = (1,) + tuple(block) + (1,)
+  elif core_input.op.type == "SpaceToBatchND":
+    return None  # a dilated convolution whose pattern did not match
+  elif conv1d:
+    axis = spatial[0]
+    data.update(strides=strides[axis], dilations=dilations[axis],
+                padding=padding, data_format="NCW" if first else "NWC")
+    return RecordType.conv1d
+  data.update(strides=strides, dilations=dilations, padding=padding,
+              data_format=data_format)
+  return {"Conv2D": RecordType.conv2d,
+          "DepthwiseConv2dNative": RecordType.depthwise_conv2d,
+          "Conv3D": RecordType.convolution}[op_type]
+
+
+def _padding_from_shapes(inputs, outputs, weights, dilations):
+  """"SAME" or "VALID" from the static spatial sizes of a stride-1
+  channels-last convolution (None if they are unknown or fit neither)."""
+  num_spatial = len(dilations)
+  ins = inputs.shape.as_list()[1:1 + num_spatial]
+  outs = outputs.shape.as_list()[1:1 + num_spatial]
+  kernel = weights.shape.as_list()[:num_spatial]
+  if None in ins or None in outs or len(ins) != num_spatial:
+    return None
+  same = all(o == i for i, o in zip(ins, outs))
+  valid = all(o == i - (k - 1) * d
+              for i, o, k, d in zip(ins, outs, kernel, dilations))
+  if same:
+    return "SAME"
+  if valid:
+    return "VALID"
+  return None
 
 
 def record_scale_and_shift_from_bindings(bindings, consumed_tensors,
