@@ -481,6 +481,32 @@ def test_ambiguity_and_linked_group_errors(world):
       ("NaiveDiagonalFB", ("b0",))]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_transposed_weights_raise_unless_registered_by_hand(world):
+  """A tied decoder x @ W^T: a clear error naming W, unless the user
+  registered W first."""
+  def build(vs):
+    w, b = vs["tied"], vs["dec_b"]
+    x = tf.constant(_rand(130, N, 3))
+    code = tf.matmul(x, w)
+    recon = tf.matmul(tf.tanh(code), w, transpose_b=True) + b
+    lc = kfac.LayerCollection()
+    lc.register_squared_error_loss(recon)
+    with pytest.raises(ValueError, match="transposed .* weights tied"):
+      lc.auto_register_layers([w, b], batch_size=N)
+    lc = kfac.LayerCollection()
+    lc.register_squared_error_loss(recon)
+    lc.register_fully_connected_multi(w, [x], [code])  # the user's choice
+    with pytest.warns(gs.GraphSearchWarning, match="dec_b as generic"):
+      lc.auto_register_layers([w, b], batch_size=N)
+    return _summary(lc)
+
+  assert _in_world(world, {"tied": (_rand(131, 3, 4), True),
+                           "dec_b": (_rand(132, 3), True)}, build) == [
+                               ("FullyConnectedMultiIndepFB", ("tied",)),
+                               ("NaiveDiagonalFB", ("dec_b",))]
+
+
 def test_errors_outside_a_graph_and_without_losses():
   w = tf.Variable(_rand(110, 3, 2))
   lc = kfac.LayerCollection()

@@ -54,7 +54,8 @@ from kfac.python.ops.tensormatch import tensorflow_graph_util as graph_util
 # The records are part of this module's public interface (kfac 0.2.x).
 # pylint: disable=unused-import
 from kfac.python.ops.tensormatch.match_records import (
-    MatchRecord, ParamsDict, RecordType, TensorToVariable, ensure_sequence,
+    MatchRecord, ParamsDict, RecordType, TensorToVariable,
+    UnsupportedLayerError, ensure_sequence,
     record_affine_from_bindings, record_batch_norm_from_bindings,
     record_scale_and_shift_from_bindings)
 from kfac.python.ops.tensormatch import match_records as _records
@@ -195,9 +196,17 @@ def _candidate_tensors(graph, subgraph):
         yield t
 
 
-def find_records(varlist, subgraph, graph):
+def find_records(varlist, subgraph, graph, skip_variables=frozenset()):
   """A ParamsDict params -> [MatchRecord] of every layer pattern match in
-  `subgraph` (of `graph`) whose variables are among `varlist`."""
+  `subgraph` (of `graph`) whose variables are among `varlist`.
+
+  Raises:
+    UnsupportedLayerError: (a ValueError) for a match K-FAC cannot
+      register (e.g. a matmul with transposed weights), unless it uses a
+      variable of `skip_variables` (variables or refs; those the user
+      registered).
+  """
+  skip = _refs(skip_variables)
   lookup = TensorToVariable(varlist, graph)
   found = ParamsDict()
   if not len(lookup):  # pylint: disable=g-explicit-length-test
@@ -210,7 +219,12 @@ def find_records(varlist, subgraph, graph):
       if not result:
         continue
       bindings, consumed = result
-      record = build(bindings, consumed, lookup)
+      try:
+        record = build(bindings, consumed, lookup)
+      except _records.UnsupportedLayerError as e:
+        if _refs(ensure_sequence(e.params)) & skip:
+          continue  # the user registered this layer
+        raise
       if record is None:
         continue
       if record.params not in found:
@@ -247,7 +261,7 @@ def register_subgraph_layers(layer_collection,
   if graph is None:
     graph = _losses_graph(layer_collection)
   user_refs = _refs(user_registered_variables)
-  records = find_records(varlist, subgraph, graph)
+  records = find_records(varlist, subgraph, graph, user_refs)
   records = filter_records(layer_collection, records, user_refs)
   registered = register_records(layer_collection, records, reuse=reuse,
                                 batch_size=batch_size)

@@ -146,6 +146,15 @@ class TensorToVariable(object):
     return len(self._by_key)
 
 
+class UnsupportedLayerError(ValueError):
+  """A match that looks like a layer K-FAC cannot register this way
+  (`params`: its variables)."""
+
+  def __init__(self, message, params):
+    super(UnsupportedLayerError, self).__init__(message)
+    self.params = params
+
+
 def _lookup(tensors_to_variables, bindings, name):
   tensor = bindings.get(name)
   if tensor is None:
@@ -210,12 +219,12 @@ def record_affine_from_bindings(bindings, consumed_tensors,
   outputs = bindings["pre_activations"]
   linear_op = bindings["linear_op"]
   if biases is not None and weights is None:
-    raise ValueError(
+    raise UnsupportedLayerError(
         "Can't register linear layer part with only biases: the bias %s is "
         "added to the output of %s (op %s), whose weights are not among the "
         "variables to register. Pass the weights too, or register the bias "
         "yourself (e.g. register_generic) before auto registration." %
-        (utils.variable_name(biases), linear_op.type, linear_op.name))
+        (utils.variable_name(biases), linear_op.type, linear_op.name), biases)
   if weights is None:
     return None
   params = (weights, biases) if biases is not None else weights
@@ -242,13 +251,13 @@ def record_affine_from_bindings(bindings, consumed_tensors,
                   _attr(linear_op, "transpose_b") or
                   _attr(linear_op, "adj_x") or _attr(linear_op, "adj_y"))
     if transposed:
-      raise ValueError(
+      raise UnsupportedLayerError(
           "K-FAC's graph search does not support fully-connected layers "
           "whose inputs or weights are transposed inside the op (%s %s, "
           "weights %s). Register this layer yourself with the weights as "
           "[in, out] before auto registration, or compute the matmul "
           "without transposition." % (op_type, linear_op.name,
-                                      describe(params)))
+                                      describe(params)), params)
     data["dense_inputs"] = not sparse
     record_type = RecordType.fully_connected
 
@@ -360,11 +369,11 @@ def record_scale_and_shift_from_bindings(bindings, consumed_tensors,
   scale = _lookup(tensors_to_variables, bindings, "scale")
   shift = _lookup(tensors_to_variables, bindings, "shift")
   if shift is not None and scale is None:
-    raise ValueError(
+    raise UnsupportedLayerError(
         "Can't register scale_and_shift with only shift: the shift %s is "
         "added to a product whose scale is not among the variables to "
         "register. Pass the scale too, or register the shift yourself." %
-        utils.variable_name(shift))
+        utils.variable_name(shift), shift)
   if scale is None or not _float_tensor(bindings["in"]):
     return None
   params = (scale, shift) if shift is not None else scale
