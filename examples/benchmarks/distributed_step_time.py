@@ -133,7 +133,7 @@ def _measure(workload_name, strategy, variant):
     stat_elements = collective.packed_size(stats, symmetric)
     grad_elements = sum(int(np.prod(v.shape))
                         for v in workload.flat_variables(plain))
-    inv_elements = sum(int(np.prod(v.shape)) for v in est.get_inv_vars())
+    inv_elements = sum(int(np.prod(v.shape)) for vs in est.get_inv_vars() for v in vs)
   if variant == "lazy":
     stat_elements /= float(INVERT_EVERY)
   sent = stat_elements + grad_elements

@@ -180,7 +180,7 @@ class StepGraph(object):
       options.update(kfac_kwargs or {})
       opt = kfac.KfacOptimizer(layer_collection=lc, **options)
       (_, self.cov_update, _, self.inv_update, _, _) = (
-          opt.make_vars_and_create_op_thunks())
+          opt.make_vars_and_create_ops())
       self.kfac_step = opt.minimize(loss, var_list=var_list)
       self.kfac_step_with_stats = tf.group(self.kfac_step, self.cov_update)
       self.memory = dict(
@@ -223,7 +223,10 @@ class StepGraph(object):
 
 
 def _bytes(variables):
-  return int(sum(v.shape.num_elements() * v.dtype.size for v in variables))
+  # get_cov_vars / get_inv_vars give one list per factor.
+  flat = [v for item in variables
+          for v in (item if isinstance(item, (list, tuple)) else [item])]
+  return int(sum(v.shape.num_elements() * v.dtype.size for v in flat))
 
 
 # ------------------------------------------------------------------ 2

@@ -110,7 +110,7 @@ def test_error_in_a_thread_is_raised_by_stop():
   """An op failing in a thread (a statistic of a NaN input, caught by
   check_numerics) stops the threads; stop_cov_inv_ops raises its error."""
   with tf.Graph().as_default():
-    bad = tf.Variable(np.zeros((32, SIZES[0]), np.float32))
+    bad = tf.Variable(np.zeros((32, SIZES[0]), np.float32), trainable=False)
     x = tf.debugging.check_numerics(bad / bad, "input is NaN")
     lc = kfac.LayerCollection()
     vs, loss = _model(x, lc)

@@ -312,7 +312,7 @@ def test_products_equal_dense_pi_damped_block(world, approx):
                                            targets=tf.constant(labels))
 
   def extra(est, vs):
-    inv_vars = est.get_inv_vars()
+    inv_vars = [v for vs in est.get_inv_vars() for v in vs]
     assert inv_vars and all(isinstance(v, tf.Variable) for v in inv_vars)
     return _product_fetches(est, vs, exps, 10)
 

@@ -180,7 +180,7 @@ def _replicated_errors(inits, x1, m, mode, register_loss, forward, exact,
     est = kfac.estimator.FisherEstimator(
         vs, 0.0, 1e-3, lc, estimation_mode=mode,
         state_store=util.new_store())
-    (_, cov_op, _, _, _, _) = est.make_vars_and_create_op_thunks()
+    (_, cov_op, _, _, _, _) = est.make_vars_and_create_ops()
     blocks = [b.full_fisher_block() for b in est.blocks]
     return [cov_op, blocks] * REPS
 
@@ -313,6 +313,8 @@ def test_empirical_mode_without_targets_names_the_loss():
     lc = kfac.LayerCollection()
     lc.register_categorical_predictive_distribution(
         util.register_mlp(vs, tf.constant(x), lc))
+    est = kfac.estimator.FisherEstimator(vs, 0.9, 0.1, lc,
+                                         estimation_mode="empirical")
+    # Built on first use, as in kfac 0.2.x.
     with pytest.raises(ValueError, match="CategoricalLogits.*targets"):
-      kfac.estimator.FisherEstimator(vs, 0.9, 0.1, lc,
-                                     estimation_mode="empirical")
+      est.make_vars_and_create_op_thunks()

@@ -56,5 +56,5 @@ def estimator_stages(store, lc, variables, mode, damping=1e-2, exps=(-1,),
       variables=variables, cov_ema_decay=decay, damping=damping,
       layer_collection=lc, exps=exps, estimation_mode=mode,
       state_store=store, **kwargs)
-  (_, cov_op, _, inv_op, _, _) = est.make_vars_and_create_op_thunks()
+  (_, cov_op, _, inv_op, _, _) = est.make_vars_and_create_ops()
   return est, [cov_op, inv_op]

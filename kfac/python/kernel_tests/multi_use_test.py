@@ -570,7 +570,7 @@ def test_series_blocks_are_inverse_only():
     vec = (tf.ones((3, 2), tf.float64), tf.ones(2, tf.float64))
     assert block.multiply_inverse(vec)[0].shape == (3, 2)
     # (P, K, mu) per factor are the estimator's inverse variables.
-    assert sorted(v.shape.rank for v in est.get_inv_vars()) == [1, 1, 2, 2,
+    assert sorted(v.shape.rank for vs in est.get_inv_vars() for v in vs) == [1, 1, 2, 2,
                                                                 2, 2]
     for call in (lambda: block.multiply(vec),
                  lambda: block.multiply_matpower(vec, 0.5),

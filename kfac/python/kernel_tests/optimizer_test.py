@@ -148,8 +148,11 @@ def test_weight_decay_and_l2_reg_reproduce_hand_computed_steps(world):
 def test_periodic_schedule_burnin_cov_and_inverse_steps(world):
   """invert_every=3, cov_update_every=2, num_burnin_steps=2, decay 0.5.
 
-  Step t (counter before the step): statistics update when t < 2 or t even;
-  inverses when t >= 2 and (t - 2) % 3 == 0; parameters move when t >= 2.
+  kfac 0.2.x schedule: the explicit decay becomes 0.5**2 = 0.25; calls 0
+  and 1 are burn-in (statistics into an arithmetic mean, each with weight
+  1 - 0.25; counter stays 0, burnin_counter counts them); then at call t
+  the counter c = t - 2: statistics when c is even, inverses when
+  c % 3 == 0, parameters move on every call from t = 2.
   """
   steps = 9
   model = two_param_model
@@ -169,13 +172,14 @@ def test_periodic_schedule_burnin_cov_and_inverse_steps(world):
       opt = opt_fn(lc)
       train_op = opt.minimize(loss, var_list=vs)
       factor = opt.factors[0]
-      inv = opt.get_inv_vars()[0]
+      inv = opt.get_inv_vars()[0][0]
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         states = []
         for _ in range(steps):
           sess.run(train_op)
-          states.append(sess.run([opt.counter, factor._cov_weight, inv, w]))
+          states.append(sess.run([opt.counter, factor._cov_weight, inv, w,
+                                  opt.burnin_counter]))
   else:
     (w,) = vs = [tf.Variable(W0)]
     opt = opt_fn(None)
@@ -190,15 +194,21 @@ def test_periodic_schedule_burnin_cov_and_inverse_steps(world):
       step()
       factor = opt.factors[0]
       states.append([opt.counter.numpy(), factor._cov_weight.numpy(),
-                     opt.get_inv_vars()[0].numpy(), w.numpy()])
+                     opt.get_inv_vars()[0][0].numpy(), w.numpy(),
+                     opt.burnin_counter.numpy()])
 
-  cov_steps = [t for t in range(steps) if t < 2 or t % 2 == 0]
+  decay = 0.5**2
   inv_steps = [t for t in range(steps) if t >= 2 and (t - 2) % 3 == 0]
   prev_inv, prev_w = np.zeros((2, 2)), W0
-  for t, (counter, weight, inv, w_val) in enumerate(states):
-    assert counter == t + 1
-    n_cov = len([s for s in cov_steps if s <= t])
-    np.testing.assert_allclose(weight, 1 - 0.5**n_cov, rtol=1e-12)
+  want_weight = 0.0
+  for t, (counter, weight, inv, w_val, burnin) in enumerate(states):
+    assert counter == max(0, t - 1), t
+    assert burnin == min(t + 1, 2), t
+    if t < 2:
+      want_weight += 1 - decay
+    elif (t - 2) % 2 == 0:
+      want_weight = decay * want_weight + (1 - decay)
+    np.testing.assert_allclose(weight, want_weight, rtol=1e-12)
     assert (np.abs(inv - prev_inv).max() > 0) == (t in inv_steps), t
     assert (np.abs(w_val - prev_w).max() > 0) == (t >= 2), t
     prev_inv, prev_w = inv, w_val
@@ -315,7 +325,7 @@ def test_manual_cov_and_inverse_ops_match_the_periodic_optimizer():
     loss = two_param_model(vs, lc, None)
     global_step = tf.compat.v1.train.get_or_create_global_step()
     opt = kfac.KfacOptimizer(layer_collection=lc, **common)
-    (_, cov_op, _, inv_op, _, _) = opt.make_vars_and_create_op_thunks()
+    (_, cov_op, _, inv_op, _, _) = opt.make_vars_and_create_ops()
     train_op = opt.minimize(loss, var_list=vs, global_step=global_step)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())

@@ -8,14 +8,24 @@ approximate Fisher / GGN, its powers and its Cholesky factors.
 
 Works in any graph: a TF1 `tf.Graph` under a Session, or a `tf.function`
 trace (build a new estimator per trace with the same `state_store`).
+
+As in kfac 0.2.x, the estimator is built lazily: the layer collection is
+finalized, the registration checked and the factors made on first use
+(`create_ops_and_vars_thunks`, `make_vars_and_create_op_thunks`, the
+`multiply*` methods, `factors`, ...), not in the constructor.
+`FisherEstimatorRoundRobin` (the class `make_fisher_estimator` returns by
+default) and `FisherEstimatorReplicaRoundRobin` add the device placement
+strategies of placement.py.
 """
 
+import collections
 import threading
 
 import tensorflow as tf
 
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimation_modes
+from kfac.python.ops import placement
 from kfac.python.ops import state
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
@@ -79,8 +89,11 @@ class FisherEstimator:
       raise ValueError("Batch size needs to be passed in when "
                        "compute_params_stats is True.")
     if callable(variables) and not isinstance(variables, tf.Variable):
-      variables = variables()
-    self._variables = list(variables)
+      self._variables_fn = variables  # resolved on first use
+      self._variables = None
+    else:
+      self._variables_fn = None
+      self._variables = list(variables)
     self._cov_ema_decay = cov_ema_decay
     self._damping = damping
     self._damping_func = damping_lib.as_damping_func(damping)
@@ -97,11 +110,19 @@ class FisherEstimator:
     self._params_stats = None
     self._lazy_statistics_sync = bool(lazy_statistics_sync)
     self._lazy_sync_ops = {}
+    self._finalized = False
 
-    if not layer_collection.is_finalized:
-      layer_collection.finalize()
-    layer_collection.check_registration(self._variables)
+  def _finalize(self):
+    """Finalizes the layer collection, checks the registration against
+    `variables` and makes the factors (once; kfac 0.2.x did this on first
+    use too, so a collection may still be filled after the constructor)."""
+    if self._finalized:
+      return
+    if not self._layers.is_finalized:
+      self._layers.finalize()
+    self._layers.check_registration(self.variables)
     self._setup()
+    self._finalized = True
 
   # ---------------------------------------------------------------- set-up
   def _setup(self):
@@ -114,7 +135,7 @@ class FisherEstimator:
       xs.extend(tensors)
     n_block_xs = len(xs)
     if self._compute_params_stats:
-      xs.extend(self._variables)
+      xs.extend(self.variables)
     grads = estimation_modes.gradients_of_sources(sources, xs)
     weights = [s.weight for s in sources]
     if all(w == 1.0 for w in weights):
@@ -140,7 +161,7 @@ class FisherEstimator:
 
   def _make_params_stats(self, var_grads, weights):
     stats = []
-    for i, var in enumerate(self._variables):
+    for i, var in enumerate(self.variables):
       total = None
       for grads, w in zip(var_grads, weights):
         term = grads[i] * utils.cast(w, grads[i].dtype)
@@ -151,6 +172,8 @@ class FisherEstimator:
   # ---------------------------------------------------------- properties
   @property
   def variables(self):
+    if self._variables is None:
+      self._variables = list(self._variables_fn())
     return self._variables
 
   @property
@@ -163,6 +186,7 @@ class FisherEstimator:
 
   @property
   def factors(self):
+    self._finalize()
     return self._layers.get_factors()
 
   @property
@@ -185,6 +209,7 @@ class FisherEstimator:
   def params_stats(self):
     if not self._compute_params_stats:
       raise ValueError("params_stats needs compute_params_stats=True.")
+    self._finalize()
     return self._params_stats
 
   @property
@@ -197,6 +222,7 @@ class FisherEstimator:
     order of `vecs_and_vars`. `tf.IndexedSlices` vectors reach blocks with
     `supports_indexed_slices = True` unchanged (their results may be
     IndexedSlices too) and are densified for the other blocks."""
+    self._finalize()
     by_ref = {}
     for vec, var in vecs_and_vars:
       if vec is None:
@@ -261,12 +287,37 @@ class FisherEstimator:
   def _lazy(self):
     return self._lazy_statistics_sync and collective.is_distributed()
 
+  def _decay_and_weight(self, should_decay):
+    """(decay, weight of the new statistic) of a statistics update:
+    should_decay True folds with the estimator's decay, False adds the
+    statistic to an arithmetic mean (decay 1, the usual weight 1 - decay;
+    kfac 0.2.x's burn-in). A boolean tensor chooses when the op runs."""
+    if isinstance(should_decay, (bool, int)) or (
+        not tf.is_tensor(should_decay) and hasattr(should_decay, "dtype")):
+      if bool(should_decay):
+        return self._cov_ema_decay, None
+      return 1.0, 1.0 - self._cov_ema_decay
+    if not tf.is_tensor(should_decay) or should_decay.dtype != tf.bool:
+      raise TypeError("should_decay must be a Python bool or a boolean "
+                      "tensor, got %r." % (should_decay,))
+    decay = tf.where(should_decay,
+                     tf.cast(self._cov_ema_decay, tf.float64),
+                     tf.constant(1.0, tf.float64))
+    return decay, 1.0 - tf.cast(self._cov_ema_decay, tf.float64)
+
   def _cov_update_thunks(self, scope=None):
+    """One thunk per factor; thunk(should_decay=True) builds its update
+    (see _decay_and_weight)."""
     if self._lazy():
       examples = self.replica_examples()
 
       def make_local(factor):
-        def thunk():
+        def thunk(should_decay=True):
+          if should_decay is not True:
+            raise ValueError(
+                "should_decay=%r is not supported with "
+                "lazy_statistics_sync=True under several replicas." %
+                (should_decay,))
           with self._scope(scope):
             return lazy_sync.fold_op(factor, self._cov_ema_decay, examples)
         return thunk
@@ -274,12 +325,14 @@ class FisherEstimator:
     reduced = self._reduced_statistics(scope)
 
     def make(factor):
-      def thunk():
+      def thunk(should_decay=True):
+        decay, weight = self._decay_and_weight(should_decay)
+        extra = () if weight is None else (weight,)
         with self._scope(scope):
           if reduced is None:
-            return factor.make_covariance_update_op(self._cov_ema_decay)
+            return factor.make_covariance_update_op(decay, *extra)
           return factor.make_covariance_assign_op(reduced[factor.name],
-                                                  self._cov_ema_decay)
+                                                  decay, *extra)
       return thunk
     return [make(f) for f in self.factors]
 
@@ -386,34 +439,50 @@ class FisherEstimator:
     return [make(f) for f in self.factors]
 
   def create_ops_and_vars_thunks(self, scope=None):
-    """Thunks that make variables and update ops, one per factor.
+    """Thunks that make variables and update ops, one per factor (in the
+    order of `factors`); call a factor's variable thunks before its update
+    thunks. A covariance update thunk takes `should_decay=True` (False: the
+    statistic joins an arithmetic mean instead of the moving average).
 
     Returns:
       (cov_variable_thunks, cov_update_thunks, inv_variable_thunks,
-       inv_update_thunks).
+       inv_update_thunks): four lists.
     """
+    self._finalize()
     return (self._cov_variable_thunks(), self._cov_update_thunks(scope),
             self._inv_variable_thunks(), self._inv_update_thunks(scope))
 
   def make_vars_and_create_op_thunks(self, scope=None):
-    """Makes all variables now and returns the update ops and thunks.
+    """Makes all variables now and returns the update thunks (kfac 0.2.x).
 
     Returns:
-      (cov_update_ops, cov_update_op, inv_update_ops, inv_update_op,
-       cov_update_thunks, inv_update_thunks); each thunk builds the update op
-      of one factor.
+      (cov_update_thunks, inv_update_thunks): two lists, one thunk per
+      factor; each call builds that factor's update op.
     """
     (cov_var_thunks, cov_update_thunks, inv_var_thunks,
      inv_update_thunks) = self.create_ops_and_vars_thunks(scope)
     for thunk in cov_var_thunks + inv_var_thunks:
       thunk()
+    return cov_update_thunks, inv_update_thunks
+
+  def make_vars_and_create_ops(self, scope=None):
+    """Makes all variables and builds every update op now.
+
+    Returns:
+      An `UpdateOps` namedtuple (cov_update_ops, cov_update_op,
+      inv_update_ops, inv_update_op, cov_update_thunks, inv_update_thunks):
+      the per-factor ops, one op grouping each kind, and the thunks (as
+      make_vars_and_create_op_thunks returns them).
+    """
+    cov_update_thunks, inv_update_thunks = (
+        self.make_vars_and_create_op_thunks(scope))
     cov_update_ops = [t() for t in cov_update_thunks]
     inv_update_ops = [t() for t in inv_update_thunks]
     with self._scope(scope):
       cov_update_op = tf.group(*cov_update_ops, name="cov_update_op")
       inv_update_op = tf.group(*inv_update_ops, name="inv_update_op")
-    return (cov_update_ops, cov_update_op, inv_update_ops, inv_update_op,
-            cov_update_thunks, inv_update_thunks)
+    return UpdateOps(cov_update_ops, cov_update_op, inv_update_ops,
+                     inv_update_op, cov_update_thunks, inv_update_thunks)
 
   def instantiate_variables(self):
     for factor in self.factors:
@@ -421,30 +490,73 @@ class FisherEstimator:
       factor.instantiate_inv_variables()
 
   def get_cov_vars(self):
+    """The statistics' variables: a tuple with one list per factor (in the
+    order of `factors`), as in kfac 0.2.x."""
     self.instantiate_variables()
-    return [f.get_cov_var() for f in self.factors]
+    return tuple(_cov_vars_of(f) for f in self.factors)
 
   def get_inv_vars(self):
+    """The inverse-related variables: a tuple with one list per factor
+    (empty for factors without any, e.g. diagonal ones)."""
     self.instantiate_variables()
-    out = []
-    for f in self.factors:
-      out.extend(f.inverse_variables())
-    return out
+    return tuple(list(f.inverse_variables()) for f in self.factors)
+
+
+UpdateOps = collections.namedtuple(
+    "UpdateOps", ["cov_update_ops", "cov_update_op", "inv_update_ops",
+                  "inv_update_op", "cov_update_thunks", "inv_update_thunks"])
+
+
+def _cov_vars_of(factor):
+  out = [factor.get_cov_var()]
+  if hasattr(factor, "get_cov_dt1"):
+    out.append(factor.get_cov_dt1())
+  return out
 
 
 def _names(variables):
   return ", ".join(utils.variable_name(v) for v in variables)
 
 
+class FisherEstimatorRoundRobin(placement.RoundRobinPlacementMixin,
+                                FisherEstimator):
+  """FisherEstimator placing each factor's update ops on `cov_devices` /
+  `inv_devices` in round-robin order (placement.py); without devices, the
+  plain estimator."""
+
+
+class FisherEstimatorReplicaRoundRobin(
+    placement.ReplicaRoundRobinPlacementMixin, FisherEstimator):
+  """FisherEstimator whose inverses are computed once across replicas
+  (distribute/inverse_placement.py)."""
+
+
+_STRATEGIES = {None: FisherEstimatorRoundRobin,
+               "round_robin": FisherEstimatorRoundRobin,
+               "replica_round_robin": FisherEstimatorReplicaRoundRobin}
+
+
+def estimator_class(placement_strategy):
+  """The estimator class of a placement strategy (None, "round_robin" or
+  "replica_round_robin")."""
+  try:
+    return _STRATEGIES[placement_strategy]
+  except (KeyError, TypeError):
+    raise ValueError("Unknown placement_strategy %r; expected None, "
+                     "'round_robin' or 'replica_round_robin'." %
+                     (placement_strategy,))
+
+
 def make_fisher_estimator(placement_strategy=None, **kwargs):
   """Creates a FisherEstimator with a device placement strategy.
 
   Args:
-    placement_strategy: None (ops placed with their inputs), "round_robin"
-      (kwargs cov_devices / inv_devices) or "replica_round_robin".
+    placement_strategy: None or "round_robin" (a FisherEstimatorRoundRobin;
+      kwargs cov_devices / inv_devices / trans_devices place its ops), or
+      "replica_round_robin" (FisherEstimatorReplicaRoundRobin).
     **kwargs: FisherEstimator arguments, plus the strategy's.
+
+  Raises:
+    ValueError: for an unknown placement strategy.
   """
-  if placement_strategy is None:
-    return FisherEstimator(**kwargs)
-  from kfac.python.ops import placement  # pylint: disable=g-import-not-at-top
-  return placement.estimator_class(placement_strategy)(**kwargs)
+  return estimator_class(placement_strategy)(**kwargs)

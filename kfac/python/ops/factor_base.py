@@ -126,25 +126,34 @@ class FisherFactor(abc.ABC):
   def _symmetric_statistic(self):
     return False
 
-  def make_covariance_assign_op(self, statistics, ema_decay):
+  def make_covariance_assign_op(self, statistics, ema_decay, ema_weight=None):
     """Folds `statistics` (as from covariance_statistics, possibly reduced
-    across replicas) into the zero-debiased moving average."""
+    across replicas) into the zero-debiased moving average. The new
+    statistic gets the weight `ema_weight` (default 1 - ema_decay); the old
+    average's weight is multiplied by ema_decay (ema_decay=1 with the
+    default weight of the run's decay adds the statistic to an arithmetic
+    mean, kfac 0.2.x's should_decay=False)."""
     self.instantiate_cov_variables()
     (new_cov,) = statistics
     decay = utils.cast(ema_decay, self._dtype)
+    weight = (1.0 - decay if ema_weight is None else
+              utils.cast(ema_weight, self._dtype))
     old_cov = tf.convert_to_tensor(self._cov)
     old_weight = tf.convert_to_tensor(self._cov_weight)
     carried = decay * old_weight
-    new_weight = carried + (1.0 - decay)
-    averaged = (carried * old_cov + (1.0 - decay) * new_cov) / new_weight
+    new_weight = carried + weight
+    averaged = (carried * old_cov + weight * new_cov) / new_weight
     return tf.group(self._cov.assign(averaged),
                     self._cov_weight.assign(new_weight),
                     name=utils.variable_name(self._cov) + "_update")
 
-  def make_covariance_update_op(self, ema_decay):
-    """Folds the current statistic into the zero-debiased moving average."""
+  def make_covariance_update_op(self, ema_decay, ema_weight=None):
+    """Folds the current statistic into the zero-debiased moving average
+    (`ema_weight`: see make_covariance_assign_op)."""
     stats = [t for t, _ in self.covariance_statistics()]
-    return self.make_covariance_assign_op(stats, ema_decay)
+    if ema_weight is None:
+      return self.make_covariance_assign_op(stats, ema_decay)
+    return self.make_covariance_assign_op(stats, ema_decay, ema_weight)
 
   def inverse_values(self):
     """[(variable, new value)] of the inverse update (computed from the

@@ -147,18 +147,21 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
     return [(tf.cast(self._compute_new_cov(), self._dtype), True),
             (tf.cast(self._compute_new_cov_dt1(), self._dtype), False)]
 
-  def make_covariance_assign_op(self, statistics, ema_decay):
-    """Folds A_0 and A_1 into their zero-debiased averages."""
+  def make_covariance_assign_op(self, statistics, ema_decay, ema_weight=None):
+    """Folds A_0 and A_1 into their zero-debiased averages (`ema_weight`:
+    see FisherFactor.make_covariance_assign_op)."""
     self.instantiate_cov_variables()
     new_cov, new_cov_dt1 = statistics
     decay = utils.cast(ema_decay, self._dtype)
+    weight = (1.0 - decay if ema_weight is None else
+              utils.cast(ema_weight, self._dtype))
     old_weight = tf.convert_to_tensor(self._cov_weight)
     carried = decay * old_weight
-    new_weight = carried + (1.0 - decay)
+    new_weight = carried + weight
 
     def averaged(var, new):
       return (carried * tf.convert_to_tensor(var) +
-              (1.0 - decay) * new) / new_weight
+              weight * new) / new_weight
 
     cov = averaged(self._cov, new_cov)
     cov_dt1 = averaged(self._cov_dt1, new_cov_dt1)

@@ -49,7 +49,6 @@ from kfac.python.ops import adaptive
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
-from kfac.python.ops import placement as placement_lib
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
@@ -112,12 +111,30 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                compute_norm_stats=False,
                always_use_exact_qmodel_for_damping_adjustment=False,
                lazy_statistics_sync=False,
+               tf_replicator=None,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
     `layer_collection` may be None in TF2 programs, where a collection is
-    passed to `minimize` / `apply_gradients` on every trace instead.
+    passed to `minimize` / `apply_gradients` on every trace instead. As in
+    kfac 0.2.x, the collection need not be complete yet: it is finalized
+    (and checked against the variables) when the optimizer first uses it.
+
+    `var_list` (default: in a TF1 graph the trainable variables when the
+    optimizer is created, as in kfac 0.2.x; in a TF2 trace the registered
+    variables) must equal the registered variables.
+
+    `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
+    longer exists; only None is accepted (use a tf.distribute strategy,
+    docs/distributed.md).
     """
+    if tf_replicator is not None:
+      raise ValueError(
+          "tf_replicator=%r: TF-Replicator is not supported by this version "
+          "of kfac (it no longer exists). Run the step under a "
+          "tf.distribute strategy instead (e.g. MirroredStrategy or "
+          "TPUStrategy, see docs/distributed.md); K-FAC then reduces its "
+          "statistics across replicas itself." % (tf_replicator,))
     super().__init__(use_locking=False, name=name)
     if momentum_type not in _MOMENTUM_TYPES:
       raise ValueError("Unknown momentum_type %r; expected one of %s." %
@@ -151,18 +168,18 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
         norm_constraint) and norm_constraint <= 0:
       raise ValueError("norm_constraint must be positive, got %s." %
                        norm_constraint)
-    if placement_strategy is not None:
-      # Unknown names fail here, not at the first step.
-      placement_lib.estimator_class(placement_strategy)
-    if placement_strategy is None and placement_kwargs:
-      raise ValueError("Unexpected arguments %s (placement arguments need "
-                       "placement_strategy='round_robin')." %
-                       sorted(placement_kwargs))
+    # Unknown strategies fail here, not at the first step; so do arguments
+    # the strategy's estimator does not take.
+    est_class = est_lib.estimator_class(placement_strategy)
+    _check_estimator_kwargs(est_class, placement_kwargs)
 
     self._learning_rate = learning_rate
     self._damping = damping
     self._layers = None
     self._cov_ema_decay = cov_ema_decay
+    if var_list is None and _in_tf1_graph():
+      # kfac 0.2.x: the trainable variables of the graph, now.
+      var_list = tf.compat.v1.trainable_variables()
     self._var_list = None if var_list is None else list(var_list)
     self._momentum = momentum
     self._momentum_type = momentum_type
@@ -198,9 +215,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._layers = layer_collection
     var_list = self._var_list
     if var_list is None:
-      if not layer_collection.is_finalized:
-        layer_collection.finalize()
-      var_list = list(layer_collection.registered_variables)
+      # Resolved when the estimator is first used (the collection is
+      # finalized then).
+      var_list = lambda: list(layer_collection.registered_variables)  # pylint: disable=g-long-lambda
     self._estimator = est_lib.make_fisher_estimator(
         placement_strategy=self._placement_strategy,
         variables=var_list,
@@ -307,8 +324,17 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     return self._store
 
   def make_vars_and_create_op_thunks(self):
-    """See FisherEstimator.make_vars_and_create_op_thunks."""
+    """Makes the K-FAC variables; returns (cov_update_thunks,
+    inv_update_thunks), one thunk per factor (see
+    FisherEstimator.make_vars_and_create_op_thunks)."""
     return self._require_estimator().make_vars_and_create_op_thunks(
+        scope=self.get_name())
+
+  def make_vars_and_create_ops(self):
+    """Makes the K-FAC variables and all update ops now; returns the
+    estimator's `UpdateOps` (cov_update_ops, cov_update_op, inv_update_ops,
+    inv_update_op, cov_update_thunks, inv_update_thunks)."""
+    return self._require_estimator().make_vars_and_create_ops(
         scope=self.get_name())
 
   def create_ops_and_vars_thunks(self):
@@ -523,17 +549,23 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._commit_active = None
     return result
 
-  def _finish(self, step_op, global_step):
+  def _finish(self, step_op, global_step, active=None):
+    """After `step_op`: counter += 1 and global_step += 1 (with a boolean
+    tensor `active`, only when it holds: burn-in steps count neither)."""
     self._passed_loss = None
     with tf.control_dependencies([step_op]):
-      incs = [self.counter.assign_add(1)]
+      def one(dtype):
+        if active is None:
+          return tf.ones([], dtype)
+        return tf.cast(active, dtype)
+      incs = [self.counter.assign_add(one(tf.int64))]
       if global_step is not None:
+        inc = one(global_step.dtype.base_dtype)
         if collective.is_distributed():
-          one = tf.identity(tf.ones([], global_step.dtype.base_dtype))
           incs.append(collective.apply_updates(
-              [(_assign_add, global_step, (one,))]))
+              [(_assign_add, global_step, (tf.identity(inc),))]))
         else:
-          incs.append(global_step.assign_add(1))
+          incs.append(global_step.assign_add(inc))
       return tf.group(*incs)
 
   def _var_key(self, var):
@@ -577,20 +609,66 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
              for (v, _), (p, _) in zip(vecs_and_vars, precon_and_vars)]
     return tf.add_n(terms)
 
-  def _clip_updates(self, vecs_and_vars, precon_and_vars):
-    """Scales the preconditioned vectors so that lr^2 <v, F^-1 v> <= C."""
+  def _update_clip_coeff(self, vecs_and_vars, precon_and_vars):
+    """min(1, sqrt(C / (lr^2 <v, F^-1 v>))) (float64; 1 when the norm is
+    0), the factor that puts the update on the norm constraint C."""
     lr = utils.cast(self._read(self._learning_rate), tf.float64)
     sq_norm = self._squared_fisher_norm(vecs_and_vars, precon_and_vars)
     bound = utils.cast(self._read(self._norm_constraint), tf.float64)
     sq_update = lr * lr * sq_norm
     one = tf.ones_like(sq_update)
     positive = sq_update > 0
-    coeff = tf.where(
+    return tf.where(
         positive,
         tf.minimum(one, tf.sqrt(bound / tf.where(positive, sq_update, one))),
         one)
+
+  def _clip_updates(self, vecs_and_vars, precon_and_vars):
+    """Scales the preconditioned vectors so that lr^2 <v, F^-1 v> <= C."""
+    coeff = self._update_clip_coeff(vecs_and_vars, precon_and_vars)
     return [(_scale(p, tf.cast(coeff, p.dtype)), v)
             for p, v in precon_and_vars]
+
+  def _update_velocities(self, vecs_and_vars, decay, vec_coeff=1.0):
+    """kfac 0.2.x helper: assigns v <- decay * v + vec_coeff * vec to each
+    variable's velocity now; returns [(new velocity, var)] (reading a new
+    velocity runs its assignment)."""
+    out = []
+    decay = self._read(decay)
+    for vec, var in vecs_and_vars:
+      velocity = self._velocity(var)
+      new = (utils.cast(decay, velocity.dtype) * velocity +
+             utils.cast(vec_coeff, velocity.dtype) * tf.convert_to_tensor(vec))
+      with tf.control_dependencies([velocity.assign(new)]):
+        out.append((tf.identity(new), var))
+    return out
+
+
+def _in_tf1_graph():
+  """Whether ops go to a TF1 graph (not eager, not a tf.function trace)."""
+  if tf.executing_eagerly():
+    return False
+  graph = tf.compat.v1.get_default_graph()
+  return not getattr(graph, "building_function", False)
+
+
+def _check_estimator_kwargs(est_class, kwargs):
+  """Raises TypeError for keyword arguments neither KfacOptimizer nor the
+  placement strategy's estimator takes."""
+  if not kwargs:
+    return
+  import inspect  # pylint: disable=g-import-not-at-top
+  accepted = set()
+  for cls in est_class.__mro__:
+    init = cls.__dict__.get("__init__")
+    if init is not None:
+      accepted.update(inspect.signature(init).parameters)
+  unknown = sorted(set(kwargs) - accepted)
+  if unknown:
+    raise TypeError("KfacOptimizer got unexpected arguments %s (placement "
+                    "arguments: cov_devices, inv_devices, trans_devices for "
+                    "the round-robin placement, distribute_transformations "
+                    "for replica_round_robin)." % ", ".join(unknown))
 
 
 class _Update:

@@ -1,17 +1,25 @@
 """K-FAC with the statistic and inverse updates inside `minimize`.
 
-`PeriodicInvCovUpdateKfacOpt` builds one training op that, at step t
-(the optimizer's `counter`):
-1. during the first `num_burnin_steps` steps only updates the statistics
-   (no parameter update, no inverses; with `calibrate_damping=True`, the
-   inverses every step and a trial of the update that calibrates the
-   damping, see adaptive_damping.py);
-2. otherwise updates the statistics when t % cov_update_every == 0,
-3. recomputes the inverses when (t - num_burnin_steps) % invert_every == 0
-   (so the first real step already uses fresh inverses),
+`PeriodicInvCovUpdateKfacOpt` builds one training op. As in kfac 0.2.x:
+1. during the first `num_burnin_steps` calls (counted by `burnin_counter`)
+   it only adds the mini-batch statistics to an arithmetic mean (no
+   parameter update, no inverses; with `calibrate_damping=True`, also the
+   inverses and a trial of the update that calibrates the damping, see
+   adaptive_damping.py). These calls do not advance the optimizer's
+   `counter` nor `global_step`;
+2. afterwards, at step t (the `counter`, which starts at 0 after burn-in),
+   it updates the statistics' moving averages when t % cov_update_every ==
+   0,
+3. recomputes the inverses when t % invert_every == 0 (so the first real
+   step already uses fresh inverses),
 4. applies the K-FAC step, and increments the counter (and global_step).
 All of it is one `session.run` / one `tf.function` call per step; the
 inverse work is amortised over `invert_every` steps.
+
+A `cov_ema_decay` passed explicitly is raised to the power
+`cov_update_every` (kfac 0.2.x did this so that the average forgets at the
+same rate per step whatever the update interval); the default 0.95 is
+used as it is.
 """
 
 import tensorflow as tf
@@ -43,6 +51,9 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
           "calibrate_damping=True calibrates the damping during the burn-in "
           "steps: pass num_burnin_steps > 0 (e.g. 10).")
     self._calibrate_damping = bool(calibrate_damping)
+    if kfac_kwargs.get("cov_ema_decay") is not None:
+      decay = kfac_kwargs["cov_ema_decay"]
+      kfac_kwargs["cov_ema_decay"] = decay**self._cov_update_every
     super().__init__(**kfac_kwargs)
 
   @property
@@ -61,6 +72,11 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
   def calibrate_damping(self):
     return self._calibrate_damping
 
+  @property
+  def burnin_counter(self):
+    """How many burn-in steps have run (they do not advance `counter`)."""
+    return self._store.get_or_create("burnin_counter", [], tf.int64)
+
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
@@ -71,21 +87,30 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
 
     with tf.name_scope(name or self.get_name()):
       counter = tf.convert_to_tensor(self.counter)
-      burnin = tf.constant(self._num_burnin_steps, tf.int64)
-      in_burnin = counter < burnin
-      do_cov = tf.logical_or(
-          in_burnin, tf.equal(counter % self._cov_update_every, 0))
-      if self._cov_update_every > 1:
+      if self._num_burnin_steps > 0:
+        in_burnin = tf.convert_to_tensor(self.burnin_counter) < tf.constant(
+            self._num_burnin_steps, tf.int64)
+      else:
+        in_burnin = tf.constant(False)
+      do_cov = tf.equal(counter % self._cov_update_every, 0)
+      if self._num_burnin_steps > 0:
+        # Burn-in: every step, into an arithmetic mean (should_decay False);
+        # then the moving average.
+        cov_done = tf.group(
+            utils.cond_op(tf.logical_and(tf.logical_not(in_burnin), do_cov),
+                          lambda: tf.group(*[t() for t in cov_thunks])),
+            utils.cond_op(in_burnin, lambda: tf.group(
+                *[t(should_decay=False) for t in cov_thunks])))
+      elif self._cov_update_every > 1:
         # Under several replicas the statistics are then reduced only on
         # the steps that fold them.
         cov_done = est.conditional_cov_update(do_cov, scope=self.get_name())
       else:
-        cov_done = utils.cond_op(
-            do_cov, lambda: tf.group(*[t() for t in cov_thunks]))
+        cov_done = tf.group(*[t() for t in cov_thunks])
       with tf.control_dependencies([cov_done]):
         do_inv = tf.logical_and(
             tf.logical_not(in_burnin),
-            tf.equal((counter - burnin) % self._invert_every, 0))
+            tf.equal(counter % self._invert_every, 0))
         if self._calibrate_damping:
           do_inv = tf.logical_or(in_burnin, do_inv)
         # Inverse updates that talk to other replicas (replica_round_robin)
@@ -106,6 +131,10 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
                 in_burnin, lambda: self._calibration_op(update))]
           with tf.control_dependencies(calibrated):
             stepped = self._commit(update, active=tf.logical_not(in_burnin))
-        else:
-          stepped = self._commit(update)
+          with tf.control_dependencies([stepped]):
+            burned = self.burnin_counter.assign_add(
+                tf.cast(in_burnin, tf.int64))
+          return self._finish(burned, global_step,
+                              active=tf.logical_not(in_burnin))
+        stepped = self._commit(update)
       return self._finish(stepped, global_step)

@@ -4,16 +4,23 @@
 distribute/inverse_placement.py) computes each factor's inverses on one
 replica of a tf.distribute strategy and broadcasts them.
 
-`RoundRobinPlacementMixin` puts the covariance update op of factor i on
-`cov_devices[i % len(cov_devices)]` and its inverse update op on
-`inv_devices[i % len(inv_devices)]`; `trans_devices` is accepted for
-compatibility (this version has no separate transformation ops). Devices
-are ordinary TensorFlow device strings ("/cpu:0", "/gpu:1", ...).
+`RoundRobinPlacementMixin` puts the covariance variables and update op of
+factor i on `cov_devices[i % len(cov_devices)]` and its inverse update op on
+`inv_devices[i % len(inv_devices)]` (the inverse variables stay where the
+caller's device scope puts them, next to the preconditioning);
+`trans_devices` is accepted for compatibility (this version has no separate
+transformation ops). Devices are ordinary TensorFlow device strings
+("/cpu:0", "/gpu:1", ...).
+
+The estimator classes with these mixins are
+`estimator.FisherEstimatorRoundRobin` and
+`estimator.FisherEstimatorReplicaRoundRobin` (also reachable here under
+their other names, RoundRobinFisherEstimator and
+ReplicaRoundRobinFisherEstimator).
 """
 
 import tensorflow as tf
 
-from kfac.python.ops import estimator as estimator_lib
 from kfac.python.ops.distribute import inverse_placement
 
 ReplicaRoundRobinPlacementMixin = (
@@ -27,23 +34,36 @@ def _round_robin(thunks, devices):
     return thunks
 
   def wrap(thunk, device):
-    def placed():
+    def placed(*args, **kwargs):
       with tf.device(device):
-        return thunk()
+        return thunk(*args, **kwargs)
     return placed
 
   return [wrap(t, devices[i % len(devices)]) for i, t in enumerate(thunks)]
 
 
+def _device_list(devices, arg):
+  if devices is None:
+    return []
+  if isinstance(devices, str):
+    raise TypeError("%s must be a list of device strings, got the string %r "
+                    "(write [%r])." % (arg, devices, devices))
+  return list(devices)
+
+
 class RoundRobinPlacementMixin:
-  """Places each factor's update ops on devices in round-robin order."""
+  """Places each factor's statistics and update ops on devices in
+  round-robin order."""
 
   def __init__(self, cov_devices=None, inv_devices=None, trans_devices=None,
                **kwargs):
-    self._cov_devices = list(cov_devices or [])
-    self._inv_devices = list(inv_devices or [])
-    self._trans_devices = list(trans_devices or [])
+    self._cov_devices = _device_list(cov_devices, "cov_devices")
+    self._inv_devices = _device_list(inv_devices, "inv_devices")
+    self._trans_devices = _device_list(trans_devices, "trans_devices")
     super().__init__(**kwargs)
+
+  def _cov_variable_thunks(self):
+    return _round_robin(super()._cov_variable_thunks(), self._cov_devices)
 
   def _cov_update_thunks(self, scope=None):
     return _round_robin(super()._cov_update_thunks(scope), self._cov_devices)
@@ -52,24 +72,18 @@ class RoundRobinPlacementMixin:
     return _round_robin(super()._inv_update_thunks(scope), self._inv_devices)
 
 
-class RoundRobinFisherEstimator(RoundRobinPlacementMixin,
-                                estimator_lib.FisherEstimator):
-  """FisherEstimator with round-robin placement of its update ops."""
-
-
-class ReplicaRoundRobinFisherEstimator(ReplicaRoundRobinPlacementMixin,
-                                       estimator_lib.FisherEstimator):
-  """FisherEstimator whose inverses are computed once across replicas
-  (distribute/inverse_placement.py)."""
-
-
-_STRATEGIES = {"round_robin": RoundRobinFisherEstimator,
-               "replica_round_robin": ReplicaRoundRobinFisherEstimator}
-
-
 def estimator_class(placement_strategy):
-  if placement_strategy not in _STRATEGIES:
-    raise ValueError("Unknown placement_strategy %r; expected None, "
-                     "'round_robin' or 'replica_round_robin'." %
-                     (placement_strategy,))
-  return _STRATEGIES[placement_strategy]
+  """See estimator.estimator_class."""
+  from kfac.python.ops import estimator  # pylint: disable=g-import-not-at-top
+  return estimator.estimator_class(placement_strategy)
+
+
+def __getattr__(name):  # the estimator classes, without an import cycle
+  if name in ("RoundRobinFisherEstimator", "FisherEstimatorRoundRobin"):
+    from kfac.python.ops import estimator  # pylint: disable=g-import-not-at-top
+    return estimator.FisherEstimatorRoundRobin
+  if name in ("ReplicaRoundRobinFisherEstimator",
+              "FisherEstimatorReplicaRoundRobin"):
+    from kfac.python.ops import estimator  # pylint: disable=g-import-not-at-top
+    return estimator.FisherEstimatorReplicaRoundRobin
+  raise AttributeError("module %r has no attribute %r" % (__name__, name))
