@@ -65,7 +65,8 @@ def test_registering_twice_needs_reuse(graph):
   params, x, y = _layer("dup")
   block = lc.register_fully_connected(params, x, y)
   assert block.num_registered_towers == 1
-  with pytest.raises(ValueError, match=r"dup_w, dup_b already registered"):
+  with pytest.raises(ValueError, match=r"FisherBlock for dup_w, dup_b is "
+                     r"already in LayerCollection"):
     lc.register_fully_connected(params, x, y)
   with pytest.raises(ValueError, match=_m("dup_w")):
     lc.register_fully_connected(params, x, y, reuse=False)
@@ -117,8 +118,8 @@ def test_overlapping_parameter_tuples_are_an_error(graph):
   c = _var("other_bias", D_OUT, seed=7)
   lc.register_fully_connected((w, b), x, y)
   with pytest.raises(ValueError,
-                     match=r"Variable shared_w is already registered as part "
-                     r"of \(shared_w, shared_b\)"):
+                     match=r"Variable shared_w was already registered in the "
+                     r"layer \(shared_w, shared_b\)"):
     lc.register_fully_connected((w, c), x, y + c)
   with pytest.raises(ValueError, match=_m("shared_w")):
     lc.register_fully_connected(w, x, tf.matmul(x, w))
@@ -170,17 +171,20 @@ def test_unknown_approximation_lists_the_valid_ones(graph):
   assert not lc.get_blocks()
 
 
-def test_non_variable_params_are_a_type_error(graph):
+def test_params_must_be_variables_or_tensors(graph):
   lc = kfac.LayerCollection()
   x = tf.constant(_rand(1, N, D_IN))
-  w = tf.constant(_rand(2, D_IN, D_OUT))
-  with pytest.raises(TypeError, match="must be tf.Variables"):
-    lc.register_fully_connected(w, x, tf.matmul(x, w))
+  w = _rand(2, D_IN, D_OUT)  # a numpy array: neither
   with pytest.raises(TypeError, match="must be tf.Variables"):
     lc.register_generic(w, N)
   with pytest.raises(TypeError, match="must be tf.Variables"):
     lc.register_generic((_var("real", 2), w), N)
   assert not lc.get_blocks()
+  # Tensors are parameters too (kfac 0.2.x): e.g. for FisherEstimator
+  # products with respect to computed weights.
+  w = tf.constant(w)
+  block = lc.register_fully_connected(w, x, tf.matmul(x, w))
+  assert lc.fisher_blocks[w] is block
 
 
 # ------------------------------------------------------ check_registration
@@ -426,6 +430,11 @@ def test_default_layer_collection(graph):
     lc_lib.get_default_layer_collection()
   lc_lib.set_default_layer_collection(inner)
   assert lc_lib.get_default_layer_collection() is inner
+  # Setting another while one is set raises (kfac 0.2.x); None clears.
+  with pytest.raises(ValueError, match="already set"):
+    lc_lib.set_default_layer_collection(outer)
+  assert lc_lib.get_default_layer_collection() is inner
+  lc_lib.set_default_layer_collection(None)
   lc_lib.set_default_layer_collection(outer)
   assert lc_lib.get_default_layer_collection() is outer
   lc_lib.set_default_layer_collection(None)
@@ -547,11 +556,13 @@ def test_fisher_estimator_argument_errors(graph):
     kfac.estimator.FisherEstimator(compute_params_stats=True, **kwargs)
   with pytest.raises(ValueError, match=r"placement_strategy 'bogus'"):
     kfac.estimator.make_fisher_estimator(placement_strategy="bogus", **kwargs)
+  est = kfac.estimator.FisherEstimator(
+      variables=variables[:1], cov_ema_decay=0.9, damping=0.1,
+      layer_collection=lc)
+  # Checked when the estimator is first used (kfac 0.2.x: lazily).
   with pytest.raises(ValueError, match=r"registered but not in the list.*"
                      r"model_b"):
-    kfac.estimator.FisherEstimator(
-        variables=variables[:1], cov_ema_decay=0.9, damping=0.1,
-        layer_collection=lc)
+    est.make_vars_and_create_op_thunks()
   # With valid arguments the estimator is built and exposes its mode.
   est = kfac.estimator.make_fisher_estimator(
       placement_strategy="round_robin", cov_devices=["/cpu:0"], **kwargs)

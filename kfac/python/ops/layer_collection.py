@@ -22,10 +22,12 @@ from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import loss_functions as lf
 from kfac.python.ops import multi_use_registration
 from kfac.python.ops import scale_shift_registration
+from kfac.python.ops import registration_base
 from kfac.python.ops import utils
+from kfac.python.ops.layer_params_dict import LayerParametersDict
+from kfac.python.ops.registration_base import RegistrationKeyError
 from kfac.python.ops.registration_base import VARIABLE_SCOPE
 from kfac.python.ops.registration_base import describe as _describe
-from kfac.python.ops.registration_base import resolve_reuse as _resolve_reuse
 
 # Approximation names.
 APPROX_KRONECKER_NAME = "kron"
@@ -100,50 +102,25 @@ def get_default_layer_collection():
 
 
 def set_default_layer_collection(layer_collection):
-  """Makes `layer_collection` the default (None clears the default)."""
+  """Makes `layer_collection` the default; None clears the default.
+
+  Raises:
+    ValueError: if a default is already set (clear it with None first), as
+      in kfac 0.2.x.
+  """
   stack = _stack()
+  if layer_collection is not None and stack:
+    raise ValueError("Default LayerCollection is already set (%s); call "
+                     "set_default_layer_collection(None) first." %
+                     stack[-1].name)
   del stack[:]
   if layer_collection is not None:
     stack.append(layer_collection)
 
 
-class BlocksByParams(collections.abc.Mapping):
-  """The blocks of a LayerCollection keyed by their parameters as
-  registered (a variable or a tuple of variables). Looking up takes a
-  variable, a tuple or a list of them (variables themselves are unhashable
-  in TF2)."""
-
-  def __init__(self, blocks, params):
-    self._blocks = blocks  # hashable key -> block
-    self._params = params  # hashable key -> params as registered
-
-  @staticmethod
-  def _key(params):
-    return utils.hashable_key(tuple(utils.ensure_sequence(params)))
-
-  def __getitem__(self, params):
-    try:
-      return self._blocks[self._key(params)]
-    except (KeyError, TypeError):
-      raise KeyError(params)
-
-  def __contains__(self, params):
-    try:
-      return self._key(params) in self._blocks
-    except TypeError:
-      return False
-
-  def __iter__(self):
-    return iter([self._params[k] for k in self._blocks])
-
-  def __len__(self):
-    return len(self._blocks)
-
-  def items(self):
-    return [(self._params[k], b) for k, b in self._blocks.items()]
-
-  def values(self):
-    return list(self._blocks.values())
+# kfac 0.2.x's name of the blocks-by-parameters view (now the mapping
+# itself).
+BlocksByParams = LayerParametersDict
 
 
 @utils.exclude_from_autograph
@@ -156,9 +133,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
   def __init__(self, graph=None, name="LayerCollection"):
     self._graph = graph
     self._name = name
-    self._blocks = collections.OrderedDict()  # params key -> block
-    self._block_params = collections.OrderedDict()  # params key -> params
-    self._var_owner = {}  # var.ref() -> params key
+    self._fisher_blocks = LayerParametersDict()  # params -> block
+    self._uses = {}  # var.ref() -> registered uses (float: inf = any)
     self._factors = collections.OrderedDict()  # factor key -> factor
     self._factor_names = set()
     self._block_names = set()
@@ -214,24 +190,42 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
 
   # ------------------------------------------------------------ queries
   def get_blocks(self):
-    return list(self._blocks.values())
+    return list(self._fisher_blocks.values())
 
   @property
   def fisher_blocks(self):
-    """Blocks keyed by their parameters (a BlocksByParams view: look a
+    """The blocks keyed by their parameters: a LayerParametersDict (look a
     block up by its variable, or its tuple / list of variables)."""
-    return BlocksByParams(self._blocks, self._block_params)
+    return self._fisher_blocks
+
+  @fisher_blocks.setter
+  def fisher_blocks(self, blocks):
+    """Replaces the registered blocks (kfac 0.2.x allowed assigning a dict
+    of params -> block); the keys may not share variables."""
+    self._check_not_finalized()
+    if isinstance(blocks, LayerParametersDict):
+      self._fisher_blocks = blocks
+    else:
+      # As assigned (kfac 0.2.x did not check an assigned dict either);
+      # registrations after it are checked against all of its keys.
+      self._fisher_blocks = LayerParametersDict.unchecked(
+          blocks.items() if hasattr(blocks, "items") else blocks)
+
+  @property
+  def fisher_factors(self):
+    """The factors made so far, keyed by (class, arguments)."""
+    return self._factors
 
   def get_factors(self):
     return list(self._factors.values())
 
   def blocks_and_params(self):
-    return [(self._block_params[k], b) for k, b in self._blocks.items()]
+    return list(self._fisher_blocks.items())
 
   @property
   def registered_variables(self):
     out = []
-    for params in self._block_params.values():
+    for params in self._fisher_blocks:
       out.extend(utils.ensure_sequence(params))
     return tuple(out)
 
@@ -287,51 +281,82 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                        "built on it); register everything before creating "
                        "the optimizer." % self._name)
 
-  def _params_key(self, params):
+  @staticmethod
+  def _check_params(params):
     for p in utils.ensure_sequence(params):
-      if not isinstance(p, tf.Variable):
-        raise TypeError("Registered parameters must be tf.Variables, got %r."
-                        % (p,))
-    return utils.hashable_key(utils.ensure_sequence(params))
+      if not (isinstance(p, tf.Variable) or tf.is_tensor(p)):
+        raise TypeError("Registered parameters must be tf.Variables (or "
+                        "tensors), got %r." % (p,))
 
   def register_block(self, layer_key, fisher_block, reuse=VARIABLE_SCOPE):
-    """Registers `fisher_block` for the parameters `layer_key`.
+    """Registers `fisher_block` for the parameters `layer_key` (a variable,
+    or a tuple / list of variables).
 
-    With reuse, registering the same parameters again returns the existing
-    block (to which the caller adds a tower). Without it, that is an error,
-    and so is a parameter tuple overlapping an already registered one.
+    With reuse (True, or VARIABLE_SCOPE inside a reusing variable scope)
+    the parameters must have been registered before, with a block of the
+    same type: that block is returned (the caller adds a tower to it). With
+    tf.compat.v1.AUTO_REUSE an existing block is reused, else `fisher_block`
+    is registered. Without reuse, registering the same parameters again is
+    an error, and so is a key sharing a variable with another one.
+
+    Raises:
+      ValueError: for the conflicts above, naming the variables.
     """
     self._check_not_finalized()
-    key = self._params_key(layer_key)
-    if key in self._blocks:
-      if _resolve_reuse(reuse):
-        existing = self._blocks[key]
-        if type(existing) is not type(fisher_block):
-          raise ValueError(
-              "Variable(s) %s were registered as %s and now as %s; a reused "
-              "registration must use the same approximation." %
-              (_describe(layer_key), type(existing).__name__,
-               type(fisher_block).__name__))
-        return existing
-      raise ValueError(
-          "Variable(s) %s already registered. Pass reuse=True (or register "
-          "inside a reusing variable scope) to add a tower." %
-          _describe(layer_key))
-    for var in utils.ensure_sequence(layer_key):
-      if var.ref() in self._var_owner:
+    self._check_params(layer_key)
+    layer_key = (tuple(layer_key) if isinstance(layer_key, list)
+                 else layer_key)
+    mode = registration_base.reuse_mode(reuse)
+    present = layer_key in self._fisher_blocks
+    if mode is True or (mode == registration_base.AUTO and present):
+      if not present:
         raise ValueError(
-            "Variable %s is already registered as part of (%s); a variable "
-            "can belong to one layer only." %
-            (utils.variable_name(var),
-             _describe(self._block_params[self._var_owner[var.ref()]])))
-    self._check_linked(layer_key)
-    base = utils.state_name(utils.ensure_sequence(layer_key)[0])
-    fisher_block.set_name(self._unique(base, self._block_names))
-    self._blocks[key] = fisher_block
-    self._block_params[key] = layer_key
+            "reuse=True for the registration of %s, but no layer with these "
+            "parameters was registered before (reuse adds a tower to an "
+            "existing registration). Register it first without reuse; reuse "
+            "may also come from a reusing tf.compat.v1.variable_scope." %
+            _describe(layer_key))
+      existing = self._fisher_blocks[layer_key]
+      if type(existing) is not type(fisher_block):
+        raise ValueError(
+            "Variable(s) %s were registered as %s and now as %s; a reused "
+            "registration must use the same approximation." %
+            (_describe(layer_key), type(existing).__name__,
+             type(fisher_block).__name__))
+      return existing
+    if present:
+      raise ValueError(
+          "A FisherBlock for %s is already in LayerCollection. Pass "
+          "reuse=True (or register inside a reusing variable scope) to add "
+          "a tower." % _describe(layer_key))
     for var in utils.ensure_sequence(layer_key):
-      self._var_owner[var.ref()] = key
+      owner = self._fisher_blocks.owner_of(var)
+      if owner is not None:
+        raise ValueError(
+            "Variable %s was already registered in the layer (%s); a "
+            "variable can belong to one layer only." %
+            (utils.variable_name(var), _describe(owner)))
+    self._check_linked(layer_key)
+    if hasattr(fisher_block, "set_name"):
+      base = utils.state_name(utils.ensure_sequence(layer_key)[0])
+      fisher_block.set_name(self._unique(base, self._block_names))
+    self._fisher_blocks[layer_key] = fisher_block
     return fisher_block
+
+  # kfac 0.2.x's name.
+  _register_block = register_block
+
+  def _add_uses(self, params, uses):
+    """Records `uses` more uses of each variable of `params` in the graph
+    (checked by check_registration; float("inf") for registrations that
+    cover any number of uses)."""
+    for var in utils.ensure_sequence(params):
+      self._uses[utils.hashable_key(var)] = (
+          self._uses.get(utils.hashable_key(var), 0) + uses)
+
+  def _get_use_count_map(self):
+    """{var.ref(): registered uses} (kfac 0.2.x helper)."""
+    return dict(self._uses)
 
   def _check_linked(self, params):
     refs = frozenset(utils.hashable_key(utils.ensure_sequence(params)))
@@ -347,6 +372,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     return self._linked.get(refs)
 
   def _resolve_approx(self, params, approx, kind, table):
+    self._check_params(params)
     if approx is None:
       approx = self._linked_approx(params) or self._defaults[kind]
     if approx not in table:
@@ -400,27 +426,35 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       raise ValueError("Dense layer params must be W or (W, b), got %d "
                        "variables (%s)." % (len(seq), _describe(params)))
     w = seq[0]
-    if w.shape.rank != 2:
-      raise ValueError("Dense layer weight %s must have rank 2 [in, out], got "
-                       "shape %s." % (utils.variable_name(w), w.shape))
-    if len(seq) == 2 and (seq[1].shape.rank != 1 or
-                          seq[1].shape[0] != w.shape[1]):
-      raise ValueError("Bias %s must have shape [%s] to match weight %s, got "
-                       "%s." % (utils.variable_name(seq[1]), w.shape[1],
-                                utils.variable_name(w), seq[1].shape))
+    # W is [in, out]; as in kfac 0.2.x a higher-rank W [..., out] (e.g. a
+    # 1x1 convolution kernel) stands for its [prod(...), out] reshape.
+    if w.shape.rank is None or w.shape.rank < 2 or not (
+        w.shape[:-1].is_fully_defined()):
+      raise ValueError("Dense layer weight %s must have rank 2 [in, out] (or "
+                       "[..., out], used reshaped to [in, out]), got shape "
+                       "%s." % (utils.variable_name(w), w.shape))
+    d_in = int(w.shape[:-1].num_elements())
+    d_out = w.shape[-1]
+    if len(seq) == 2:
+      b_shape = seq[1].shape
+      if not (b_shape.rank == 1 or (b_shape.rank == 2 and b_shape[0] == 1)) \
+          or b_shape[-1] != d_out:
+        raise ValueError("Bias %s must have shape [%s] (or [1, %s]) to match "
+                         "weight %s, got %s." %
+                         (utils.variable_name(seq[1]), d_out, d_out,
+                          utils.variable_name(w), b_shape))
     rank = inputs.shape.rank
-    if rank is None or rank < 2 or inputs.shape[-1] != w.shape[0]:
+    if rank is None or rank < 2 or inputs.shape[-1] != d_in:
       raise ValueError("Inputs of the layer with weight %s must have shape "
                        "[batch, %s] (or [batch, ..., %s] for a layer shared "
                        "over positions), got %s." %
-                       (utils.variable_name(w), w.shape[0], w.shape[0],
-                        inputs.shape))
-    if (outputs.shape.rank != rank or outputs.shape[-1] != w.shape[1] or
+                       (utils.variable_name(w), d_in, d_in, inputs.shape))
+    if (outputs.shape.rank != rank or outputs.shape[-1] != d_out or
         not outputs.shape[:-1].is_compatible_with(inputs.shape[:-1])):
       raise ValueError("Outputs of the layer with weight %s must have shape "
                        "%s, matching inputs %s, got %s." %
                        (utils.variable_name(w),
-                        inputs.shape[:-1].concatenate([w.shape[1]]),
+                        inputs.shape[:-1].concatenate([d_out]),
                         inputs.shape, outputs.shape))
 
   def register_generic(self, params, batch_size, approx=None,
@@ -504,7 +538,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                        "register the model's predictive distribution, e.g. "
                        "register_softmax_cross_entropy_loss(logits)." %
                        self._name)
-    if not self._blocks:
+    if not self._fisher_blocks:
       raise ValueError("No layers registered with LayerCollection %s." %
                        self._name)
     self._finalized = True
@@ -517,14 +551,32 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
   def _register_loss(self, loss, base_name, name, coeff, reuse,
                      colocation=None):
     self._check_not_finalized()
+    mode = registration_base.reuse_mode(reuse)
     if name is None:
+      if mode is True:
+        raise RegistrationKeyError(
+            "reuse=True adds a tower to a loss registered before: pass that "
+            "loss's name= too (reuse may also come from a reusing "
+            "tf.compat.v1.variable_scope).")
       name = self._unique(base_name, set(self._loss_dict))
     if name in self._loss_dict:
-      if not _resolve_reuse(reuse):
-        raise ValueError(
+      if not mode:
+        raise RegistrationKeyError(
             "A loss named %r is already registered. Pass reuse=True to add "
             "a tower to it, or use another name." % name)
-      self._loss_dict[name].append(loss)
+      towers = self._loss_dict[name]
+      first = self.loss_coeffs[towers[0]]
+      if (utils.is_python_number(first) and utils.is_python_number(coeff)
+          and first != coeff):
+        raise ValueError("The loss %r was registered with coeff=%s; a tower "
+                         "added with reuse must use the same coeff, got %s."
+                         % (name, first, coeff))
+      towers.append(loss)
+    elif mode is True:
+      raise RegistrationKeyError(
+          "reuse=True adds a tower to the loss named %r, but no loss of that "
+          "name was registered. Register it without reuse first (reuse may "
+          "also come from a reusing tf.compat.v1.variable_scope)." % name)
     else:
       self._loss_dict[name] = [loss]
     self.loss_coeffs[loss] = coeff

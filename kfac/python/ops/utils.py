@@ -86,7 +86,7 @@ def params_to_mat(params):
   if isinstance(params, (list, tuple)):
     w, b = params
     w = tf.reshape(w, [-1, tf.shape(w)[-1]])
-    return tf.concat([w, b[tf.newaxis, :]], axis=0)
+    return tf.concat([w, tf.reshape(b, [1, -1])], axis=0)  # b: [out] or [1, out]
   return tf.reshape(params, [-1, tf.shape(params)[-1]])
 
 
