@@ -229,11 +229,11 @@ def adaptive_step(cfg, params_np, data):
   train_op = opt.minimize(total_loss(x, logits, variables),
                           var_list=model.flat_variables(variables),
                           global_step=global_step)
-  # After step t the counter is t: the steps so far were all burn-in while
-  # it has not passed num_burnin_steps.
+  # Burn-in steps do not advance the counter (nor global_step): the
+  # counter is still 0 after a burn-in step.
   shown = dict(damping=opt.damping, lr=opt.learning_rate,
                momentum=opt.momentum, rho=opt.rho, batch=batch_size,
-               burn_in=opt.counter <= FLAGS.num_burnin_steps)
+               burn_in=tf.equal(opt.counter, 0))
   return dict(variables=variables, train_op=train_op, x=None, shown=shown)
 
 

@@ -132,7 +132,8 @@ def make_optimizer(name, hyper, workload, layer_collection=None,
         min_damping=FLAGS.adaptive_min_damping, **ADAPTIVE)
     return opt, dict(damping=opt.damping, lr=opt.learning_rate,
                      momentum=opt.momentum, rho=opt.rho,
-                     burn_in=opt.counter <= ADAPTIVE["num_burnin_steps"])
+                     # burn-in steps leave the counter at 0
+                     burn_in=tf.equal(opt.counter, 0))
   raise ValueError("unknown optimizer %r" % name)
 
 

@@ -388,8 +388,8 @@ def test_kfac_model_change_needs_a_block_with_multiply():
     outs = [tf.matmul(x, w) for x in xs]
     lc = kfac.LayerCollection()
     lc.register_fully_connected_multi(w, xs, outs, approx="kron_series_2")
-    for o in outs:
-      lc.register_squared_error_loss(o, name="l", reuse=True)
+    for i, o in enumerate(outs):
+      lc.register_squared_error_loss(o, name="l", reuse=i > 0)
     loss = tf.add_n([tf.reduce_sum(tf.square(o)) for o in outs])
     opt = kfac.PeriodicInvCovUpdateKfacOpt(
         learning_rate=0.1, damping=0.1, layer_collection=lc,

@@ -787,7 +787,7 @@ def test_registration_errors_name_the_variable():
         fn()
 
     lc.register_conv2d((w, b), 1, "SAME", x, y)
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="already in LayerCollection"):
       lc.register_conv2d((w, b), 1, "SAME", x, y)
     with pytest.raises(ValueError, match="w_conv.*reused"):
       lc.register_conv2d((w, b), 2, "SAME", x,

@@ -114,11 +114,16 @@ def _forward(case, params, x):
 
 
 def _register(lc, case, variables, with_targets=True):
+  seen = set()
   for s in case["specs"]:
     out = _forward(case, variables, tf.constant(s["x"]))
     z = _heads(s["kind"], out)
     t = tf.constant(s["targets"]) if with_targets else None
-    kw = dict(targets=t, name=s["name"], coeff=s["coeff"], reuse=True)
+    # A second loss of the same name is a tower of the first (reuse=True
+    # with no earlier loss of that name raises, as in kfac 0.2.x).
+    kw = dict(targets=t, name=s["name"], coeff=s["coeff"],
+              reuse=s["name"] in seen)
+    seen.add(s["name"])
     kind = s["kind"]
     if kind in ("categorical", "onehot"):
       lc.register_softmax_cross_entropy_loss(z[0], **kw)

@@ -103,6 +103,10 @@ def _make_optimizer(kfac, name, loss_fn, **extra):
         invert_every=2, cov_update_every=2, num_burnin_steps=1,
         learning_rate=0.05, damping=0.05, momentum=0.9,
         estimation_mode="exact", cov_ema_decay=0.9, **extra)
+  if name == "every_step":  # statistics every step, inverses every 2
+    return kfac.PeriodicInvCovUpdateKfacOpt(
+        invert_every=2, learning_rate=0.05, damping=0.05, momentum=0.9,
+        estimation_mode="exact", cov_ema_decay=0.9, **extra)
   if name == "qmodel":  # learning rate and momentum from the exact model
     return kfac.PeriodicInvCovUpdateKfacOpt(
         invert_every=1, learning_rate=None, momentum=None,

@@ -131,7 +131,9 @@ def test_replicas_equal_one(world, replicas):
   # A diagonal factor (the embedding's inputs) reads its moving average at
   # every step, which the lazy sync updates only at inversion steps: the
   # steps differ from the eager sync's, but the replicas still agree.
-  lagging = "embedding:periodic:lazy_statistics_sync"
+  # (Statistics every step, inverses every second step: the lazy sync's
+  # average then lags for a step.)
+  lagging = "embedding:every_step:lazy_statistics_sync"
   results = run_program(replicas, world, cases + [lagging])
   lag = results.pop()
   assert lag["identical"] and lag["moved"] > 0.05, lag

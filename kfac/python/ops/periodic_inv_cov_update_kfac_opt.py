@@ -95,12 +95,15 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
       do_cov = tf.equal(counter % self._cov_update_every, 0)
       if self._num_burnin_steps > 0:
         # Burn-in: every step, into an arithmetic mean (should_decay False);
-        # then the moving average.
+        # then the moving average. (Lazily synchronised statistics under
+        # several replicas fold only into the moving average: there the
+        # burn-in steps feed it too.)
+        burn_kwargs = {} if est._lazy() else dict(should_decay=False)  # pylint: disable=protected-access
         cov_done = tf.group(
             utils.cond_op(tf.logical_and(tf.logical_not(in_burnin), do_cov),
                           lambda: tf.group(*[t() for t in cov_thunks])),
             utils.cond_op(in_burnin, lambda: tf.group(
-                *[t(should_decay=False) for t in cov_thunks])))
+                *[t(**burn_kwargs) for t in cov_thunks])))
       elif self._cov_update_every > 1:
         # Under several replicas the statistics are then reduced only on
         # the steps that fold them.

@@ -39,6 +39,10 @@ def reuse_mode(reuse):
   if reuse is VARIABLE_SCOPE or (isinstance(reuse, str) and
                                  reuse == _OLD_VARIABLE_SCOPE):
     reuse = tf.compat.v1.get_variable_scope().reuse
+    if reuse is True and tf.distribute.has_strategy():
+      # A tf.distribute replica thread after the first runs with a reusing
+      # variable scope; its registrations are that replica's own.
+      reuse = tf.compat.v1.AUTO_REUSE
   if reuse is tf.compat.v1.AUTO_REUSE:
     return AUTO
   if isinstance(reuse, str):
