@@ -16,6 +16,7 @@ import tensorflow as tf
 from kfac.python.ops import data_reader
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import fisher_factors
+from kfac.python.ops import optimizer as optimizer_lib
 from kfac.python.ops import utils
 from kfac.python.ops.compat_utils import legacy_constants
 
@@ -422,6 +423,44 @@ def test_fisher_module_helpers():
     with fisher_factors.maybe_place_on_device(""):
       anywhere = tf.constant(1.)
   assert "CPU:0" in on_cpu.device.upper() and anywhere.device == ""
+
+
+def test_fisher_factors_scope_strings():
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable("layer/w", [2, 2])
+    t = tf.constant(1., name="gradients/add_4_grad/Reshape")
+    assert fisher_factors.scope_string_from_name(t) == (
+        "gradients_add_4_grad_Reshape_0")
+    assert fisher_factors.scope_string_from_name((w, t)) == (
+        "layer_w_0__gradients_add_4_grad_Reshape_0")
+    assert fisher_factors.scope_string_from_params(
+        [w, None, (1, 2, 3), "SAME", 3, True]) == (
+            "layer_w_0_None_1-2-3_SAME_3_True")
+    assert fisher_factors.scalar_or_tensor_to_string(0.5) == "0.5"
+    assert fisher_factors.scalar_or_tensor_to_string(np.int64(3)) == repr(
+        np.int64(3))
+    assert fisher_factors.list_to_string(["a", 2, t]) == (
+        "a_2_gradients_add_4_grad_Reshape_0")
+    with pytest.raises(ValueError, match="unsupported parameter.*dict"):
+      fisher_factors.scope_string_from_params({"a": 1})
+
+
+def test_optimizer_module_helpers():
+  a = [tf.constant([1., 2.]), tf.constant(3.)]
+  b = [tf.constant([4., 5.]), tf.constant(6.)]
+  assert float(optimizer_lib.ip(a, b)) == 1 * 4 + 2 * 5 + 3 * 6
+  pairs_a = list(zip(a, ["x", "y"]))
+  pairs_b = list(zip(b, ["x", "y"]))
+  assert float(optimizer_lib.ip_p(pairs_a, pairs_b)) == 32.
+  assert [float(tf.reduce_sum(x)) for x in optimizer_lib.sprod(2., a)] == [
+      6., 6.]
+  assert [v for _, v in optimizer_lib.sprod_p(2., pairs_a)] == ["x", "y"]
+  optimizer_lib.set_global_constants(include_damping_in_qmodel_change=False)
+  optimizer_lib.set_global_constants()
+  with pytest.raises(ValueError, match="include_damping_in_qmodel_change"):
+    optimizer_lib.set_global_constants(include_damping_in_qmodel_change=True)
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    optimizer_lib.set_global_constants(other=1)
 
   a, g = psd(3), psd(2, seed=3)
   pi_ref = np.sqrt((np.trace(a) / 3) / (np.trace(g) / 2))

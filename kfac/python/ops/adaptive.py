@@ -248,6 +248,11 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
                                      initial_value=_RECORDS[name])
 
   @property
+  def damping_adaptation_interval(self):
+    """How many steps apart the damping rule runs (an int)."""
+    return self._adaptation_interval
+
+  @property
   def rho(self):
     """The last reduction ratio of the damping rule (NaN before the first)."""
     return utils.cast(self._record("rho"), self._dtype)

@@ -194,6 +194,7 @@ class ConvRegistrationMixin:
                                              signature)))
     registered.register_additional_tower(inputs, outputs)
     self._block_params_set(registered, params)
+    self._add_uses(params, 1)
     return registered
 
   def _register_conv(self, params, inputs, outputs, padding, strides,
@@ -433,4 +434,6 @@ class ConvRegistrationMixin:
         list(inputs) if listed else inputs,
         list(outputs) if listed else outputs)
     self._block_params_set(registered, params)
+    # A folded registration is one op of the graph.
+    self._add_uses(params, len(inputs) if listed else 1)
     return registered

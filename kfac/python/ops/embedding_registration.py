@@ -93,6 +93,7 @@ class EmbeddingRegistrationMixin:
     ids_rows, ids_per_example = _ids_layouts(inputs, outputs, bag)
     block.register_additional_tower(ids_rows, ids_per_example, outputs)
     self._block_params_set(block, params)
+    self._add_uses(params, 1)
     return block
 
   def _register_embedding_multi(self, params, inputs, outputs, num_uses,
@@ -129,6 +130,8 @@ class EmbeddingRegistrationMixin:
           "a new tower) with %d." % (name, block.num_uses, num_uses))
     block.register_additional_tower(inputs, outputs)
     self._block_params_set(block, params)
+    # A folded registration is one op of the graph.
+    self._add_uses(params, len(inputs) if isinstance(inputs, tuple) else 1)
     return block
 
   def _embedding_approx(self, params, approx):

@@ -120,7 +120,10 @@ class FisherEstimator:
       return
     if not self._layers.is_finalized:
       self._layers.finalize()
-    self._layers.check_registration(self.variables)
+    # The use count (check_uses) is a heuristic over the graph's ops that
+    # misreads legitimate registrations (uses folded into one gather or
+    # matmul, split outputs): only an explicit check_registration runs it.
+    self._layers.check_registration(self.variables, check_uses=False)
     self._setup()
     self._finalized = True
 

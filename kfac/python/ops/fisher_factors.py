@@ -27,6 +27,10 @@ from kfac.python.ops.scale_shift_factors import *  # pylint: disable=wildcard-im
 from kfac.python.ops.compat_utils.factor_helpers import append_homog  # pylint: disable=g-import-not-at-top
 from kfac.python.ops.compat_utils.factor_helpers import compute_cov  # pylint: disable=g-import-not-at-top
 from kfac.python.ops.compat_utils.factor_helpers import maybe_place_on_device  # pylint: disable=g-import-not-at-top
+from kfac.python.ops.compat_utils.factor_helpers import list_to_string  # pylint: disable=g-import-not-at-top
+from kfac.python.ops.compat_utils.factor_helpers import scalar_or_tensor_to_string  # pylint: disable=g-import-not-at-top
+from kfac.python.ops.compat_utils.factor_helpers import scope_string_from_name  # pylint: disable=g-import-not-at-top
+from kfac.python.ops.compat_utils.factor_helpers import scope_string_from_params  # pylint: disable=g-import-not-at-top
 from kfac.python.ops.compat_utils.legacy_constants import (  # pylint: disable=g-import-not-at-top
     set_fisher_factors_constants as set_global_constants)
 

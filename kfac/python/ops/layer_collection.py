@@ -412,6 +412,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     block = self.register_block(params, block, reuse=reuse)
     block.register_additional_tower(inputs, outputs)
     self._block_params_set(block, params)
+    self._add_uses(params, 1)
     return block
 
   @staticmethod
@@ -466,6 +467,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     block = _GENERIC_APPROX_TO_BLOCK[approx](self, params)
     block = self.register_block(params, block, reuse=reuse)
     block.register_additional_tower(batch_size)
+    self._add_uses(params, float("inf"))  # any number of uses
     return block
 
   def define_linked_parameters(self, params, approximation=None):
@@ -482,9 +484,58 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     self._linked[refs] = approximation
     self._linked_params[refs] = params if len(params) > 1 else params[0]
 
-  def check_registration(self, variables):
+  @property
+  def subgraph(self):
+    """The `utils.SubGraph` of the registered losses' inputs (the ops
+    the losses depend on); None before a loss is registered or outside a
+    graph."""
+    inputs = []
+    for loss in self.losses:
+      inputs.extend(utils.ensure_sequence(loss.inputs))
+    if not inputs or not all(hasattr(t, "op") for t in inputs):
+      return None
+    return utils.SubGraph(inputs)
+
+  def _use_problems(self, variables):
+    """kfac 0.2.x's check that each variable is registered as many times as
+    the losses' graph uses it (an RNN cell used at 3 time steps needs 3
+    uses: register_fully_connected_multi, or 3 towers); generic
+    registrations cover any number. Only in TF1 graphs: in a tf.function
+    trace (and under several replicas) how a variable is read differs, and
+    graph search registers the uses it finds."""
+    if not _in_tf1_graph() or tf.distribute.has_strategy():
+      return []
+    candidates = [v for v in variables if isinstance(v, tf.Variable) and
+                  not math.isinf(self._uses.get(utils.hashable_key(v), 0))]
+    if not candidates:
+      return []
+    subgraph = self.subgraph
+    if subgraph is None:
+      return []
+    problems = []
+    for var in candidates:
+      registered = self._uses.get(utils.hashable_key(var), 0)
+      if not registered:
+        continue  # reported as not registered
+      found = subgraph.variable_uses(var)
+      if registered != found:
+        problems.append(
+            "%s is registered with %d use(s) but the graph of the registered "
+            "losses uses it %d time(s) (register every use: towers with "
+            "reuse=True, or register_*_multi for a layer used several times; "
+            "or register it with register_generic)" %
+            (utils.variable_name(var), registered, found))
+    return problems
+
+  def check_registration(self, variables, check_uses=True):
     """Raises ValueError unless `variables` and the registered variables are
-    the same set, naming the ones that differ."""
+    the same set, naming the ones that differ; with check_uses, also
+    unless each variable is registered as many times as the losses' graph
+    uses it (kfac 0.2.x's check, TF1 graphs only, see _use_problems). The
+    count reads ops, so uses folded into one op (a gather of all positions)
+    or outputs split after one op count differently from their
+    registration: the optimizer and estimator do not run it, only this
+    explicit call does."""
     wanted = collections.OrderedDict(
         (v.ref(), v) for v in utils.ensure_sequence(variables))
     registered = collections.OrderedDict(
@@ -503,6 +554,11 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
           ", ".join(utils.variable_name(v) for v in extra))
     if problems:
       raise ValueError("Variables " + "; ".join(problems) + ".")
+    if check_uses:
+      problems = self._use_problems(list(wanted.values()))
+      if problems:
+        raise ValueError("Variable registration does not match the graph: " +
+                         "; ".join(problems) + ".")
 
   def auto_register_layers(self, var_list=None, batch_size=None):
     """Registers the layers not registered yet by searching the graph.
@@ -722,6 +778,13 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
 
   def total_sampled_loss(self, coeff_mode="regular"):
     return tf.add_n(self.eval_losses("sample", coeff_mode))
+
+
+def _in_tf1_graph():
+  if tf.executing_eagerly():
+    return False
+  return not getattr(tf.compat.v1.get_default_graph(), "building_function",
+                     False)
 
 
 def sqrt_coeff(coeff, dtype):

@@ -116,6 +116,8 @@ class MultiUseRegistrationMixin:
           (names, block.approximation, approx))
     block.register_additional_tower(inputs, outputs)
     self._block_params_set(block, params)
+    # A folded registration is one op of the graph.
+    self._add_uses(params, len(inputs) if isinstance(inputs, tuple) else 1)
     return block
 
 

@@ -50,8 +50,19 @@ from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
 from kfac.python.ops import utils
+from kfac.python.ops.compat_utils import legacy_constants
+from kfac.python.ops.compat_utils import list_algebra
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
+
+# kfac 0.2.x's module-level names: list algebra and set_global_constants
+# (include_damping_in_qmodel_change=False, the old default, is the only
+# behaviour here).
+ip = list_algebra.ip
+ip_p = list_algebra.ip_p
+sprod = list_algebra.sprod
+sprod_p = list_algebra.sprod_p
+set_global_constants = legacy_constants.set_optimizer_constants
 
 _MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")
 
@@ -104,6 +115,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                use_passed_loss=True,
                train_batch=None,
                print_logs=False,
+               tf_replicator=None,
                dtype="float32",
                learning_rate_schedule=None,
                momentum_schedule=None,
@@ -111,7 +123,6 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                compute_norm_stats=False,
                always_use_exact_qmodel_for_damping_adjustment=False,
                lazy_statistics_sync=False,
-               tf_replicator=None,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -177,10 +188,14 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._damping = damping
     self._layers = None
     self._cov_ema_decay = cov_ema_decay
-    if var_list is None and _in_tf1_graph():
-      # kfac 0.2.x: the trainable variables of the graph, now.
-      var_list = tf.compat.v1.trainable_variables()
     self._var_list = None if var_list is None else list(var_list)
+    # kfac 0.2.x's default in a TF1 graph: the graph's trainable variables,
+    # now; a var_list given to minimize / compute_gradients before the
+    # estimator is set up replaces it (so a trainable variable that is not
+    # a parameter, e.g. a damping variable, need not be registered).
+    self._default_var_list = (tf.compat.v1.trainable_variables()
+                              if var_list is None and _in_tf1_graph()
+                              else None)
     self._momentum = momentum
     self._momentum_type = momentum_type
     self._use_weight_decay = use_weight_decay
@@ -217,7 +232,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     if var_list is None:
       # Resolved when the estimator is first used (the collection is
       # finalized then).
-      var_list = lambda: list(layer_collection.registered_variables)  # pylint: disable=g-long-lambda
+      var_list = lambda: list(  # pylint: disable=g-long-lambda
+          self._var_list or self._default_var_list or
+          layer_collection.registered_variables)
     self._estimator = est_lib.make_fisher_estimator(
         placement_strategy=self._placement_strategy,
         variables=var_list,
@@ -351,7 +368,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   def check_var_list(self, var_list):
     """Raises ValueError unless var_list equals the registered variables."""
     self._require_estimator()
-    self._layers.check_registration(var_list)
+    self._layers.check_registration(var_list, check_uses=False)
 
   # ------------------------------------------------------------ gradients
   def compute_gradients(self, loss, var_list=None,
@@ -365,7 +382,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
     if var_list is None:
-      var_list = self._var_list or list(self.registered_variables)
+      var_list = (self._var_list or self._default_var_list or
+                  list(self.registered_variables))
+    elif (self._var_list is None and self._default_var_list is not None and
+          not getattr(self._estimator, "_finalized", False)):
+      self._var_list = list(var_list)
     var_list = list(var_list)
     # Under an Estimator with a distribution strategy, a mean loss is
     # scaled by 1 / replicas (tf.compat.v1.train.Optimizer's rule), so
@@ -416,7 +437,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     if none:
       raise ValueError("No gradient for variables %s: they do not affect the "
                        "loss." % ", ".join(none))
-    self._layers.check_registration([v for _, v in grads_and_vars])
+    self._layers.check_registration([v for _, v in grads_and_vars],
+                                    check_uses=False)
     grads_and_vars = self._reduce_gradients(grads_and_vars)
     if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
       # The quadratic model takes inner products with the gradient.

@@ -55,6 +55,7 @@ class ScaleShiftRegistrationMixin:
     block = self.register_block(params, block, reuse=reuse)
     block.register_additional_tower(inputs, outputs)
     self._block_params_set(block, params)
+    self._add_uses(params, 1)
     return block
 
   def set_default_scale_and_shift_approximation(self, value):

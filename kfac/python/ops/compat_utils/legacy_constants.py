@@ -1,5 +1,5 @@
-"""`set_global_constants` of the old fisher_factors, fisher_blocks and utils
-modules, mapped onto this package's fixed, explicit behaviour.
+"""`set_global_constants` of the old fisher_factors, fisher_blocks, utils and
+optimizer modules, mapped onto this package's fixed, explicit behaviour.
 
 The old library steered its factors through module-level knobs read while
 ops were built. This package has none: each setting is either the one fixed
@@ -60,8 +60,16 @@ def _number(module, name, value, minimum=None):
 _FACTORS = "kfac.fisher_factors"
 _BLOCKS = "kfac.fisher_blocks"
 _UTILS = "kfac.utils"
+_OPTIMIZER = "kfac.optimizer"
 
 LEGACY_SETTINGS = {
+    _OPTIMIZER: {
+        "include_damping_in_qmodel_change": (
+            False, "error", "bool",
+            "the quadratic model's predicted change (qmodel_change, used by "
+            "the damping rule) leaves the damping term out, as the old "
+            "default did"),
+    },
     _FACTORS: {
         "init_covariances_at_zero": (
             True, "warn", "bool",
@@ -241,3 +249,9 @@ def set_utils_constants(posdef_inv_method=None, tf_replicator=None):
   """The old `utils.set_global_constants` (see the module doc)."""
   apply(_UTILS, dict(posdef_inv_method=posdef_inv_method,
                      tf_replicator=tf_replicator))
+
+
+def set_optimizer_constants(include_damping_in_qmodel_change=None):
+  """The old `optimizer.set_global_constants` (see the module doc)."""
+  apply(_OPTIMIZER, dict(
+      include_damping_in_qmodel_change=include_damping_in_qmodel_change))
