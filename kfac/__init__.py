@@ -38,6 +38,8 @@ from kfac.python.ops import schedules
 from kfac.python.ops import state
 from kfac.python.ops import utils
 from kfac.python.ops.kfac_utils import async_inv_cov_update_kfac_opt
+from kfac.python.ops.tensormatch import graph_matcher
+from kfac.python.ops.tensormatch import graph_search
 
 LayerCollection = layer_collection.LayerCollection
 CurvatureMatrixVectorProductComputer = (
@@ -60,7 +62,8 @@ for _name in ("batch_size_schedules", "curvature_matrix_vector_products",
               "loss_functions", "op_queue", "optimizer",
               "periodic_inv_cov_update_kfac_opt",
               "placement", "schedules", "state", "utils",
-              "async_inv_cov_update_kfac_opt"):
+              "async_inv_cov_update_kfac_opt", "graph_matcher",
+              "graph_search"):
   _sys.modules.setdefault(__name__ + "." + _name, globals()[_name])
 del _name, _sys
 
@@ -79,5 +82,5 @@ __all__ = [
     "curvature_matrix_vector_products", "data_reader", "data_reader_alt",
     "schedules", "estimator", "fisher_blocks", "fisher_factors", "layer_collection",
     "linear_operator", "loss_functions", "op_queue", "optimizer", "placement", "state", "utils", "StateStore",
-    "keras",
+    "graph_matcher", "graph_search", "keras",
 ]

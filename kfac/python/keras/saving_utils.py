@@ -24,19 +24,19 @@ from kfac.python.keras import keras_flavor
 from kfac.python.keras import optimizers
 
 
-def load_model(filepath, custom_objects=None, compile=True,  # pylint: disable=redefined-builtin
-               optimizer_name=None, **kwargs):
+def load_model(filepath, custom_objects=None, optimizer_name=None,
+               compile=True, **kwargs):  # pylint: disable=redefined-builtin
   """keras.saving.load_model with Kfac registered and wired to the model.
 
   Args:
     filepath: a `.keras` file written by model.save(...) (TF2), or an HDF5
       file path or `h5py.File` (TF1 graph mode, as kfac 0.2.x).
     custom_objects: extra custom objects, as for keras.saving.load_model.
-    compile: False loads the model without its optimizer.
     optimizer_name: TF1 graph mode: the name (variable scope) of the
       loaded Kfac optimizer, to keep several in one graph apart. In TF2 the
       optimizers' state variables never clash and the name is only the
       optimizer's `name` where the Keras flavour lets it be set.
+    compile: False loads the model without its optimizer.
     **kwargs: passed on to the Keras loader.
 
   Returns:

@@ -591,3 +591,20 @@ def test_pattern_matcher_works_on_func_graphs():
   weights = found["weights"]
   assert weights.dtype == tf.resource and weights.op.type == "Placeholder"
   assert found["linear_op"].type == "MatMul"
+
+
+def test_row_bias_is_part_of_the_dense_layer():
+  """A [1, out] bias (accepted by register_fully_connected, as in kfac
+  0.2.x) is found with its weights."""
+  with tf.Graph().as_default():
+    x = tf.constant(np.ones([4, 3], np.float32))
+    w = tf.compat.v1.get_variable("w", [3, 2])
+    b = tf.compat.v1.get_variable("b", [1, 2])
+    logits = tf.matmul(x, w) + b
+    lc = kfac.LayerCollection()
+    lc.register_categorical_predictive_distribution(logits)
+    lc.auto_register_layers(var_list=[w, b])
+    assert [tuple(v.name for v in kfac.utils.ensure_sequence(p))
+            for p in lc.fisher_blocks] == [("w:0", "b:0")]
+    block = lc.fisher_blocks[(w, b)]
+    assert type(block).__name__ == "FullyConnectedKFACBasicFB"

@@ -36,3 +36,5 @@ PI_TYPE = PI_TRACENORM_NAME
 # kfac 0.2.x's full generic block base class; its only full block is
 # NaiveFullFB (isinstance(block, FullFB) holds for generic "full" blocks).
 FullFB = NaiveFullFB
+# Likewise kfac 0.2.x's diagonal base class: the generic diagonal block.
+DiagonalFB = NaiveDiagonalFB

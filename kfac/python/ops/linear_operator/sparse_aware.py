@@ -31,7 +31,7 @@ class LinearOperatorExtras(object):
         x, adjoint=adjoint, adjoint_arg=adjoint_arg, name=name)
 
   def matmul_right(self, x, adjoint=False, adjoint_arg=False,
-                   name="matmul_right"):
+                   name="matmul"):
     """x @ A (with A or x adjointed as asked)."""
     with tf.name_scope(name):
       if isinstance(x, tf.IndexedSlices):

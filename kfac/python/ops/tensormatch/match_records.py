@@ -275,13 +275,17 @@ def record_affine_from_bindings(bindings, consumed_tensors,
 
 
 def _bias_fits(biases, weights, record_type):
-  """A bias of the layer's outputs: shape [outputs]."""
+  """A bias of the layer's outputs: shape [outputs] (dense layers also
+  [1, outputs], which register_fully_connected accepts, as kfac 0.2.x)."""
   dims = weights.shape.as_list()
   if record_type is RecordType.depthwise_conv2d:
     outputs = dims[-2] * dims[-1] if None not in dims[-2:] else None
   else:
     outputs = dims[-1]
-  return biases.shape.rank == 1 and biases.shape.as_list()[0] == outputs
+  shape = biases.shape.as_list() if biases.shape.rank is not None else None
+  if record_type is RecordType.fully_connected and shape == [1, outputs]:
+    return True
+  return shape == [outputs]
 
 
 def _conv_record_data(op, weights, bindings, data):
