@@ -616,3 +616,30 @@ def test_dependence_check_finds_the_variable_without_building_gradients(
              tf.compat.v1.Variable(np.zeros(3), use_resource=False))
   w, b = tf.Variable(np.ones((3, 3))), tf.Variable(np.zeros(3))
   tf.function(lambda: register(w, b) and None)()
+
+
+def test_folded_uses_with_an_unknown_batch_dimension():
+  """kfac 0.2.x accepted folded uses of unknown batch size: they train, and
+  a feed whose rows do not divide into the uses is an error naming the
+  layer, not a silently wrong statistic."""
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+    w = tf.Variable(np.random.RandomState(0).randn(3, 2))
+    out = tf.matmul(x, w)
+    lc = kfac.LayerCollection()
+    lc.register_fully_connected_multi(w, x, out, num_uses=3)
+    lc.register_squared_error_loss(out)
+    loss = tf.reduce_mean(tf.square(out))
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=0.1, damping=0.1, layer_collection=lc, invert_every=1)
+    train = opt.minimize(loss, var_list=[w])
+    data = np.random.RandomState(1).randn(6, 3)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      before = sess.run(loss, {x: data})
+      for _ in range(3):
+        sess.run(train, {x: data})
+      assert sess.run(loss, {x: data}) < before
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match="Layer .*not a multiple of num_uses=3"):
+        sess.run(train, {x: data[:5]})

@@ -161,11 +161,22 @@ def _normalize_uses(names, inputs, outputs, num_uses):
         "pass lists over uses)." % names)
   _check_num_uses(names, num_uses)
   for what, x in (("inputs", inputs), ("outputs", outputs)):
-    rows = x.shape[0] if x.shape.rank else None
+    rows = tf.compat.dimension_value(x.shape[0]) if x.shape.rank else None
     if rows is not None and rows % num_uses:
       raise ValueError(
           "Layer %s: the folded %s have %d rows, not a multiple of "
           "num_uses=%d." % (names, what, rows, num_uses))
+  if (num_uses > 1 and inputs.shape.rank and
+      tf.compat.dimension_value(inputs.shape[0]) is None):
+    # An unknown batch dimension: checked when the statistics are computed
+    # (the inputs feed only them; the outputs' gradients must stay on the
+    # tensors the loss uses).
+    check = tf.debugging.assert_equal(
+        tf.math.floormod(tf.shape(inputs)[0], num_uses), 0,
+        message="Layer %s: the folded inputs' rows are not a multiple of "
+        "num_uses=%d" % (names, num_uses))
+    with tf.control_dependencies([check]):
+      inputs = tf.identity(inputs)
   return inputs, outputs, num_uses
 
 
