@@ -120,6 +120,21 @@ def test_mlp_classifier_trains_and_counts_steps():
   assert losses[-1] < 0.3 * losses[0], losses
 
 
+def _softmax_head_step(lc, h, y_np, classes, name, invert_every):
+  """The old examples' head: a registered dense softmax layer, the mean
+  cross-entropy and a PeriodicInvCovUpdateKfacOpt step with global_step."""
+  logits, params, _ = _dense(h, classes, name)
+  lc.register_fully_connected(params, h, logits)
+  lc.register_softmax_cross_entropy_loss(logits)
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=tf.constant(y_np), logits=logits))
+  opt = kfac.PeriodicInvCovUpdateKfacOpt(
+      invert_every=invert_every, layer_collection=lc, learning_rate=0.05,
+      damping=0.01, momentum=0.9)
+  return loss, opt.minimize(
+      loss, global_step=tf1.train.get_or_create_global_step()), None
+
+
 def test_convnet_pattern_trains():
   x_np, y_np = _data((6, 6, 2))
 
@@ -133,16 +148,7 @@ def test_convnet_pattern_trains():
     lc.register_conv2d((k, kb), (1, 1, 1, 1), "SAME", x, pre)
     h = tf.reshape(tf.nn.max_pool2d(tf.nn.relu(pre), 2, 2, "SAME"),
                    [N, 3 * 3 * 4])
-    logits, params, _ = _dense(h, 3, "fc")
-    lc.register_fully_connected(params, h, logits)
-    lc.register_softmax_cross_entropy_loss(logits)
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.constant(y_np), logits=logits))
-    opt = kfac.PeriodicInvCovUpdateKfacOpt(
-        invert_every=2, layer_collection=lc, learning_rate=0.05,
-        damping=0.01, momentum=0.9)
-    return loss, opt.minimize(
-        loss, global_step=tf1.train.get_or_create_global_step()), None
+    return _softmax_head_step(lc, h, y_np, 3, "fc", invert_every=2)
 
   losses, _, gs = _train(build, 30)
   assert gs == 30 and np.all(np.isfinite(losses))
@@ -173,16 +179,7 @@ def test_rnn_multi_use_pattern_trains():
       h = tf.tanh(pre)
     lc.register_fully_connected_multi((w_in, b_in), ins, outs,
                                       approx="kron_indep")
-    logits, params, _ = _dense(h, 2, "out")
-    lc.register_fully_connected(params, h, logits)
-    lc.register_softmax_cross_entropy_loss(logits)
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.constant(y_np), logits=logits))
-    opt = kfac.PeriodicInvCovUpdateKfacOpt(
-        invert_every=3, layer_collection=lc, learning_rate=0.05,
-        damping=0.01, momentum=0.9)
-    return loss, opt.minimize(
-        loss, global_step=tf1.train.get_or_create_global_step()), None
+    return _softmax_head_step(lc, h, y_np, 2, "out", invert_every=3)
 
   losses, _, gs = _train(build, 30)
   assert gs == 30 and np.all(np.isfinite(losses))

@@ -41,6 +41,8 @@ model of the update actually applied, without the damping term:
   (about two backward passes) on every step.
 """
 
+import warnings
+
 import tensorflow as tf
 
 from kfac.python.ops import adaptive_damping
@@ -61,6 +63,11 @@ _RECORDS = {
     "update_norm": float("nan"),
 }
 _NORM_RECORDS = ("grad_norm", "precon_grad_norm", "update_norm")
+
+
+class IgnoredArgumentWarning(UserWarning):
+  """An optimizer argument that has no effect with the other arguments
+  given (e.g. damping_adaptation_interval without adapt_damping)."""
 
 # Arguments that only matter with adapt_damping (or calibrate_damping) and
 # their defaults.
@@ -156,11 +163,14 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
         () if adapt_damping or calibrate else _DAMPING_TARGET_DEFAULTS)
     for arg, default in unused:
       if args[arg] != default:
-        raise ValueError("%s=%r only matters with adapt_damping=True%s: "
-                         "pass that too, or leave %s at %r." %
-                         (arg, args[arg], "" if arg in dict(
-                             _DAMPING_RULE_DEFAULTS) else
-                          " or calibrate_damping=True", arg, default))
+        # kfac 0.2.x accepted these silently (its examples pass them
+        # whatever adapt_damping is): a warning, not an error.
+        warnings.warn("%s=%r only matters with adapt_damping=True%s; it is "
+                      "ignored (pass that too, or leave %s at %r)." %
+                      (arg, args[arg], "" if arg in dict(
+                          _DAMPING_RULE_DEFAULTS) else
+                       " or calibrate_damping=True", arg, default),
+                      IgnoredArgumentWarning, stacklevel=4)
     if adapt_damping or calibrate:
       what = "adapt_damping=True" if adapt_damping else (
           "calibrate_damping=True")
