@@ -385,8 +385,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
       var_list = (self._var_list or self._default_var_list or
                   list(self.registered_variables))
     elif (self._var_list is None and self._default_var_list is not None and
-          not getattr(self._estimator, "_finalized", False)):
-      self._var_list = list(var_list)
+          not getattr(self._estimator, "_finalized", False) and
+          self._layers is not None and
+          {v.ref() for v in var_list} ==
+          {v.ref() for v in self._layers.registered_variables}):
+      self._var_list = list(var_list)  # (a wrong one is reported below)
     var_list = list(var_list)
     # Under an Estimator with a distribution strategy, a mean loss is
     # scaled by 1 / replicas (tf.compat.v1.train.Optimizer's rule), so
