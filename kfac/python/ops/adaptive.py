@@ -258,6 +258,16 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
                                      initial_value=_RECORDS[name])
 
   @property
+  def _loss_tensor(self):
+    """The `loss` given to the constructor (kfac 0.2.x's private name, read
+    by code written for it)."""
+    return self._loss
+
+  @property
+  def _damping_adaptation_interval(self):
+    return self._adaptation_interval
+
+  @property
   def damping_adaptation_interval(self):
     """How many steps apart the damping rule runs (an int)."""
     return self._adaptation_interval

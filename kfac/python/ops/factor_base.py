@@ -174,6 +174,11 @@ class FisherFactor(abc.ABC):
   def get_cov(self):
     """The statistic as a dense matrix."""
 
+  @property
+  def cov(self):
+    """The statistic (kfac 0.2.x's name; the same as get_cov())."""
+    return self.get_cov()
+
   @abc.abstractmethod
   def normalized_trace(self):
     """trace(cov) / dim, used by the pi-adjusted damping split."""
