@@ -556,7 +556,6 @@ def test_damping_calibration_during_burn_in(world, momentum_type, initial):
           norm_constraint=1.0), "norm_constraint"),
     (dict(learning_rate=0.1, qmodel_update_rescale=0.5),
      "qmodel_update_rescale"),
-    (dict(learning_rate=0.1, loss_fn=lambda b: 0.0), "loss_fn=..."),
     (dict(learning_rate=0.1, adapt_damping=True), "needs loss_fn"),
     (dict(learning_rate=0.1, adapt_damping=True, loss_fn=lambda b: 0.0,
           damping=tf.constant(0.1)), "initial damping"),
@@ -582,6 +581,7 @@ def test_argument_errors(kwargs, match):
     dict(damping_adaptation_interval=10),
     dict(damping_adaptation_decay=0.9, min_damping=1e-4),
     dict(always_use_exact_qmodel_for_damping_adjustment=True),
+    dict(loss_fn=lambda b: 0.0, loss=tf.constant(1.0)),
     dict(calibrate_damping=True, num_burnin_steps=3,
          loss_fn=lambda b: 0.0, damping_adaptation_interval=2),
 ])
@@ -596,7 +596,12 @@ def test_arguments_of_the_damping_rule_without_it_warn(kwargs):
     cls(**args)
   named = " ".join(str(w.message) for w in caught)
   for arg in kwargs:
-    if arg not in ("calibrate_damping", "num_burnin_steps", "loss_fn"):
+    if "calibrate_damping" in kwargs and arg in (
+        "calibrate_damping", "num_burnin_steps", "loss_fn"):
+      continue  # the calibration uses them
+    if arg in ("loss", "loss_fn"):
+      assert arg + "=... is used by the damping adaptation only" in named
+    else:
       assert arg + "=" in named and "only matters with adapt_damping" in named
 
 

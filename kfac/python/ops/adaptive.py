@@ -189,11 +189,12 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
       self._damping = self._make_damping_variable(self._damping, what)
     else:
       for arg in ("loss", "loss_fn", "train_batch", "prev_train_batch"):
-        if args[arg] is not None:
-          raise ValueError(
-              "%s=... is used by the damping adaptation only: pass "
-              "adapt_damping=True (or calibrate_damping=True to "
-              "PeriodicInvCovUpdateKfacOpt), or drop it." % arg)
+        if args[arg] is not None:  # kfac 0.2.x accepted them silently
+          warnings.warn(
+              "%s=... is used by the damping adaptation only and is ignored "
+              "here: pass adapt_damping=True (or calibrate_damping=True to "
+              "PeriodicInvCovUpdateKfacOpt), or drop it." % arg,
+              IgnoredArgumentWarning, stacklevel=4)
     self._qmodel_update_rescale = qmodel_update_rescale
     self._adapt_damping = bool(adapt_damping)
     self._exact_damping_model = bool(
