@@ -238,6 +238,7 @@ test-tf215: $(STAMP215)
 # tests run with the Python of $(VENV). Not part of `make test` or CI.
 BAZEL_DEBS  := bazel-bootstrap bazel-bootstrap-source
 BAZEL_FLAGS ?= --jobs=2 --local_test_jobs=1
+OLD_KFAC_DIR := $(CURDIR)/$(VENV)/kfac-0.2.4-api
 
 .PHONY: bazel-test
 bazel-test: venv data
@@ -249,4 +250,8 @@ bazel-test: venv data
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq $(BAZEL_DEBS) >/dev/null || exit 1; \
 	fi
-	bazel test $(BAZEL_FLAGS) --test_env=PATH=$(CURDIR)/$(VENV)/bin:/usr/local/bin:/usr/bin:/bin //...
+	@# api_surface_test compares with kfac 0.2.4, fetched here (Bazel runs offline).
+	@[ -f $(OLD_KFAC_DIR)/kfac/__init__.py ] || $(VPY) -m pip install -q --no-deps \
+	  --disable-pip-version-check --target $(OLD_KFAC_DIR) kfac==0.2.4
+	bazel test $(BAZEL_FLAGS) --test_env=PATH=$(CURDIR)/$(VENV)/bin:/usr/local/bin:/usr/bin:/bin \
+	  --test_env=KFAC_OLD_PACKAGE_DIR=$(OLD_KFAC_DIR) //...
