@@ -165,6 +165,28 @@ def test_determinism_and_seeds():
   assert isinstance(r.seed, int)
 
 
+def test_gather_reader_without_seed_follows_the_graph_seed():
+  """seed=None: a program that sets tf.compat.v1.set_random_seed (TF1) or
+  tf.random.set_seed (TF2) reads the same batches on every run, as with
+  kfac 0.2.x's reader; another graph seed reads others."""
+  def tf1_seed(graph_seed):
+    with tf.Graph().as_default():
+      tf.compat.v1.set_random_seed(graph_seed)
+      return data_reader_alt.VariableBatchReader(
+          tf.constant(dataset()[0]), MAX).seed
+
+  def tf2_seed(global_seed):
+    tf.random.set_seed(global_seed)
+    return data_reader_alt.VariableBatchReader(dataset(), MAX).seed
+
+  try:
+    for make in (tf1_seed, tf2_seed):
+      assert make(5) == make(5)
+      assert make(5) != make(6)
+  finally:
+    tf.random.set_seed(None)
+
+
 def test_gather_reader_batches_larger_than_dataset():
   data = dataset(4)
   sizes = [7, 3, 7, 1, 6]

@@ -27,6 +27,7 @@ calls the reader once, `cached_batch` is the previous step's batch (0 rows
 before the first call), whether it is read before or after the call.
 """
 
+import contextlib
 import random
 
 import tensorflow as tf
@@ -57,7 +58,10 @@ class VariableBatchReader(data_reader.ReaderBase):
       directly; call the reader in their graph).
     max_batch_size: positive int, the largest batch size a call may ask for
       (old scripts pass the number of examples here, which works).
-    seed: int or None (None: a random seed, see `seed`).
+    seed: int or None (None: derived from the graph-level / global seed
+      when one is set, `tf.compat.v1.set_random_seed` / `tf.random.set_seed`,
+      as kfac 0.2.x's reader followed it; otherwise a random seed; see
+      `seed`).
 
   `reader(batch_size)` returns a list of tensors (one per component) with
   `batch_size` rows, the examples at the next `batch_size` indices of the
@@ -80,7 +84,7 @@ class VariableBatchReader(data_reader.ReaderBase):
     else:
       super().__init__(dataset, max_batch_size, seed)
     if self._seed is None:
-      self._seed = random.SystemRandom().randrange(2**31)
+      self._seed = _default_seed(self._graph)
     self._state = {}  # outer context key -> (constants, perm, epoch, pos)
     if tf.executing_eagerly():
       self._get_state()
@@ -119,7 +123,8 @@ class VariableBatchReader(data_reader.ReaderBase):
 
   @property
   def seed(self):
-    """The seed in use (drawn at random when None was passed)."""
+    """The seed in use (derived from the global seed, or drawn at random,
+    when None was passed)."""
     return self._seed
 
   def _get_state(self):
@@ -231,3 +236,18 @@ class CachedDataReader(VariableBatchReader):
     """The previous step's batch: a list of tensors, one per component."""
     indices = self._cache.read()[0]
     return self._gather(indices)
+
+
+def _default_seed(graph=None):
+  """The reader's seed when none was passed: from the graph-level (TF1) or
+  global (TF2) seed and the op count, as TensorFlow derives an op's seed,
+  so that a program that sets one reads the same batches on every run;
+  random otherwise."""
+  context = (graph.as_default() if graph is not None else
+             contextlib.nullcontext())
+  with context:
+    global_seed, op_seed = tf.compat.v1.get_seed(None)
+  if global_seed is None:
+    return random.SystemRandom().randrange(2**31)
+  return (int(global_seed) * 1000003 + int(op_seed or 0)) % (2**31)
+
