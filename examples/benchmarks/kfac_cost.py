@@ -28,6 +28,9 @@ a curve) to --output_dir, and printed:
    damping, with damping adaptation (K-FAC-matrix model, or the exact model
    every step), with the quadratic-model learning rate and momentum
    ("qmodel"), and with both.
+6. The cost of the non-finite guard (docs/reliability.md) on the
+   autoencoder and the convnet: ms per PeriodicInvCovUpdateKfacOpt step
+   with skip_non_finite_steps False and True, measured like 5.
 
 Everything runs in TF1 Session graphs (one `session.run` per timed call);
 times are medians over --reps calls after warm-up calls.
@@ -73,6 +76,8 @@ flags.DEFINE_enum("dataset", "auto", ["auto", "digits", "fashion_mnist"],
 flags.DEFINE_bool("quick", False, "Tiny sizes (digits, widths 64/128, "
                   "batches 32/64, 2 reps): checks that everything runs.")
 flags.DEFINE_integer("seed", 0, "Seed.")
+flags.DEFINE_list("parts", ["inverse", "statistics", "split", "adaptive",
+                            "guard"], "Which measurements to run.")
 
 
 def _median_ms(run, reps, warmup=2):
@@ -297,12 +302,33 @@ ADAPTIVE_VARIANTS = (
 )
 
 
+# The non-finite guard (docs/reliability.md) on and off.
+GUARD_VARIANTS = (
+    ("guard off (skip_non_finite_steps=False)", dict(
+        learning_rate=0.01, momentum=0.9, skip_non_finite_steps=False)),
+    ("guard on (the default)", dict(learning_rate=0.01, momentum=0.9)),
+)
+
+
 def adaptive_cost(workload, data):
   """Rows (variant, ms per step) of adaptive K-FAC's step variants."""
+  return variant_cost(workload, data, ADAPTIVE_VARIANTS, "adaptive cost")
+
+
+def guard_cost(workload, data):
+  """Rows (variant, ms per step) with the non-finite guard off and on."""
+  return variant_cost(workload, data, GUARD_VARIANTS,
+                      "guard cost %s" % workload.name)
+
+
+def variant_cost(workload, data, variants, what):
+  """Rows (variant, ms per step, ratio to the first variant) of
+  PeriodicInvCovUpdateKfacOpt steps with the options of `variants`, timed
+  in blocks of invert_every steps taking turns."""
   batch = min(workload.batch_size, len(data))
   x_np, y_np = workloads_lib.random_batch(data, batch, FLAGS.seed)
   steps = []
-  for label, options in ADAPTIVE_VARIANTS:
+  for label, options in variants:
     graph = tf.Graph()
     with graph.as_default():
       x, y = tf.constant(x_np), tf.constant(y_np)
@@ -340,7 +366,7 @@ def adaptive_cost(workload, data):
     sess.close()
     ms = 1e3 * float(np.median(times[label]))
     rows.append(dict(variant=label, ms=ms, ratio=ms / base))
-    print("adaptive cost %-30s %7.1f ms/step (%.2fx)" % (label, ms, ms / base),
+    print("%s: %-40s %7.1f ms/step (%.3fx)" % (what, label, ms, ms / base),
           flush=True)
   return rows
 
@@ -424,6 +450,13 @@ def write_report(results, out_dir):
               _table(["variant", "ms/step", "vs fixed"],
                      [[r["variant"], "%.1f" % r["ms"], "%.2fx" % r["ratio"]]
                       for r in adaptive]), ""]
+  guard = results.get("guard_cost")
+  if guard:
+    parts += ["## Cost of the non-finite guard (ms per step)", "",
+              _table(["workload", "variant", "ms/step", "vs guard off"],
+                     [[w, r["variant"], "%.1f" % r["ms"],
+                       "%.3fx" % r["ratio"]]
+                      for w, rows in guard for r in rows]), ""]
   text = "\n".join(parts)
   with open(os.path.join(out_dir, "kfac_cost.md"), "w") as f:
     f.write(text)
@@ -502,7 +535,9 @@ def main(argv):
     FLAGS.reps = 2
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   print(_machine_line(), flush=True)
-  results = dict(inverse_cost=inverse_cost(widths))
+  parts = set(FLAGS.parts)
+  results = dict(inverse_cost=inverse_cost(widths) if "inverse" in parts
+                 else [])
   data = {}
 
   def data_for(workload):
@@ -516,13 +551,21 @@ def main(argv):
   if dataset == "auto":
     small = data_for(autoencoder).name == "digits"
     autoencoder = workloads_lib.get("autoencoder", small=small)
-  results["statistics_cost"] = statistics_cost(data_for(autoencoder),
-                                               batch_sizes)
+  results["statistics_cost"] = (
+      statistics_cost(data_for(autoencoder), batch_sizes)
+      if "statistics" in parts else [])
   results["step_split"] = [
       step_split(w, data_for(w)) for w in
-      (workloads_lib.get(name, small=small) for name in FLAGS.workloads)]
-  results["adaptive_cost"] = adaptive_cost(autoencoder,
-                                           data_for(autoencoder))
+      (workloads_lib.get(name, small=small) for name in FLAGS.workloads)
+  ] if "split" in parts else []
+  if "adaptive" in parts:
+    results["adaptive_cost"] = adaptive_cost(autoencoder,
+                                             data_for(autoencoder))
+  if "guard" in parts:
+    results["guard_cost"] = [
+        (name, guard_cost(w, data_for(w))) for name, w in
+        ((name, workloads_lib.get(name, small=small))
+         for name in ("autoencoder", "convnet"))]
   text = write_report(results, FLAGS.output_dir)
   print()
   print(text)

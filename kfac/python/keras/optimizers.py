@@ -305,6 +305,11 @@ class KfacKerasMixin:
     return self.apply_gradients(list(zip(grads, variables)))
 
   @property
+  def skipped_steps(self):
+    """How many steps the non-finite guard skipped (docs/reliability.md)."""
+    return self._kfac_core.skipped_steps
+
+  @property
   def state_store(self):
     """The K-FAC state (factors, inverses, velocities, counter)."""
     return self._kfac_state
@@ -467,8 +472,11 @@ class KfacKerasMixin:
           "Kfac has no model: create it with Kfac(..., model=model), call "
           "optimizer.register_model(model), or load a saved model with "
           "kfac.keras.saving_utils.load_model.")
+    # The samples of a step are drawn from (seed, steps taken): a step the
+    # non-finite guard skipped (which Keras counts in `iterations`) does
+    # not shift the samples of the steps after it.
     seed = tf.stack([tf.constant(self._kfac_seed, tf.int64),
-                     tf.cast(iteration, tf.int64)])
+                     self._kfac_core.steps_taken()])
     if replicas > 1:  # each replica samples its own targets
       seed = seed + tf.stack([
           tf.cast(collective.replica_id(), tf.int64) * 1000003,
@@ -508,6 +516,7 @@ class KfacKerasMixin:
       return
     step = tf.cast(iteration, tf.int64)
     _write_scalar("kfac/learning_rate", self._kfac_lr_tensor(), step)
+    _write_scalar("kfac/skipped_steps", self._kfac_core.skipped_steps, step)
     for name in ("damping", "momentum"):
       var = self._kfac_hyper.get(name)
       if var is not None:
@@ -705,13 +714,7 @@ def _current_graph():
   return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
-def _in_xla_context():
-  try:
-    from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return False
-  return control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
+_in_xla_context = kfac_utils.in_xla_context
 
 
 _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.

@@ -393,7 +393,12 @@ def test_zero_momentum_applies_a_sparse_update_and_clips_on_slices():
     sq_other = opt._squared_fisher_norm(  # pylint: disable=protected-access
         grads_and_vars[1:], precon[1:])
     train_op = opt.apply_gradients(grads_and_vars)
-    ops = [op.type for op in graph.get_operations()]
+    # (The update runs in the non-finite guard's conditional: its ops are
+    # in a function of the graph's library.)
+    graph_def = graph.as_graph_def()
+    ops = [node.op for node in graph_def.node]
+    ops += [node.op for fn in graph_def.library.function
+            for node in fn.node_def]
     assert "ResourceScatterAdd" in ops
     cov_op = tf.group(*[f.make_covariance_update_op(0.0)
                         for f in opt.factors])

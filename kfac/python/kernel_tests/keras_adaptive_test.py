@@ -240,7 +240,7 @@ def test_tensorboard_scalars_and_config(tmp_path):
           base.fit_with_summaries(model, tmp_path, 2).items()}
   assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",
                           "kfac/momentum", "kfac/qmodel_change",
-                          "kfac/rho"], seen
+                          "kfac/rho", "kfac/skipped_steps"], seen
   assert all(q < 0 for q in seen["kfac/qmodel_change"])
   assert np.isfinite(seen["kfac/rho"][0])
   config = opt.get_config()

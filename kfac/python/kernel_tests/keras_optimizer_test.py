@@ -395,7 +395,8 @@ def test_tensorboard_scalars(tmp_path):
   opt.damping = 0.02
   seen = fit_with_summaries(model, tmp_path, 2)
   assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",
-                          "kfac/momentum"], seen
+                          "kfac/momentum", "kfac/skipped_steps"], seen
+  assert seen["kfac/skipped_steps"] == [(0, 0), (1, 0)]
   assert seen["kfac/damping"] == [(0, pytest.approx(0.02)),
                                   (1, pytest.approx(0.02))]
   assert seen["kfac/learning_rate"][0][1] == pytest.approx(LR)

@@ -30,6 +30,7 @@ from kfac.python.ops import state
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import lazy_sync
+from kfac.python.ops.reliability import nonfinite
 
 
 @utils.exclude_from_autograph
@@ -50,7 +51,8 @@ class FisherEstimator:
                compute_params_stats=False,
                batch_size=None,
                state_store=None,
-               lazy_statistics_sync=False):
+               lazy_statistics_sync=False,
+               skip_non_finite=True):
     """Creates the estimator.
 
     Args:
@@ -79,6 +81,10 @@ class FisherEstimator:
       lazy_statistics_sync: under several replicas, reduce the statistics
         across replicas only when the inverses are recomputed
         (distribute/lazy_sync.py) instead of at every statistics update.
+      skip_non_finite: a statistics update whose statistics are not all
+        finite leaves the factor unchanged, and an inverse update that gives
+        non-finite values keeps the previous inverse
+        (reliability/nonfinite.py).
 
     Raises:
       ValueError: for an unknown mode, a missing batch_size, no registered
@@ -110,6 +116,7 @@ class FisherEstimator:
     self._params_stats = None
     self._lazy_statistics_sync = bool(lazy_statistics_sync)
     self._lazy_sync_ops = {}
+    self._skip_non_finite = bool(skip_non_finite)
     self._finalized = False
 
   def _finalize(self):
@@ -322,22 +329,107 @@ class FisherEstimator:
                 "lazy_statistics_sync=True under several replicas." %
                 (should_decay,))
           with self._scope(scope):
-            return lazy_sync.fold_op(factor, self._cov_ema_decay, examples)
+            if not self._skip_non_finite:
+              return lazy_sync.fold_op(factor, self._cov_ema_decay, examples)
+            pairs = factor.covariance_statistics()
+            return nonfinite.guarded_op(
+                [t for t, _ in pairs], lambda: lazy_sync.fold_op(
+                    factor, self._cov_ema_decay, examples, pairs))
         return thunk
       return [make_local(f) for f in self.factors]
     reduced = self._reduced_statistics(scope)
 
     def make(factor):
       def thunk(should_decay=True):
-        decay, weight = self._decay_and_weight(should_decay)
-        extra = () if weight is None else (weight,)
         with self._scope(scope):
-          if reduced is None:
-            return factor.make_covariance_update_op(decay, *extra)
-          return factor.make_covariance_assign_op(reduced[factor.name],
-                                                  decay, *extra)
+          stats = (reduced[factor.name] if reduced is not None else
+                   [t for t, _ in factor.covariance_statistics()])
+          return self._guarded_assign(factor, stats, should_decay,
+                                      self._skip_non_finite)
       return thunk
     return [make(f) for f in self.factors]
+
+  def _guarded_assign(self, factor, stats, should_decay, check):
+    """Folds `stats` into the factor's average; with `check`, only when
+    they are all finite (else the factor is left as it was)."""
+    decay, weight = self._decay_and_weight(should_decay)
+    extra = () if weight is None else (weight,)
+
+    def assign():
+      return factor.make_covariance_assign_op(stats, decay, *extra)
+    if not check:
+      return assign()
+    return nonfinite.guarded_op(stats, assign)
+
+  def checked_cov_update(self, pred, gate=None, should_decay=True,
+                         scope=None, conditional_reduction=False):
+    """The statistics update of a training step, guarded against
+    non-finite values (reliability/nonfinite.py).
+
+    When `pred` (a Python bool or a boolean tensor) and `gate` (a boolean
+    tensor: the step's loss and gradients are finite; None: no guard) hold,
+    computes every factor's statistics and, with a gate, folds them in only
+    if all of them are finite. Returns a boolean tensor: False when the
+    statistics were computed and are not all finite (the step must then be
+    skipped), True otherwise. Under several replicas the statistics are
+    reduced before the check, so the flag is the same on every replica.
+    With lazy_statistics_sync, or `conditional_reduction` (reduce only when
+    `pred` holds: conditional_cov_update), each factor is guarded on its
+    own and the flag is True.
+    """
+    always = pred is True
+    if self._lazy() or (conditional_reduction and
+                        collective.is_distributed()):
+      if gate is not None:
+        pred = tf.logical_and(pred, gate)
+      if self._lazy():
+        thunks = self._cov_update_thunks(scope)
+        op = utils.cond_op(pred, lambda: tf.group(
+            *[t(should_decay) for t in thunks]))
+      else:
+        op = self.conditional_cov_update(pred, scope)
+      with tf.control_dependencies([op]):
+        return tf.constant(True)
+
+    # The statistics are computed on `pred` alone, so that they run in
+    # parallel with the model's backward pass (which `gate` waits for); only
+    # folding them in waits for the gate.
+    def fold(stats, flag):
+      def assign_all():
+        return tf.group(*[
+            self._guarded_assign(f, stats[f.name], should_decay, False)
+            for f in self.factors])
+      if flag is None:
+        return assign_all()
+      return utils.cond_op(tf.logical_and(flag, gate), assign_all)
+
+    def when_pred(make_op):
+      return make_op() if always else utils.cond_op(pred, make_op)
+
+    if collective.is_distributed():
+      stats = self._reduced_statistics(scope)
+      flag = None
+      if gate is not None:
+        flag = nonfinite.finite_flag(
+            [t for factor in self.factors for t in stats[factor.name]])
+      op = when_pred(lambda: fold(stats, flag))
+      with tf.control_dependencies([op]):
+        if flag is None:
+          return tf.constant(True)
+        if always:
+          return tf.identity(flag)
+        return tf.logical_or(tf.logical_not(pred), flag)
+
+    def compute_and_fold():
+      with self._scope(scope):
+        owners, tensors, _ = self._local_statistics()
+        flag = None if gate is None else nonfinite.finite_flag(tensors)
+        op = fold(self._by_factor(owners, tensors), flag)
+      with tf.control_dependencies([op]):
+        return tf.constant(True) if flag is None else tf.identity(flag)
+    if always:
+      return compute_and_fold()
+    return tf.cond(pred, compute_and_fold, lambda: tf.constant(True))
 
   def _local_statistics(self):
     """(factors, statistics, symmetric) of this replica's batch, in order
@@ -385,7 +477,6 @@ class FisherEstimator:
     with self._scope(scope):
       owners, tensors, symmetric = self._local_statistics()
       examples = self.replica_examples()
-    decay = self._cov_ema_decay
 
     def fold_reduced(tensors, examples):
       with self._scope(scope), tf.name_scope("cross_replica_statistics"):
@@ -393,7 +484,8 @@ class FisherEstimator:
                                         weight=examples)
         stats = self._by_factor(owners, reduced)
         return tf.group(*[
-            factor.make_covariance_assign_op(stats[factor.name], decay)
+            self._guarded_assign(factor, stats[factor.name], True,
+                                 self._skip_non_finite)
             for factor in self.factors])
 
     return collective.cross_replica_cond(pred, fold_reduced,

@@ -21,6 +21,7 @@ import tensorflow as tf
 from kfac.python.ops import linalg
 from kfac.python.ops import state
 from kfac.python.ops import utils
+from kfac.python.ops.reliability import nonfinite
 
 
 def normalize_sources(tensors):
@@ -167,7 +168,9 @@ class FisherFactor(abc.ABC):
     return list(getattr(self, "_vars", {}).values())
 
   def make_inverse_update_ops(self):
-    return [var.assign(utils.cast(value, var.dtype))
+    """Assigns the new inverses; one that is not finite (after the float64
+    retry of linalg) is not assigned: the factor keeps its previous one."""
+    return [nonfinite.assign_if_finite(var, value)
             for var, value in self.inverse_values()]
 
   @abc.abstractmethod

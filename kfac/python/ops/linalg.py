@@ -9,7 +9,10 @@ float32 (see `_float32_is_unsafe`). The switch is decided *before* the
 decomposition from a cheap bound: an ill-conditioned factor then costs one
 float64 factorisation instead of a float32 one plus a retry, and the result
 does not depend on how a device reports a failed Cholesky (TensorFlow 2.21's
-CPU kernel returns NaNs; other kernels and versions raise an error).
+CPU kernel returns NaNs; other kernels and versions raise an error). A
+float32 result that is not finite anyway is recomputed in float64; one
+that is still not finite is not stored (the factor keeps its previous
+inverse: FisherFactor.make_inverse_update_ops).
 """
 
 import tensorflow as tf
@@ -53,7 +56,11 @@ def _with_float64_fallback(fn, mat, damping):
     return tf.cast(out, mat.dtype)
 
   def in_native():
-    return fn(mat, utils.cast(damping, mat.dtype))
+    # Retried in float64 when the bound passed but the result is not
+    # finite anyway (e.g. a factor with entries near float32's range).
+    out = fn(mat, utils.cast(damping, mat.dtype))
+    return tf.cond(tf.reduce_all(tf.math.is_finite(out)),
+                   lambda: out, in_float64)
 
   return tf.cond(_float32_is_unsafe(mat, damping), in_float64, in_native)
 
@@ -84,8 +91,18 @@ def damped_cholesky_inverse(mat, damping):
 
 
 def eigh(mat):
-  """Eigendecomposition (eigenvalues, eigenvectors) of a symmetric matrix."""
-  return tf.linalg.eigh(symmetrize(mat))
+  """Eigendecomposition (eigenvalues, eigenvectors) of a symmetric matrix,
+  retried in float64 when the result in mat's dtype is not finite."""
+  if mat.dtype == tf.float64:
+    return tf.linalg.eigh(symmetrize(mat))
+  evals, evecs = tf.linalg.eigh(symmetrize(mat))
+  finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(evals)),
+                          tf.reduce_all(tf.math.is_finite(evecs)))
+
+  def in_float64():
+    e, v = tf.linalg.eigh(symmetrize(tf.cast(mat, tf.float64)))
+    return tf.cast(e, mat.dtype), tf.cast(v, mat.dtype)
+  return tf.cond(finite, lambda: (evals, evecs), in_float64)
 
 
 def matpower_from_eigh(evals, evecs, exp, damping, clip_negative=True):

@@ -302,9 +302,24 @@ def _random_uniform(shape, seed, dtype):
   return tf.random.uniform(shape, seed=seed, dtype=dtype)
 
 
+def _samplable_logits(logits):
+  """`logits` with each row that has a NaN or +Inf, or no finite entry,
+  replaced by zeros: sampling from such a row would give an out-of-range
+  class id (an error in the loss of the sample). The statistics of such a
+  step are not finite anyway, and the non-finite guard discards them
+  (reliability/nonfinite.py). -Inf entries (masked classes) are kept."""
+  finite = tf.math.is_finite(logits)
+  usable = tf.logical_or(finite, tf.equal(logits, -float("inf")))
+  row_ok = tf.logical_and(tf.reduce_all(usable, axis=-1, keepdims=True),
+                          tf.reduce_any(finite, axis=-1, keepdims=True))
+  return tf.where(row_ok, logits, tf.zeros_like(logits))
+
+
 def _random_categorical(logits, seed):
-  """[n, 1] class ids drawn from the rows of `logits`. The stateless path
-  uses the Gumbel-max trick (argmax of logits + Gumbel noise)."""
+  """[n, 1] class ids drawn from the rows of `logits` (see
+  _samplable_logits). The stateless path uses the Gumbel-max trick (argmax
+  of logits + Gumbel noise)."""
+  logits = _samplable_logits(logits)
   if _is_stateless_seed(seed):
     uniform = counter_random.uniform(tf.shape(logits), seed, logits.dtype)
     gumbel = -tf.math.log(-tf.math.log(uniform))

@@ -54,6 +54,7 @@ from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.compat_utils import list_algebra
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
+from kfac.python.ops.reliability import nonfinite
 
 # kfac 0.2.x's module-level names: list algebra and set_global_constants
 # (include_damping_in_qmodel_change=False, the old default, is the only
@@ -123,6 +124,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                compute_norm_stats=False,
                always_use_exact_qmodel_for_damping_adjustment=False,
                lazy_statistics_sync=False,
+               skip_non_finite_steps=True,
+               max_consecutive_skipped_steps=10,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -134,6 +137,14 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     `var_list` (default: in a TF1 graph the trainable variables when the
     optimizer is created, as in kfac 0.2.x; in a TF2 trace the registered
     variables) must equal the registered variables.
+
+    `skip_non_finite_steps` (default True): a step whose loss, gradients
+    or new statistics are not all finite changes no state and no variable;
+    it is counted in `skipped_steps`, the first one prints a warning, and
+    `max_consecutive_skipped_steps` in a row raise an error naming what was
+    not finite (reliability/nonfinite.py, docs/reliability.md). False
+    removes the checks (a little faster; one bad batch then poisons the
+    statistics).
 
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,
@@ -207,9 +218,12 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._placement_strategy = placement_strategy
     self._placement_kwargs = placement_kwargs
     self._lazy_statistics_sync = lazy_statistics_sync
+    self._skip_non_finite = bool(skip_non_finite_steps)
     self._compute_params_stats = compute_params_stats
     self._dtype = tf.as_dtype(dtype)
     self._store = state.StateStore(name)
+    self._guard = nonfinite.NonFiniteGuard(
+        self._store, max_consecutive_skipped_steps, name)
     self._var_keys = {}
     self._estimator = None
     self._exps = (-1,)
@@ -249,6 +263,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
         compute_params_stats=self._compute_params_stats,
         batch_size=self._batch_size,
         lazy_statistics_sync=self._lazy_statistics_sync,
+        skip_non_finite=self._skip_non_finite,
         state_store=self._store,
         **self._placement_kwargs)
 
@@ -334,6 +349,24 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   @property
   def counter(self):
     return self._store.get_or_create("counter", [], tf.int64)
+
+  def steps_taken(self):
+    """An int64 tensor: the training steps this optimizer has taken
+    (counter, plus the burn-in steps of PeriodicInvCovUpdateKfacOpt);
+    steps skipped by the non-finite guard are not counted. A stateless
+    sampling seed made from it repeats after a checkpoint restore and is
+    not shifted by a skipped step."""
+    return tf.convert_to_tensor(self.counter)
+
+  @property
+  def skipped_steps(self):
+    """How many steps the non-finite guard skipped (an int64 variable)."""
+    return self._guard.skipped_steps
+
+  @property
+  def consecutive_skipped_steps(self):
+    """Steps skipped since the last step that was taken."""
+    return self._guard.consecutive_skipped_steps
 
   @property
   def state_store(self):
@@ -424,9 +457,43 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                       layer_collection=None):
     """Applies one K-FAC step with the current factors/inverses."""
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
+    return self._checked_step(grads_and_vars, global_step, name)
+
+  def _checked_step(self, grads_and_vars, global_step, name):
+    """The step with the current inverses, skipped (and counted) when the
+    non-finite guard finds a non-finite loss or gradient."""
+    checks = self._input_checks(grads_and_vars)
     with tf.name_scope(name or self.get_name()):
       update = self._compute_update(grads_and_vars)
-      return self._finish(self._commit(update), global_step)
+      ok = self._update_checks(checks, update)
+      return self._finish(self._commit(update, active=ok), global_step,
+                          active=ok, checks=checks, ok=ok)
+
+  @staticmethod
+  def _update_checks(checks, update):
+    """Adds the update's changes of the variables to `checks` (a step whose
+    inputs are finite can still overflow) and returns whether the step may
+    be taken (None without the guard)."""
+    if checks is None:
+      return None
+    for delta, var in update.deltas:
+      checks.add("update of " + utils.variable_name(var), [delta])
+    return checks.ok()
+
+  def _input_checks(self, grads_and_vars):
+    """The non-finite guard's checks of the step's loss and gradients
+    (reliability/nonfinite.py); None without the guard. Under several
+    replicas only the summed gradients decide (the same on every
+    replica)."""
+    if not self._skip_non_finite:
+      return None
+    checks = nonfinite.Checks()
+    loss = self._passed_loss
+    if loss is not None and not collective.is_distributed():
+      checks.add("loss", [loss])
+    for grad, var in grads_and_vars:
+      checks.add("gradient of " + utils.variable_name(var), [grad])
+    return checks
 
   def _prepare(self, grads_and_vars, layer_collection=None):
     """Checks the graph mode and the variables; densifies the gradients
@@ -574,10 +641,16 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._commit_active = None
     return result
 
-  def _finish(self, step_op, global_step, active=None):
+  def _finish(self, step_op, global_step, active=None, checks=None,
+              ok=None):
     """After `step_op`: counter += 1 and global_step += 1 (with a boolean
-    tensor `active`, only when it holds: burn-in steps count neither)."""
+    tensor `active`, only when it holds: burn-in steps and skipped steps
+    count neither); with the guard's `checks`, the step is counted as
+    skipped unless `ok` (nonfinite.NonFiniteGuard.record)."""
     self._passed_loss = None
+    if checks is not None:
+      with tf.control_dependencies([step_op]):
+        step_op = self._guard.record(ok, checks, self.counter)
     with tf.control_dependencies([step_op]):
       def one(dtype):
         if active is None:

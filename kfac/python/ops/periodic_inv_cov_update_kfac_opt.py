@@ -77,13 +77,21 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
     """How many burn-in steps have run (they do not advance `counter`)."""
     return self._store.get_or_create("burnin_counter", [], tf.int64)
 
+  def steps_taken(self):
+    taken = super().steps_taken()
+    if self._num_burnin_steps > 0:
+      taken += tf.convert_to_tensor(self.burnin_counter)
+    return taken
+
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
     est = self._require_estimator()
     est.instantiate_variables()
-    (_, cov_thunks, _, inv_thunks) = est.create_ops_and_vars_thunks(
+    (_, _, _, inv_thunks) = est.create_ops_and_vars_thunks(
         scope=self.get_name())
+    checks = self._input_checks(grads_and_vars)
+    gate = None if checks is None else checks.ok()
 
     with tf.name_scope(name or self.get_name()):
       counter = tf.convert_to_tensor(self.counter)
@@ -93,29 +101,36 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
       else:
         in_burnin = tf.constant(False)
       do_cov = tf.equal(counter % self._cov_update_every, 0)
+      scope = self.get_name()
       if self._num_burnin_steps > 0:
         # Burn-in: every step, into an arithmetic mean (should_decay False);
         # then the moving average. (Lazily synchronised statistics under
         # several replicas fold only into the moving average: there the
         # burn-in steps feed it too.)
-        burn_kwargs = {} if est._lazy() else dict(should_decay=False)  # pylint: disable=protected-access
-        cov_done = tf.group(
-            utils.cond_op(tf.logical_and(tf.logical_not(in_burnin), do_cov),
-                          lambda: tf.group(*[t() for t in cov_thunks])),
-            utils.cond_op(in_burnin, lambda: tf.group(
-                *[t(**burn_kwargs) for t in cov_thunks])))
-      elif self._cov_update_every > 1:
-        # Under several replicas the statistics are then reduced only on
-        # the steps that fold them.
-        cov_done = est.conditional_cov_update(do_cov, scope=self.get_name())
+        burn_decay = True if est._lazy() else False  # pylint: disable=protected-access
+        stats_ok = tf.logical_and(
+            est.checked_cov_update(
+                tf.logical_and(tf.logical_not(in_burnin), do_cov), gate,
+                scope=scope),
+            est.checked_cov_update(in_burnin, gate, burn_decay, scope=scope))
       else:
-        cov_done = tf.group(*[t() for t in cov_thunks])
-      with tf.control_dependencies([cov_done]):
+        # With cov_update_every > 1 under several replicas the statistics
+        # are reduced only on the steps that fold them.
+        stats_ok = est.checked_cov_update(
+            True if self._cov_update_every == 1 else do_cov, gate,
+            scope=scope, conditional_reduction=self._cov_update_every > 1)
+      ok = None
+      if checks is not None:
+        checks.add_flag("curvature statistics", stats_ok)
+        ok = checks.ok()
+      with tf.control_dependencies([stats_ok]):
         do_inv = tf.logical_and(
             tf.logical_not(in_burnin),
             tf.equal(counter % self._invert_every, 0))
         if self._calibrate_damping:
           do_inv = tf.logical_or(in_burnin, do_inv)
+        if ok is not None:
+          do_inv = tf.logical_and(do_inv, ok)
         # Inverse updates that talk to other replicas (replica_round_robin)
         # need the conditional taken for all replicas at once.
         cond = (collective.cross_replica_cond
@@ -125,19 +140,28 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
         # Built outside the burn-in condition: the quadratic model's
         # curvature products are gradients, which tf.cond branches cannot
         # take of tensors built outside them. Only the commit is skipped
-        # during burn-in.
+        # during burn-in (and on skipped steps).
         update = self._compute_update(grads_and_vars)
+        if checks is not None:
+          ok = self._update_checks(checks, update)
+        active = _both(None if self._num_burnin_steps == 0 else
+                       tf.logical_not(in_burnin), ok)
+        calibrated = []
+        if self._calibrate_damping:
+          calibrated = [utils.cond_op(_both(in_burnin, ok),
+                                      lambda: self._calibration_op(update))]
+        with tf.control_dependencies(calibrated):
+          stepped = self._commit(update, active=active)
         if self._num_burnin_steps > 0:
-          calibrated = []
-          if self._calibrate_damping:
-            calibrated = [utils.cond_op(
-                in_burnin, lambda: self._calibration_op(update))]
-          with tf.control_dependencies(calibrated):
-            stepped = self._commit(update, active=tf.logical_not(in_burnin))
           with tf.control_dependencies([stepped]):
-            burned = self.burnin_counter.assign_add(
-                tf.cast(in_burnin, tf.int64))
-          return self._finish(burned, global_step,
-                              active=tf.logical_not(in_burnin))
-        stepped = self._commit(update)
-      return self._finish(stepped, global_step)
+            stepped = self.burnin_counter.assign_add(
+                tf.cast(_both(in_burnin, ok), tf.int64))
+      return self._finish(stepped, global_step, active=active, checks=checks,
+                          ok=ok)
+
+
+def _both(a, b):
+  """a and b for boolean tensors, where None stands for True."""
+  if a is None or b is None:
+    return b if a is None else a
+  return tf.logical_and(a, b)

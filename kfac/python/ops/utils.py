@@ -175,6 +175,18 @@ def cond_op(pred, make_op):
   return tf.cond(pred, run, lambda: tf.constant(False))
 
 
+def in_xla_context():
+  """Whether ops built now are compiled by XLA (jit_compile=True), which
+  cannot compile prints, assertions or summary writes."""
+  try:
+    from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  if tf.executing_eagerly():
+    return False
+  return control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())
+
 
 # ---------------------------------------------------------------------------
 # The rest of the old `kfac.utils` public names (kfac 0.2.x). Defined in

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
+from kfac.python.ops.reliability import nonfinite
 
 
 def _cost(shape):
@@ -112,5 +113,5 @@ class ReplicaRoundRobinPlacementMixin:
           variables.append(var)
           values.append(value)
       summed = collective.all_reduce(values, collective.SUM)
-      return tf.group(*[var.assign(value)
+      return tf.group(*[nonfinite.assign_if_finite(var, value)
                         for var, value in zip(variables, summed)])

@@ -41,11 +41,12 @@ from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
 
 
-def fold_op(factor, ema_decay, examples):
-  """Folds this replica's statistics into its local accumulator (no
-  communication); `examples` is the replica's batch size, its weight in
-  the reduction."""
-  pairs = factor.covariance_statistics()
+def fold_op(factor, ema_decay, examples, pairs=None):
+  """Folds this replica's statistics (`pairs`, default the factor's
+  covariance_statistics()) into its local accumulator (no communication);
+  `examples` is the replica's batch size, its weight in the reduction."""
+  if pairs is None:
+    pairs = factor.covariance_statistics()
   stats = [stat for stat, _ in pairs]
   store = factor.state_store
   accs = [store.get_or_create("%s/local_stat%d" % (factor.name, i),

@@ -112,9 +112,7 @@ class AsyncInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
           scope=self.get_name())
       with tf.name_scope(self.get_name() + "_async"):
         self._cov_inv_ops = [thunk() for thunk in cov_thunks + inv_thunks]
-    with tf.name_scope(name or self.get_name()):
-      update = self._compute_update(grads_and_vars)
-      return self._finish(self._commit(update), global_step)
+    return self._checked_step(grads_and_vars, global_step, name)
 
   def _check_distributable(self):
     raise NotImplementedError(
