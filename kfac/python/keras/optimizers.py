@@ -55,6 +55,7 @@ from kfac.python.keras import utils as keras_utils
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
 from kfac.python.ops import utils as kfac_utils
 from kfac.python.ops.distribute import collective
+from kfac.python.ops.reliability import arguments
 
 # Hyperparameters kept in variables, so that callbacks and users can change
 # them between steps without retracing.
@@ -69,6 +70,10 @@ _KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
                        "loss_scale_factor", "gradient_accumulation_steps",
                        "weight_decay", "jit_compile", "is_legacy_optimizer")
 _STATE_PREFIX = "kfac_state:"
+# What the hyperparameters must satisfy (reliability/arguments.py).
+_RULES = {"damping": arguments.POSITIVE, "momentum": arguments.MOMENTUM,
+          "weight_decay_coeff": arguments.NON_NEGATIVE,
+          "norm_constraint": arguments.POSITIVE}
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 _OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                          "adapt_damping", "use_passed_loss",
@@ -124,6 +129,9 @@ def _check_before_base(learning_rate, adaptive, kfac_kwargs):
           (kfac_kwargs["momentum"],))
   elif learning_rate is None:
     raise ValueError("Kfac needs learning_rate (adaptive=False).")
+  if arguments.is_number(learning_rate):
+    arguments.check("Kfac", "learning_rate", learning_rate,
+                    arguments.NON_NEGATIVE)
 
 
 class KfacKerasMixin:
@@ -182,6 +190,7 @@ class KfacKerasMixin:
       value = values.get(name)
       if value is None:
         continue
+      arguments.check("Kfac", name, value, _RULES[name])
       if not kfac_utils.is_python_number(value):
         raise ValueError("Kfac's %s must be a number (schedules: use "
                          "kfac.keras.callbacks), got %r." % (name, value))

@@ -186,7 +186,8 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
         raise ValueError(
             "%s needs loss_fn=..., a function of a batch that returns the "
             "loss, to evaluate the loss after the update." % what)
-      self._damping = self._make_damping_variable(self._damping, what)
+      self._damping = self._make_damping_variable(
+          self._damping, what, args["min_damping"])
     else:
       for arg in ("loss", "loss_fn", "train_batch", "prev_train_batch"):
         if args[arg] is not None:  # kfac 0.2.x accepted them silently
@@ -216,13 +217,15 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     self._print_logs = args["print_logs"]
     self._passed_loss = None
 
-  def _make_damping_variable(self, damping, what):
+  def _make_damping_variable(self, damping, what, floor=0.0):
     if isinstance(damping, tf.Variable):
       if not damping.dtype.is_floating or damping.shape.rank != 0:
         raise ValueError("%s with a damping variable needs a floating-point "
                          "scalar, got %s %s." %
                          (what, damping.dtype.name, damping.shape))
       return damping
+    if utils.is_python_number(damping) and damping == 0 and floor > 0:
+      damping = floor  # the rule keeps the damping >= min_damping
     if not utils.is_python_number(damping) or damping <= 0:
       raise ValueError(
           "%s needs the initial damping as a positive Python number (or a "

@@ -30,6 +30,7 @@ from kfac.python.ops import state
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import lazy_sync
+from kfac.python.ops.reliability import arguments
 from kfac.python.ops.reliability import nonfinite
 
 
@@ -91,6 +92,8 @@ class FisherEstimator:
         losses, or variables that do not match the registrations.
     """
     estimation_modes.check_mode(estimation_mode)
+    arguments.check(type(self).__name__, "cov_ema_decay", cov_ema_decay,
+                    arguments.UNIT_INTERVAL)
     if compute_params_stats and batch_size is None:
       raise ValueError("Batch size needs to be passed in when "
                        "compute_params_stats is True.")

@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from kfac.python.ops import adaptive
 from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import estimation_modes
 from kfac.python.ops import estimator as est_lib
 from kfac.python.ops import state
 from kfac.python.ops import utils
@@ -54,6 +55,7 @@ from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.compat_utils import list_algebra
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
+from kfac.python.ops.reliability import arguments
 from kfac.python.ops.reliability import nonfinite
 
 # kfac 0.2.x's module-level names: list algebra and set_global_constants
@@ -186,10 +188,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                        momentum_type)
     if damping is None:
       raise ValueError("damping is required.")
-    if norm_constraint is not None and utils.is_python_number(
-        norm_constraint) and norm_constraint <= 0:
-      raise ValueError("norm_constraint must be positive, got %s." %
-                       norm_constraint)
+    self._check_arguments(locals())
     # Unknown strategies fail here, not at the first step; so do arguments
     # the strategy's estimator does not take.
     est_class = est_lib.estimator_class(placement_strategy)
@@ -233,6 +232,61 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                          for name in adaptive.ARGUMENTS})
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
+
+  def _check_arguments(self, args):
+    """Checks the hyperparameters (reliability/arguments.py): numbers now,
+    tensors, variables and callables with every step (_runtime_checks)."""
+    owner = type(self).__name__
+    floor = args["min_damping"]
+    adaptive_floor = (args["adapt_damping"] and
+                      arguments.is_number(floor) and floor > 0)
+    self._checked_hyperparameters = [
+        ("learning_rate", args["learning_rate"], arguments.NON_NEGATIVE),
+        # The damping rule keeps the damping >= min_damping: with a positive
+        # floor it may start at 0.
+        ("damping", args["damping"], arguments.NON_NEGATIVE
+         if adaptive_floor else arguments.POSITIVE),
+        ("momentum", args["momentum"], arguments.MOMENTUM),
+        ("weight_decay_coeff", args["weight_decay_coeff"],
+         arguments.NON_NEGATIVE),
+        ("norm_constraint", args["norm_constraint"], arguments.POSITIVE),
+    ]
+    for name, value, rule in self._checked_hyperparameters:
+      arguments.check(owner, name, value, rule, allow_none=True)
+    for name, rule in (("cov_ema_decay", arguments.UNIT_INTERVAL),
+                       ("l2_reg", arguments.NON_NEGATIVE),
+                       ("min_damping", arguments.NON_NEGATIVE),
+                       ("precon_damping_mult", arguments.POSITIVE),
+                       ("qmodel_update_rescale", arguments.POSITIVE)):
+      if not arguments.is_number(args[name]) and args[name] is not None:
+        raise ValueError("%s: %s must be a number, got %r." %
+                         (owner, name, args[name]))
+      arguments.check(owner, name, args[name], rule, allow_none=True)
+    if not utils.is_tensor_or_variable(args["batch_size"]):
+      arguments.check_count(owner, "batch_size", args["batch_size"], 1,
+                            allow_none=True)
+    arguments.check_count(owner, "damping_adaptation_interval",
+                          args["damping_adaptation_interval"], 1)
+    estimation_modes.check_mode(args["estimation_mode"])
+    try:
+      tf.as_dtype(args["dtype"])
+    except TypeError:
+      raise ValueError("%s: dtype must be a floating-point dtype, got %r." %
+                       (owner, args["dtype"])) from None
+    if not tf.as_dtype(args["dtype"]).is_floating:
+      raise ValueError("%s: dtype must be a floating-point dtype, got %r." %
+                       (owner, args["dtype"]))
+
+  def _runtime_checks(self):
+    """Assertions of the hyperparameters given as tensors, variables or
+    callables (the optimizer's own adapted values excepted)."""
+    owned = {"damping"} if self._damping_is_stored else set()
+    if self._momentum_type.startswith("qmodel"):
+      owned.update(("learning_rate", "momentum"))
+    return arguments.runtime_checks(
+        type(self).__name__,
+        [(n, v, r) for n, v, r in self._checked_hyperparameters
+         if n not in owned])
 
   # ------------------------------------------------------------ set-up
   def set_layer_collection(self, layer_collection):
@@ -560,6 +614,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     `_Update` with the change of each variable, the new velocities, the
     values to record, and the predicted change of the loss."""
     update = _Update()
+    update.checks = self._runtime_checks()
     if self._momentum_type.startswith("qmodel"):
       return self._qmodel_update(grads_and_vars, update)
     est = self._require_estimator()
@@ -763,7 +818,8 @@ def _check_estimator_kwargs(est_class, kwargs):
       accepted.update(inspect.signature(init).parameters)
   unknown = sorted(set(kwargs) - accepted)
   if unknown:
-    raise TypeError("KfacOptimizer got unexpected arguments %s (placement "
+    raise TypeError("KfacOptimizer got unexpected keyword arguments %s ("
+                    "placement "
                     "arguments: cov_devices, inv_devices, trans_devices for "
                     "the round-robin placement, distribute_transformations "
                     "for replica_round_robin)." % ", ".join(unknown))
@@ -780,6 +836,7 @@ class _Update:
     self.records = {}           # name -> float64 value to keep readable
     self.model_change = None    # q(delta) for the damping rule, or
     self.model_change_fn = None  # a function building it where it is used
+    self.checks = []            # assertions of tensor hyperparameters
 
   def predicted_change(self):
     """q(delta): the tensor computed with the update, or built now (inside
@@ -793,6 +850,7 @@ class _Update:
   def dependencies(self):
     """The tensors of the update (to order state changes after them)."""
     out = [d.values if _is_slices(d) else d for d, _ in self.deltas]
+    out.extend(self.checks)
     if self.model_change is not None:
       out.append(self.model_change)
     return out

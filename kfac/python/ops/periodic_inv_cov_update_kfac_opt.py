@@ -27,6 +27,7 @@ import tensorflow as tf
 from kfac.python.ops import optimizer
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
+from kfac.python.ops.reliability import arguments
 
 
 @utils.exclude_from_autograph
@@ -52,7 +53,9 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
           "steps: pass num_burnin_steps > 0 (e.g. 10).")
     self._calibrate_damping = bool(calibrate_damping)
     if kfac_kwargs.get("cov_ema_decay") is not None:
-      decay = kfac_kwargs["cov_ema_decay"]
+      decay = arguments.check(type(self).__name__, "cov_ema_decay",
+                              kfac_kwargs["cov_ema_decay"],
+                              arguments.UNIT_INTERVAL)
       kfac_kwargs["cov_ema_decay"] = decay**self._cov_update_every
     super().__init__(**kfac_kwargs)
 
