@@ -19,6 +19,7 @@ import tensorflow as tf
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import linalg
 from kfac.python.ops import utils
+from kfac.python.ops.reliability import shapes
 
 
 class FisherBlock(abc.ABC):
@@ -29,10 +30,18 @@ class FisherBlock(abc.ABC):
     self._params = params
     self._damping_func = None
     self._name = None
+    self._row_checks = []  # run-time checks of the towers' row counts
 
   @property
   def params(self):
     return self._params
+
+  @property
+  def row_checks(self):
+    """Assertions that each tower's inputs and outputs have the same number
+    of rows (reliability/shapes.py); the statistics are computed after
+    them."""
+    return list(self._row_checks)
 
   def set_name(self, name):
     self._name = name
@@ -127,6 +136,10 @@ class InputsOutputsTowersMixin:
     self._outputs = []
 
   def register_additional_tower(self, inputs, outputs):
+    # Inputs and outputs must be the same examples (checked when the
+    # statistics are computed, when a batch size is unknown).
+    self._row_checks.extend(shapes.layer_row_checks(inputs, outputs,
+                                                    self.name))
     self._inputs.append(inputs)
     self._outputs.append(outputs)
 

@@ -36,6 +36,7 @@ from kfac.python.ops.block_base import FisherBlock
 from kfac.python.ops.block_base import InputsOutputsTowersMixin
 from kfac.python.ops.block_base import KroneckerProductFB
 from kfac.python.ops.block_base import TwoFactorKroneckerMixin
+from kfac.python.ops.reliability import shapes
 
 __all__ = [
     "ConvKFCBasicFB",
@@ -232,11 +233,13 @@ class ConvKFCBasicMultiIndepFB(ConvKFCBasicFB):
     if isinstance(inputs, (list, tuple)):
       if self._num_uses is None:
         self._num_uses = len(inputs)
-      self._inputs.append(tuple(inputs))
-      self._outputs.append(tuple(outputs))
+      inputs, outputs = tuple(inputs), tuple(outputs)
     else:
-      self._inputs.append((inputs,))
-      self._outputs.append((outputs,))
+      inputs, outputs = (inputs,), (outputs,)
+    self._row_checks.extend(shapes.layer_row_checks(inputs, outputs,
+                                                    self.name))
+    self._inputs.append(inputs)
+    self._outputs.append(outputs)
 
   @property
   def num_locations(self):

@@ -331,7 +331,7 @@ class FisherEstimator:
                 "should_decay=%r is not supported with "
                 "lazy_statistics_sync=True under several replicas." %
                 (should_decay,))
-          with self._scope(scope):
+          with self._scope(scope), self._row_checks():
             if not self._skip_non_finite:
               return lazy_sync.fold_op(factor, self._cov_ema_decay, examples)
             pairs = factor.covariance_statistics()
@@ -344,7 +344,7 @@ class FisherEstimator:
 
     def make(factor):
       def thunk(should_decay=True):
-        with self._scope(scope):
+        with self._scope(scope), self._row_checks():
           stats = (reduced[factor.name] if reduced is not None else
                    [t for t, _ in factor.covariance_statistics()])
           return self._guarded_assign(factor, stats, should_decay,
@@ -434,15 +434,23 @@ class FisherEstimator:
       return compute_and_fold()
     return tf.cond(pred, compute_and_fold, lambda: tf.constant(True))
 
+  def _row_checks(self):
+    """A context under which statistics are computed after the blocks'
+    run-time row checks (reliability/shapes.py)."""
+    return tf.control_dependencies([
+        c for block in self.blocks
+        for c in getattr(block, "row_checks", [])])
+
   def _local_statistics(self):
     """(factors, statistics, symmetric) of this replica's batch, in order
     (a factor may have several statistics)."""
     owners, tensors, symmetric = [], [], []
-    for factor in self.factors:
-      for stat, sym in factor.covariance_statistics():
-        owners.append(factor)
-        tensors.append(stat)
-        symmetric.append(sym)
+    with self._row_checks():
+      for factor in self.factors:
+        for stat, sym in factor.covariance_statistics():
+          owners.append(factor)
+          tensors.append(stat)
+          symmetric.append(sym)
     return owners, tensors, symmetric
 
   @staticmethod

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from kfac.python.ops import counter_random
 from kfac.python.ops import utils
+from kfac.python.ops.reliability import shapes
 
 
 def _tfp_distributions():
@@ -197,7 +198,9 @@ class NegativeLogProbLoss(LossFunction):
   def _cast_targets(self, targets):
     """Floating-point targets take the dtype of the predictions (as Keras
     does with y_true); integer labels stay integers."""
-    targets = tf.convert_to_tensor(targets)
+    targets = shapes.checked_rows(
+        tf.convert_to_tensor(targets), self.inputs[0],
+        "loss %s" % type(self).__name__, "targets", "predictions")
     if targets.dtype.is_floating and targets.dtype != self.dtype:
       targets = tf.cast(targets, self.dtype)
     return targets
