@@ -17,8 +17,9 @@ optimizer's StateStore, created on the first step and found again on every
 retrace; it is saved by `model.save(...)` (with the Keras optimizer
 variables) and by `tf.train.Checkpoint`.
 
-Sampled targets use stateless random ops seeded with (seed, iteration), so a
-run restored from a checkpoint continues on exactly the same trajectory.
+Sampled targets use stateless random ops seeded with (seed, steps taken; the
+seed is kept with the K-FAC state), so a run restored from a checkpoint
+continues on exactly the same trajectory.
 
 adaptive=True: the learning rate and momentum come from the quadratic model
 (momentum_type "qmodel") and the damping from the Levenberg-Marquardt rule
@@ -39,7 +40,6 @@ that `tf.keras` resolves to (Keras 3, or tf_keras with
 TF_USE_LEGACY_KERAS=1).
 """
 
-import random
 import warnings
 import weakref
 
@@ -173,7 +173,10 @@ class KfacKerasMixin:
     self._kfac_train_batch = train_batch
     self._kfac_fisher_approx = dict(fisher_approx or {})
     if seed is None:
-      seed = random.randrange(2**31 - 1)
+      # Deterministic by default (a run and its resumed copy draw the same
+      # samples); tf.random.set_seed / keras.utils.set_random_seed choose
+      # another.
+      seed = int(_global_seed() or 0) % (2**31 - 1)
     self._kfac_seed = int(seed)
     object.__setattr__(self, "_kfac_model_ref", None)
     self._kfac_report = None
@@ -484,7 +487,10 @@ class KfacKerasMixin:
     # The samples of a step are drawn from (seed, steps taken): a step the
     # non-finite guard skipped (which Keras counts in `iterations`) does
     # not shift the samples of the steps after it.
-    seed = tf.stack([tf.constant(self._kfac_seed, tf.int64),
+    # The seed is K-FAC state too: a checkpoint restores it.
+    seed_var = self._kfac_state.get_or_create(
+        "keras_sample_seed", [], tf.int64, initial_value=self._kfac_seed)
+    seed = tf.stack([tf.convert_to_tensor(seed_var),
                      self._kfac_core.steps_taken()])
     if replicas > 1:  # each replica samples its own targets
       seed = seed + tf.stack([
@@ -719,6 +725,15 @@ def _write_scalar(tag, value, step):
                    metadata=metadata)
 
 
+def _global_seed():
+  """TensorFlow's global (eager) or graph-level seed, or None; read without
+  advancing the op-seed counter as tf.compat.v1.get_seed would."""
+  if tf.executing_eagerly():
+    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+    return context.global_seed()
+  return tf.compat.v1.get_default_graph().seed
+
+
 def _current_graph():
   return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
@@ -747,8 +762,8 @@ _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       sample_weight) or a callable returning one (default: fit's batch;
       custom loops call set_train_batch in the step).
     name: the optimizer's name (also the prefix of its state variables).
-    seed: seed of the sampled targets (default: drawn at random and kept
-      in the config).
+    seed: seed of the sampled targets (default: TensorFlow's global seed
+      when one is set, else 0; kept in the config and in checkpoints).
     **kfac_kwargs: registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask), and the arguments of

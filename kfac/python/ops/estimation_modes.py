@@ -21,6 +21,7 @@ separate sources for its positive and negative parts with weights +1 / -1.
 
 import tensorflow as tf
 
+from kfac.python.ops import counter_random
 from kfac.python.ops import layer_collection as lc_lib
 
 ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop",
@@ -51,11 +52,15 @@ def check_mode(mode):
                      (mode, ", ".join(ESTIMATION_MODES)))
 
 
-def make_sources(mode, layer_collection):
-  """The list of `Source`s of `mode` for the collection's losses."""
+def make_sources(mode, layer_collection, seeds=None):
+  """The list of `Source`s of `mode` for the collection's losses. `seeds`:
+  None, or a function of a loss's index giving the stateless seed of its
+  random draws (targets of a loss registered without a seed, the random
+  vectors of curvature_prop)."""
   check_mode(mode)
   if mode == "gradients":
-    return [Source([layer_collection.total_sampled_loss(coeff_mode="sqrt")])]
+    return [Source([layer_collection.total_sampled_loss(coeff_mode="sqrt",
+                                                        seeds=seeds)])]
   if mode == "empirical":
     for loss in layer_collection.losses:
       if loss.targets is None:
@@ -65,7 +70,7 @@ def make_sources(mode, layer_collection):
     return [Source([layer_collection.total_loss(coeff_mode="sqrt")])]
   ggn = mode.endswith("_GGN")
   if mode.startswith("curvature_prop"):
-    return _curvature_prop_sources(layer_collection, ggn)
+    return _curvature_prop_sources(layer_collection, ggn, seeds)
   return _exact_sources(layer_collection, ggn)
 
 
@@ -88,14 +93,23 @@ def _as_list(x):
   return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _curvature_prop_sources(layer_collection, ggn):
+def _rademacher(shape, dtype, seed):
+  """Random +-1 entries (stateless from `seed` when it is given)."""
+  if seed is None:
+    bits = tf.random.uniform(shape, 0, 2, dtype=tf.int32)
+  else:
+    bits = tf.cast(counter_random.uniform(shape, seed, tf.float32) < 0.5,
+                   tf.int32)
+  return tf.cast(2 * bits - 1, dtype)
+
+
+def _curvature_prop_sources(layer_collection, ggn, seeds=None):
   by_sign = {1.0: ([], []), -1.0: ([], [])}
-  for loss, coeff in layer_collection.losses_with_coeffs():
+  for i, (loss, coeff) in enumerate(layer_collection.losses_with_coeffs()):
     multiply, _, inner_shape, _, signs = _factor_ops(loss, ggn)
     scale = lc_lib.sqrt_coeff(coeff, loss.dtype)
-    rademacher = tf.cast(
-        2 * tf.random.uniform(inner_shape, 0, 2, dtype=tf.int32) - 1,
-        loss.dtype)
+    rademacher = _rademacher(inner_shape, loss.dtype,
+                             None if seeds is None else seeds(i))
     if signs is None:
       parts = [(1.0, rademacher)]
     else:

@@ -53,7 +53,8 @@ class FisherEstimator:
                batch_size=None,
                state_store=None,
                lazy_statistics_sync=False,
-               skip_non_finite=True):
+               skip_non_finite=True,
+               sample_step=None):
     """Creates the estimator.
 
     Args:
@@ -86,6 +87,13 @@ class FisherEstimator:
         finite leaves the factor unchanged, and an inverse update that gives
         non-finite values keeps the previous inverse
         (reliability/nonfinite.py).
+      sample_step: None, or a function returning the training step (an
+        int64 tensor, e.g. KfacOptimizer.steps_taken): then the random
+        draws of the sampled modes for losses registered without a seed are
+        stateless functions of (the run's sampling seed, kept in the state
+        store so that checkpoints restore it; the loss; the replica; the
+        step), so a resumed run draws exactly what an uninterrupted one
+        would.
 
     Raises:
       ValueError: for an unknown mode, a missing batch_size, no registered
@@ -120,6 +128,7 @@ class FisherEstimator:
     self._lazy_statistics_sync = bool(lazy_statistics_sync)
     self._lazy_sync_ops = {}
     self._skip_non_finite = bool(skip_non_finite)
+    self._sample_step = sample_step
     self._finalized = False
 
   def _finalize(self):
@@ -140,7 +149,8 @@ class FisherEstimator:
   # ---------------------------------------------------------------- set-up
   def _setup(self):
     blocks = self._layers.get_blocks()
-    sources = estimation_modes.make_sources(self._estimation_mode, self._layers)
+    sources = estimation_modes.make_sources(self._estimation_mode,
+                                            self._layers, self._sample_seeds())
     xs, spans = [], []
     for block in blocks:
       tensors = list(block.tensors_to_compute_grads())
@@ -171,6 +181,21 @@ class FisherEstimator:
     if self._compute_params_stats:
       self._params_stats = self._make_params_stats(
           [g[n_block_xs:] for g in grads], [s.weight for s in sources])
+
+  def _sample_seeds(self):
+    """Loss index -> the stateless seed of its draws (see sample_step), or
+    None without a sample_step (then a loss registered without a seed
+    draws from TensorFlow's stateful random ops)."""
+    if self._sample_step is None:
+      return None
+    graph_seed = getattr(tf.compat.v1.get_default_graph(), "seed", None)
+    base = self._store.get_or_create("sample_seed", [], tf.int64,
+                                     initial_value=int(graph_seed or 0))
+    step = tf.cast(self._sample_step(), tf.int64)
+    offset = tf.convert_to_tensor(base) * 1000
+    if collective.is_distributed():  # each replica draws its own samples
+      offset += tf.cast(collective.replica_id(), tf.int64) * 1000003
+    return lambda index: tf.stack([offset + index, step])
 
   def _make_params_stats(self, var_grads, weights):
     stats = []

@@ -748,13 +748,15 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                        "shape %s." % (targets.shape, prediction.shape))
 
   # ------------------------------------------------------------ evaluation
-  def eval_losses(self, target_mode="data", coeff_mode="regular"):
+  def eval_losses(self, target_mode="data", coeff_mode="regular",
+                  seeds=None):
     """The registered losses (one entry per loss tower), each summed over
     its batch.
 
     target_mode: "data" (the registered targets) or "sample" (targets drawn
     from the model). coeff_mode: "regular" (times coeff), "sqrt" (times
-    sqrt(coeff)) or "off".
+    sqrt(coeff)) or "off". seeds: None, or a function of the loss's index
+    giving the sampling seed of a loss registered without one.
     """
     if target_mode not in ("data", "sample"):
       raise ValueError("Unknown target_mode %r; expected 'data' or 'sample'."
@@ -763,9 +765,12 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       raise ValueError("Unknown coeff_mode %r; expected 'regular', 'sqrt' or "
                        "'off'." % (coeff_mode,))
     out = []
-    for loss, coeff in self.losses_with_coeffs():
+    for i, (loss, coeff) in enumerate(self.losses_with_coeffs()):
+      seed = None
+      if seeds is not None and getattr(loss, "_default_seed", 0) is None:
+        seed = seeds(i)
       value = loss.evaluate() if target_mode == "data" else (
-          loss.evaluate_on_sample())
+          loss.evaluate_on_sample(seed))
       if coeff_mode == "regular":
         value = value * utils.cast(coeff, value.dtype)
       elif coeff_mode == "sqrt":
@@ -776,8 +781,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
   def total_loss(self, coeff_mode="regular"):
     return tf.add_n(self.eval_losses("data", coeff_mode))
 
-  def total_sampled_loss(self, coeff_mode="regular"):
-    return tf.add_n(self.eval_losses("sample", coeff_mode))
+  def total_sampled_loss(self, coeff_mode="regular", seeds=None):
+    return tf.add_n(self.eval_losses("sample", coeff_mode, seeds))
 
 
 def _in_tf1_graph():

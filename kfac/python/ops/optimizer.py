@@ -221,6 +221,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     self._compute_params_stats = compute_params_stats
     self._dtype = tf.as_dtype(dtype)
     self._store = state.StateStore(name)
+    # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
+    self._track_trackable(self._store, name="kfac_state")
     self._guard = nonfinite.NonFiniteGuard(
         self._store, max_consecutive_skipped_steps, name)
     self._var_keys = {}
@@ -318,6 +320,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
         batch_size=self._batch_size,
         lazy_statistics_sync=self._lazy_statistics_sync,
         skip_non_finite=self._skip_non_finite,
+        sample_step=self.steps_taken,
         state_store=self._store,
         **self._placement_kwargs)
 
