@@ -75,6 +75,20 @@ def steps_to_run(action):
   return range(RESTORE_AT, RESTORE_AT + STEPS)
 
 
+def checkpointed_loop(action, save, step):
+  """Runs step(i) for the action's steps (save() before step RESTORE_AT
+  when saving); returns the losses from step RESTORE_AT on."""
+  losses = []
+  for i in steps_to_run(action):
+    if action == "save" and i == RESTORE_AT:
+      save()
+      print("SAVED", flush=True)
+    value = step(i)
+    if i >= RESTORE_AT:
+      losses.append(value)
+  return losses
+
+
 def run_tf1(action, folder):
   with tf.Graph().as_default():
     variables = [tf.compat.v1.Variable(v) for v in inits()]
@@ -88,15 +102,13 @@ def run_tf1(action, folder):
       sess.run(tf.compat.v1.global_variables_initializer())
       if action == "restore":
         saver.restore(sess, tf.train.latest_checkpoint(folder))
-      losses = []
-      for step in steps_to_run(action):
-        if action == "save" and step == RESTORE_AT:
-          saver.save(sess, os.path.join(folder, "ckpt"))
-          print("SAVED", flush=True)
-        bx, by = batch(step)
-        value, _ = sess.run([loss, train], {x: bx, y: by})
-        if step >= RESTORE_AT:
-          losses.append(value)
+      def step(i):
+        bx, by = batch(i)
+        return sess.run([loss, train], {x: bx, y: by})[0]
+
+      losses = checkpointed_loop(
+          action, lambda: saver.save(sess, os.path.join(folder, "ckpt")),
+          step)
       report(losses, sess.run(variables))
 
 
@@ -115,14 +127,9 @@ def run_tf2(action, folder):
   if action == "restore":
     # (K-FAC variables are created at the first step and restored then.)
     ckpt.restore(tf.train.latest_checkpoint(folder))
-  losses = []
-  for step in steps_to_run(action):
-    if action == "save" and step == RESTORE_AT:
-      ckpt.save(os.path.join(folder, "ckpt"))
-      print("SAVED", flush=True)
-    value = step_fn(*(tf.constant(v) for v in batch(step)))
-    if step >= RESTORE_AT:
-      losses.append(value.numpy())
+  losses = checkpointed_loop(
+      action, lambda: ckpt.save(os.path.join(folder, "ckpt")),
+      lambda i: step_fn(*(tf.constant(v) for v in batch(i))).numpy())
   report(losses, [v.numpy() for v in variables])
 
 
@@ -141,15 +148,12 @@ def run_keras(action, folder):
   ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
   if action == "restore":
     ckpt.restore(tf.train.latest_checkpoint(folder))
-  losses = []
-  for step in steps_to_run(action):
-    if action == "save" and step == RESTORE_AT:
-      ckpt.save(os.path.join(folder, "ckpt"))
-      print("SAVED", flush=True)
+  def step(i):
     model.reset_metrics()  # the loss of this batch, not a running mean
-    value = model.train_on_batch(*batch(step))
-    if step >= RESTORE_AT:
-      losses.append(value)
+    return model.train_on_batch(*batch(i))
+
+  losses = checkpointed_loop(
+      action, lambda: ckpt.save(os.path.join(folder, "ckpt")), step)
   report(losses, model.get_weights())
 
 
