@@ -123,6 +123,18 @@ def _has_recorded_calls(recorder, model):
              for layer in keras_flavor.leaf_layers(model))
 
 
+def _recorded_in_an_outer_graph(recorder, model):
+  """Whether the model was called in a graph enclosing the current one
+  (the current one being, e.g., a tf.cond branch)."""
+  graph = getattr(tf.compat.v1.get_default_graph(), "outer_graph", None)
+  while graph is not None:
+    with graph.as_default():
+      if _has_recorded_calls(recorder, model):
+        return True
+    graph = getattr(graph, "outer_graph", None)
+  return False
+
+
 def _source_of_calls(model, what):
   """(calls source, recorded?): the calls recorded in the current trace /
   graph, else the layers' graph nodes of a tf_keras model built in this
@@ -134,6 +146,15 @@ def _source_of_calls(model, what):
     return recorder, True
   if node_calls.graph_nodes_usable(model):
     return node_calls.NodeCalls(model), False
+  if _recorded_in_an_outer_graph(recorder, model):
+    raise RegistrationError(
+        "Kfac is applied inside a conditional branch of the training step, "
+        "away from the model's forward pass (Keras's LossScaleOptimizer, "
+        "which the mixed_float16 policy puts around every optimizer, "
+        "applies it in one): K-FAC cannot build its statistics there. Use "
+        "the mixed_bfloat16 policy (no loss scaling; statistics and "
+        "inverses are kept in float32) or float32; mixed_float16 is not "
+        "supported yet (docs/reliability.md).")
   raise RegistrationError(
       "No call of model %r was recorded in this graph, and its layers were "
       "not built on tensors of this graph. Call the model inside the traced "

@@ -284,9 +284,14 @@ class FisherEstimator:
         # Blocks that declare `supports_indexed_slices` (embedding tables)
         # take IndexedSlices as they are; the others get dense tensors.
         vec = tuple(tf.convert_to_tensor(v) for v in vec)
+      # Half-precision vectors meet float32 factors (see
+      # LayerCollection._full_precision); results go back to their dtype.
+      dtypes = [v.dtype for v in vec]
+      vec = tuple(_cast_vector(v, tf.float32) if d in _HALF else v
+                  for v, d in zip(vec, dtypes))
       out = fn(block, vec if isinstance(params, (list, tuple)) else vec[0])
-      for v, r in zip(seq, utils.ensure_sequence(out)):
-        results[v.ref()] = r
+      for v, r, d in zip(seq, utils.ensure_sequence(out), dtypes):
+        results[v.ref()] = _cast_vector(r, d) if d in _HALF else r
     unknown = [utils.variable_name(var) for _, var in vecs_and_vars
                if var.ref() not in results]
     if unknown:
@@ -643,6 +648,16 @@ def _cov_vars_of(factor):
   if hasattr(factor, "get_cov_dt1"):
     out.append(factor.get_cov_dt1())
   return out
+
+
+_HALF = (tf.float16, tf.bfloat16)
+
+
+def _cast_vector(vec, dtype):
+  if isinstance(vec, tf.IndexedSlices):
+    return tf.IndexedSlices(tf.cast(vec.values, dtype), vec.indices,
+                            vec.dense_shape)
+  return tf.cast(vec, dtype)
 
 
 def _names(variables):

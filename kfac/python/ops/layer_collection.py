@@ -260,10 +260,28 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       raise TypeError("Arguments of factor %s must be hashable (tensors and "
                       "variables are fine): %s" % (cls.__name__, e))
     if factor is None:
-      factor = cls(*args)
+      factor = cls(*self._full_precision(args))
       factor.set_name(self._unique(name or cls.__name__, self._factor_names))
       self._factors[key] = factor
     return factor
+
+  def _full_precision(self, value):
+    """`value` (a nest of factor arguments) with float16 / bfloat16 tensors
+    cast to float32, once per tensor: the statistics, their averages and
+    inverses of a mixed-precision model are kept in float32 (products of
+    half-precision activations overflow, and there are no half-precision
+    Cholesky or eigh kernels)."""
+    if isinstance(value, (list, tuple)):
+      return type(value)(self._full_precision(v) for v in value)
+    if not tf.is_tensor(value) or isinstance(value, tf.IndexedSlices):
+      return value
+    if value.dtype not in (tf.float16, tf.bfloat16):
+      return value
+    cache = self.__dict__.setdefault("_casts", {})
+    key = value.ref()
+    if key not in cache:
+      cache[key] = tf.cast(value, tf.float32)
+    return cache[key]
 
   @staticmethod
   def _unique(base, used):
@@ -657,6 +675,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
   def _register_categorical(self, logits, seed, targets, name, coeff, reuse,
                             base_name):
     self._check_coeff(coeff)
+    if targets is not None and not utils.is_tensor_or_variable(targets):
+      targets = tf.convert_to_tensor(targets)  # numpy arrays, lists
     onehot = targets is not None and targets.shape.rank == logits.shape.rank
     if targets is not None:
       expected = logits.shape if onehot else logits.shape[:-1]
