@@ -40,6 +40,7 @@ that `tf.keras` resolves to (Keras 3, or tf_keras with
 TF_USE_LEGACY_KERAS=1).
 """
 
+import contextlib
 import warnings
 import weakref
 
@@ -484,6 +485,26 @@ class KfacKerasMixin:
           "Kfac has no model: create it with Kfac(..., model=model), call "
           "optimizer.register_model(model), or load a saved model with "
           "kfac.keras.saving_utils.load_model.")
+    # Keras's LossScaleOptimizer (mixed_float16) applies this optimizer in
+    # a conditional branch: the statistics' sampled backward pass must be
+    # built in the graph of the forward pass, which encloses the branch.
+    forward = keras_utils.forward_graph(self._kfac_model)
+    current = tf.compat.v1.get_default_graph()
+    in_branch = forward is not None and forward is not current
+    with forward.as_default() if in_branch else contextlib.nullcontext():
+      lc = self._kfac_register(variables, replicas)
+      if in_branch:  # the sources and their gradients, built there
+        self._kfac_core.set_layer_collection(lc)
+        self._kfac_core.estimator.instantiate_variables()
+    tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
+    if self._kfac_adaptive or self._kfac_core.calibrate_damping:
+      self._kfac_core.set_train_batch(self._kfac_batch())
+    op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
+                                         layer_collection=lc)
+    return self._kfac_after_apply(op, iteration)
+
+  def _kfac_register(self, variables, replicas):
+    """The model's LayerCollection for this trace."""
     # The samples of a step are drawn from (seed, steps taken): a step the
     # non-finite guard skipped (which Keras counts in `iterations`) does
     # not shift the samples of the steps after it.
@@ -503,11 +524,10 @@ class KfacKerasMixin:
         variables=variables, warn=self._kfac_warn,
         registration_options=self._kfac_options)
     self._kfac_report = report
-    tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
-    if self._kfac_adaptive or self._kfac_core.calibrate_damping:
-      self._kfac_core.set_train_batch(self._kfac_batch())
-    op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
-                                         layer_collection=lc)
+    return lc
+
+  def _kfac_after_apply(self, op, iteration):
+    """The learning rate display, warnings and summaries after the step."""
     if self._kfac_adaptive:  # show the learning rate the model chose
       with tf.control_dependencies([op]):
         lr = keras_flavor.unwrap_variable(self._learning_rate)

@@ -123,16 +123,27 @@ def _has_recorded_calls(recorder, model):
              for layer in keras_flavor.leaf_layers(model))
 
 
-def _recorded_in_an_outer_graph(recorder, model):
-  """Whether the model was called in a graph enclosing the current one
-  (the current one being, e.g., a tf.cond branch)."""
-  graph = getattr(tf.compat.v1.get_default_graph(), "outer_graph", None)
+def forward_graph(model):
+  """The graph of the model's recorded forward pass: the current graph, or
+  the nearest graph enclosing it (when the current one is, e.g., a tf.cond
+  branch: Keras's LossScaleOptimizer applies its optimizer in one); None
+  when there is no such record."""
+  if tf.executing_eagerly():
+    return None
+  recorder = watch(model)
+  graph = tf.compat.v1.get_default_graph()
   while graph is not None:
     with graph.as_default():
       if _has_recorded_calls(recorder, model):
-        return True
+        return graph
     graph = getattr(graph, "outer_graph", None)
-  return False
+  return None
+
+
+def _recorded_in_an_outer_graph(model):
+  graph = forward_graph(model)
+  return graph is not None and graph is not (
+      tf.compat.v1.get_default_graph())
 
 
 def _source_of_calls(model, what):
@@ -146,15 +157,12 @@ def _source_of_calls(model, what):
     return recorder, True
   if node_calls.graph_nodes_usable(model):
     return node_calls.NodeCalls(model), False
-  if _recorded_in_an_outer_graph(recorder, model):
+  if _recorded_in_an_outer_graph(model):
     raise RegistrationError(
-        "Kfac is applied inside a conditional branch of the training step, "
-        "away from the model's forward pass (Keras's LossScaleOptimizer, "
-        "which the mixed_float16 policy puts around every optimizer, "
-        "applies it in one): K-FAC cannot build its statistics there. Use "
-        "the mixed_bfloat16 policy (no loss scaling; statistics and "
-        "inverses are kept in float32) or float32; mixed_float16 is not "
-        "supported yet (docs/reliability.md).")
+        "The model's layers were called in a graph enclosing this one (this "
+        "is a conditional branch of the training step): register them "
+        "there, e.g. `with kfac.keras.utils.forward_graph(model)."
+        "as_default():` (the Kfac optimizer does this itself).")
   raise RegistrationError(
       "No call of model %r was recorded in this graph, and its layers were "
       "not built on tensors of this graph. Call the model inside the traced "

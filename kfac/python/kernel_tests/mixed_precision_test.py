@@ -3,8 +3,9 @@ statistics, averages and inverses in float32 (LayerCollection casts the
 activations and output gradients once), precondition the gradients in
 float32 and apply the update in the variable's dtype. Their steps equal
 the float32 model's within the half precision's rounding; a bfloat16
-convnet trains; the Keras mixed_bfloat16 policy works in fit, and
-mixed_float16 (Keras's LossScaleOptimizer) is refused with a clear error."""
+convnet trains; Keras fit under the mixed_bfloat16 and mixed_float16
+(LossScaleOptimizer) policies equals fit in float32 within the same
+tolerance."""
 
 import numpy as np
 import pytest
@@ -14,9 +15,10 @@ import kfac
 from kfac.python.kernel_tests import reference as ref
 
 SIZES = (4, 6, 3)
-# Relative tolerance of 3 steps against float32 (a few half-precision ulps
-# of the weights: float16 has 11 significant bits, bfloat16 8).
-RTOL = {"float16": 3e-3, "bfloat16": 3e-2}
+# Tolerance of 3 steps against float32, relative to the largest weight (a
+# few half-precision ulps: float16 has 11 significant bits, bfloat16 8).
+# Measured: float16 <= 1.3e-3, bfloat16 <= 1.2e-2 (Keras biases).
+RTOL = {"float16": 3e-3, "bfloat16": 2.5e-2}
 
 
 def _batches(n=3):
@@ -87,7 +89,7 @@ def test_half_precision_steps_equal_float32_steps(world, dtype):
                         ref.mlp_inits(SIZES, seed=2, dtype=np.float32)):
     assert not np.allclose(e, init)  # the steps moved the weights
     scale = np.max(np.abs(e))
-    np.testing.assert_allclose(a, e, rtol=0, atol=RTOL[dtype] * scale * 4)
+    np.testing.assert_allclose(a, e, rtol=0, atol=RTOL[dtype] * scale)
 
 
 def test_bfloat16_convnet_trains():
@@ -143,14 +145,17 @@ def _keras_run(policy, steps=3):
     keras.mixed_precision.set_global_policy("float32")
 
 
-def test_keras_mixed_bfloat16_fit_equals_float32():
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_keras_mixed_precision_fit_equals_float32(policy):
+  """mixed_float16 wraps Kfac in Keras's LossScaleOptimizer, which applies
+  it inside a conditional branch: K-FAC builds its statistics in the
+  forward pass's graph around it."""
   expected = _keras_run("float32")
-  actual = _keras_run("mixed_bfloat16")
-  for a, e in zip(actual, expected):
-    np.testing.assert_allclose(a, e, rtol=0,
-                               atol=RTOL["bfloat16"] * np.max(np.abs(e)) * 4)
-
-
-def test_keras_mixed_float16_is_refused_with_the_replacement():
-  with pytest.raises(Exception, match="mixed_bfloat16 policy"):
-    _keras_run("mixed_float16", steps=1)
+  actual = _keras_run(policy)
+  tol = RTOL["bfloat16" if "bfloat16" in policy else "float16"]
+  inits = ref.mlp_inits(SIZES, seed=2, dtype=np.float32)
+  for a, e, init in zip(actual, expected, inits):
+    atol = tol * np.max(np.abs(e))
+    np.testing.assert_allclose(a, e, rtol=0, atol=atol)
+    # Every step was taken (none skipped by the loss scaling).
+    assert np.max(np.abs(a - init)) > 3 * atol
