@@ -491,14 +491,25 @@ class KfacKerasMixin:
     forward = keras_utils.forward_graph(self._kfac_model)
     current = tf.compat.v1.get_default_graph()
     in_branch = forward is not None and forward is not current
+    core = self._kfac_core
+    if in_branch and (core._momentum_type.startswith("qmodel") or  # pylint: disable=protected-access
+                      core._adapt_damping or core.calibrate_damping):  # pylint: disable=protected-access
+      raise NotImplementedError(
+          "Kfac with the quadratic model or the damping rule (adaptive=True, "
+          "momentum_type='qmodel*', adapt_damping, calibrate_damping) is not "
+          "supported under Keras's LossScaleOptimizer (the mixed_float16 "
+          "policy) yet: its curvature products would be taken inside the "
+          "loss scaling's conditional, away from the forward pass. Use the "
+          "mixed_bfloat16 policy, float32, or a fixed learning rate and "
+          "damping.")
     with forward.as_default() if in_branch else contextlib.nullcontext():
       lc = self._kfac_register(variables, replicas)
+      if self._kfac_adaptive or self._kfac_core.calibrate_damping:
+        self._kfac_core.set_train_batch(self._kfac_batch())
       if in_branch:  # the sources and their gradients, built there
         self._kfac_core.set_layer_collection(lc)
         self._kfac_core.estimator.instantiate_variables()
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
-    if self._kfac_adaptive or self._kfac_core.calibrate_damping:
-      self._kfac_core.set_train_batch(self._kfac_batch())
     op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
                                          layer_collection=lc)
     return self._kfac_after_apply(op, iteration)
