@@ -24,6 +24,7 @@ from kfac.python.ops import batch_size_schedules
 from kfac.python.ops import curvature_matrix_vector_products
 from kfac.python.ops import data_reader
 from kfac.python.ops import data_reader_alt
+from kfac.python.ops import ekfac
 from kfac.python.ops import estimator
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import fisher_factors
@@ -57,7 +58,8 @@ __version__ = "0.3.0.dev0"
 # attribute access: the modules are registered under their kfac.* names.
 import sys as _sys  # pylint: disable=g-import-not-at-top,g-bad-import-order
 for _name in ("batch_size_schedules", "curvature_matrix_vector_products",
-              "data_reader", "data_reader_alt", "estimator", "fisher_blocks",
+              "data_reader", "data_reader_alt", "ekfac", "estimator",
+              "fisher_blocks",
               "fisher_factors", "layer_collection", "linear_operator",
               "loss_functions", "op_queue", "optimizer",
               "periodic_inv_cov_update_kfac_opt",

@@ -11,6 +11,8 @@ Approximations of a convolution (register_conv1d / conv2d / convolution):
   "diagonal"     exact diagonal
   "kron_sua"     KFC with the spatially-uncorrelated-activations input factor
   "kron_reduce"  KFAC-reduce (Eschenhagen et al. 2023)
+  "ekfac" / "ekfac_reduce"  EKFAC in the KFC / KFAC-reduce eigenbasis
+                 (George et al. 2018; ekfac/blocks.py)
 Depthwise convolutions: "diagonal" (default) or "kron" (per-channel KFC).
 A conv2d used several times (register_conv2d_multi): "kron_indep".
 
@@ -27,6 +29,7 @@ from kfac.python.ops import conv_blocks
 from kfac.python.ops import patches as patches_lib
 from kfac.python.ops import registration_base
 from kfac.python.ops import utils
+from kfac.python.ops.ekfac import blocks as ekfac_blocks
 
 _VARIABLE_SCOPE = registration_base.VARIABLE_SCOPE
 _describe = registration_base.describe
@@ -36,12 +39,16 @@ _DIAGONAL = "diagonal"
 _KRON_SUA = "kron_sua"
 _KRON_REDUCE = "kron_reduce"
 _KRON_INDEP = "kron_indep"
+_EKFAC = "ekfac"
+_EKFAC_REDUCE = "ekfac_reduce"
 
 _CONV_APPROXIMATIONS = {
     _KRON: conv_blocks.ConvKFCBasicFB,
     _DIAGONAL: conv_blocks.ConvDiagonalFB,
     _KRON_SUA: conv_blocks.ConvKFCBasicFB,
     _KRON_REDUCE: conv_blocks.ConvKFCReduceFB,
+    _EKFAC: ekfac_blocks.ConvEKFACFB,
+    _EKFAC_REDUCE: ekfac_blocks.ConvEKFACReduceFB,
 }
 _CONV_MULTI_APPROXIMATIONS = {
     _KRON_INDEP: conv_blocks.ConvKFCBasicMultiIndepFB,
@@ -56,7 +63,7 @@ _DEFAULT_DEPTHWISE_APPROXIMATION = _DIAGONAL
 _ACCEPTS = {
     "sub_sample_inputs": (_KRON, _KRON_SUA, _KRON_REDUCE),
     "sub_sample_patches": (_KRON,),
-    "patch_mask": (_KRON, _DIAGONAL, _KRON_REDUCE),
+    "patch_mask": (_KRON, _DIAGONAL, _KRON_REDUCE, _EKFAC, _EKFAC_REDUCE),
 }
 
 
@@ -232,6 +239,10 @@ class ConvRegistrationMixin:
       block = conv_blocks.ConvDiagonalFB(
           self, params, spec.strides, spec.padding, data_format,
           spec.dilations, patch_mask=patch_mask)
+    elif approx in (_EKFAC, _EKFAC_REDUCE):
+      block = _CONV_APPROXIMATIONS[approx](
+          self, params, spec.padding, spec.strides, spec.dilations,
+          data_format, patch_mask=patch_mask)
     else:
       block = conv_blocks.ConvKFCReduceFB(
           self, params, spec.padding, spec.strides, spec.dilations,
@@ -258,7 +269,7 @@ class ConvRegistrationMixin:
       data_format: None/"NHWC" or "NCHW".
       dilations: like strides (default 1).
       approx: "kron" (KFC; default: the collection's conv2d default),
-        "diagonal", "kron_sua" or "kron_reduce".
+        "diagonal", "kron_sua", "kron_reduce", "ekfac" or "ekfac_reduce".
       reuse: True adds a tower to an existing registration of `params`.
       sub_sample_inputs: (kron, kron_sua, kron_reduce) None, True (half the
         batch) or an int m: the input statistic uses a random subset of at

@@ -162,6 +162,10 @@ class EmbeddingDiagonalFactor(_GatheredDiagonalMixin, DiagonalFactor):
   def _dtype(self):
     return self._grads[0][0].dtype
 
+  def _statistic_grads(self):
+    """The sources' gradients the statistic squares (EKFAC rotates them)."""
+    return self._grads
+
   def _compute_new_cov(self):
     vocab = self._vocab_size
     # Per tower: the (example, id) pair of every entry, made unique, and the
@@ -182,7 +186,7 @@ class EmbeddingDiagonalFactor(_GatheredDiagonalMixin, DiagonalFactor):
                      tf.reshape(grad_row, [-1])))
       examples = n if examples is None else examples + n
     terms = []
-    for source in self._grads:
+    for source in self._statistic_grads():
       total = None
       for (row_ids, idx, num, grad_row), g in zip(towers, source):
         g = tf.reshape(g, [-1, self._dim])

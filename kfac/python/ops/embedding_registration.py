@@ -40,6 +40,7 @@ _EMBEDDING_APPROXIMATIONS = {
     "kron_out_diag": True,
     "kron_both_diag": True,
     "diagonal": None,
+    "ekfac": "ekfac",
 }
 
 
@@ -63,8 +64,9 @@ class EmbeddingRegistrationMixin:
       approx: "kron" (default when the collection's fully-connected default
         is a Kronecker approximation), "kron_in_diag" (the same: the input
         factor of an embedding is diagonal anyway), "kron_out_diag" /
-        "kron_both_diag" (diagonal output factor) or "diagonal" (the exact
-        diagonal of the table's Fisher).
+        "kron_both_diag" (diagonal output factor), "diagonal" (the exact
+        diagonal of the table's Fisher) or "ekfac" (EKFAC in the basis
+        I (x) Q_G).
       reuse: True adds a tower to an existing registration of `params`.
 
     Returns:
@@ -83,6 +85,9 @@ class EmbeddingRegistrationMixin:
     vocab = int(params.shape[0])
     if diag_out is None:
       block = embedding_blocks.EmbeddingDiagonalFB(self, vocab)
+    elif diag_out == "ekfac":
+      from kfac.python.ops.ekfac import blocks as ekfac_blocks  # pylint: disable=g-import-not-at-top
+      block = ekfac_blocks.EmbeddingEKFACFB(self, vocab)
     else:
       block = embedding_blocks.EmbeddingKFACFB(
           self, vocab, diagonal_approx_for_output=diag_out)

@@ -229,6 +229,7 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
     self._matpowers = []       # list of (exp, damping_func)
     self._choleskys = []       # list of damping_func
     self._cholesky_invs = []   # list of damping_func
+    self._eigenbasis = False   # keep eigh(statistic) (EKFAC's basis)
     self._vars = {}            # (kind, exp, damping key) -> variable
 
   @property
@@ -271,6 +272,29 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
     if not self._find(self._cholesky_invs, lambda d: d.key, damping_func.key):
       self._cholesky_invs.append(damping_func)
 
+  def register_eigenbasis(self):
+    """Keeps the eigendecomposition of the undamped statistic in variables
+    refreshed with the inverses (the basis of EKFAC blocks)."""
+    self._eigenbasis = True
+
+  def get_eigenbasis(self):
+    """(eigenvectors [n, n] as columns, eigenvalues [n]) of the statistic
+    at the last inverse update (zeros before the first)."""
+    self._check_eigenbasis()
+    return (self._vars[("eigh", "vectors", None)],
+            self._vars[("eigh", "values", None)])
+
+  def eigenbasis_ready(self):
+    """A boolean tensor: whether the eigenbasis was computed at least once."""
+    self._check_eigenbasis()
+    return self._vars[("eigh", "count", None)] > 0
+
+  def _check_eigenbasis(self):
+    if not self._eigenbasis:
+      raise ValueError("Factor %s keeps no eigenbasis: call "
+                       "register_eigenbasis() first." % self.name)
+    self.instantiate_inv_variables()
+
   def _check_psd(self, what):
     if not self._psd:
       raise ValueError("A %s of factor %s is not defined: the factor may be "
@@ -291,6 +315,11 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
       if key not in self._vars:
         self._vars[key] = self.state_store.get_or_create(
             self.name + "/" + suffix, self._cov_shape, self._dtype)
+    if self._eigenbasis and ("eigh", "count", None) not in self._vars:
+      for part, shape in (("vectors", self._cov_shape),
+                          ("values", self._cov_shape[:1]), ("count", [])):
+        self._vars[("eigh", part, None)] = self.state_store.get_or_create(
+            self.name + "/eig" + part, shape, self._dtype)
 
   def _get_var(self, kind, exp, damping_func):
     key = (kind, exp, damping_func.key)
@@ -327,6 +356,13 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
       else:
         value = linalg.damped_cholesky_inverse(cov, damping)
       ops.append((var, utils.cast(value, self._dtype)))
+    if self._eigenbasis:
+      if eig is None:
+        eig = linalg.eigh(raw_cov)
+      count = self._vars[("eigh", "count", None)]
+      ops.extend([(self._vars[("eigh", "vectors", None)], eig[1]),
+                  (self._vars[("eigh", "values", None)], eig[0]),
+                  (count, tf.convert_to_tensor(count) + 1)])
     return ops
 
   def get_matpower(self, exp, damping_func):
@@ -384,6 +420,16 @@ class DiagonalFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
 
   def register_cholesky_inverse(self, damping_func):
     del damping_func
+
+  def register_eigenbasis(self):
+    """A diagonal's eigenbasis is the identity: nothing to keep."""
+
+  def get_eigenbasis(self):
+    """(None for the identity basis, the diagonal's entries)."""
+    return None, self.get_cov_var()
+
+  def eigenbasis_ready(self):
+    return None  # always
 
   def get_matpower(self, exp, damping_func):
     """Entries of (diag + damping)^exp, shaped like the statistic."""

@@ -24,6 +24,8 @@ from kfac.python.ops import multi_use_registration
 from kfac.python.ops import scale_shift_registration
 from kfac.python.ops import registration_base
 from kfac.python.ops import utils
+from kfac.python.ops.ekfac import blocks as ekfac_blocks
+from kfac.python.ops.ekfac import scalings as ekfac_scalings
 from kfac.python.ops.layer_params_dict import LayerParametersDict
 from kfac.python.ops.registration_base import RegistrationKeyError
 from kfac.python.ops.registration_base import VARIABLE_SCOPE
@@ -45,6 +47,7 @@ APPROX_KRONECKER_SERIES_2_NAME = "kron_series_2"
 APPROX_KRONECKER_SUA_NAME = "kron_sua"
 APPROX_EKFAC_NAME = "ekfac"
 APPROX_KRONECKER_REDUCE_NAME = "kron_reduce"
+APPROX_EKFAC_REDUCE_NAME = "ekfac_reduce"
 
 _FULLY_CONNECTED_APPROX_TO_BLOCK = {
     APPROX_KRONECKER_NAME: lambda lc, bias: fb.FullyConnectedKFACBasicFB(
@@ -62,6 +65,11 @@ _FULLY_CONNECTED_APPROX_TO_BLOCK = {
         lc, has_bias=bias),
     APPROX_KRONECKER_REDUCE_NAME:
         lambda lc, bias: fb.FullyConnectedKFACReduceFB(lc, has_bias=bias),
+    APPROX_EKFAC_NAME:
+        lambda lc, bias: ekfac_blocks.FullyConnectedEKFACFB(lc, has_bias=bias),
+    APPROX_EKFAC_REDUCE_NAME:
+        lambda lc, bias: ekfac_blocks.FullyConnectedEKFACReduceFB(
+            lc, has_bias=bias),
 }
 
 _GENERIC_APPROX_TO_BLOCK = {
@@ -147,6 +155,18 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     self._linked_params = collections.OrderedDict()  # same key -> params
     self._defaults = dict(_DEFAULT_APPROXIMATIONS)
     self._finalized = False
+    self._ekfac_strategy = "auto"
+
+  @property
+  def ekfac_strategy(self):
+    """How EKFAC blocks of layers sharing weights over positions compute
+    their scalings: "auto" (per layer, the way needing less memory),
+    "per_example" or "gramian" (see ekfac/scalings.py)."""
+    return self._ekfac_strategy
+
+  @ekfac_strategy.setter
+  def ekfac_strategy(self, value):
+    self._ekfac_strategy = ekfac_scalings.check_strategy(value)
 
   @property
   def name(self):
@@ -412,8 +432,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       outputs: Tensor [batch, out] (or [batch, ..., out]), the
         pre-activations.
       approx: one of kron, kron_in_diag, kron_out_diag, kron_both_diag,
-        diagonal, kron_reduce (default: the collection's fully-connected
-        default).
+        diagonal, kron_reduce, ekfac, ekfac_reduce (default: the
+        collection's fully-connected default).
       dense_inputs: False registers an embedding lookup: `inputs` are integer
         ids into the rows of W (see register_embedding in
         embedding_registration.py).

@@ -23,6 +23,12 @@ def _indep(diag_in, diag_out):
   return make
 
 
+def _ekfac(lc, has_bias, num_uses):
+  from kfac.python.ops.ekfac import blocks as ekfac_blocks  # pylint: disable=g-import-not-at-top
+  return ekfac_blocks.FullyConnectedMultiEKFACFB(lc, has_bias=has_bias,
+                                                 num_uses=num_uses)
+
+
 def _series(option):
   def make(lc, has_bias, num_uses):
     return multi_use_blocks.FullyConnectedSeriesFB(
@@ -38,6 +44,7 @@ _FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK = {
     "kron_indep_both_diag": _indep(True, True),
     "kron_series_1": _series(1),
     "kron_series_2": _series(2),
+    "ekfac": _ekfac,
 }
 
 

@@ -1,0 +1,349 @@
+"""EKFAC blocks (George et al. 2018): K-FAC's Kronecker eigenbasis with the
+eigenvalues replaced by the exact second moments of the per-example
+gradients in that basis.
+
+In a layer's [rows, cols] matrix view the block is
+(Q_A (x) Q_G) diag(vec(S)) (Q_A (x) Q_G)^T, with Q_A, Q_G the eigenvectors of
+the layer's K-FAC factors (refreshed with the inverses, float64 retry as
+for every eigendecomposition) and S the scalings (`EigenCorrectionFactor`,
+a moving average updated with the statistics). Damping adds lambda to S
+(no pi split): products are M -> Q_A ((S + lambda)^p * (Q_A^T M Q_G)) Q_G^T.
+"Expand" and "reduce" variants differ only in the basis (the K-FAC-expand
+or -reduce factors); the scalings always use the true per-example
+gradients, so both are the best diagonal in their basis.
+
+Each block is an `EKFACMixin` over the K-FAC block of the same layer kind,
+which gives the registration, the factors A and G and the matrix view, plus
+`ekfac_shape()`, `ekfac_inputs()` ([N, P, rows]) and `ekfac_grads(source)`
+([N, P, cols]).
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops import conv_blocks
+from kfac.python.ops import conv_factors
+from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import dense_blocks
+from kfac.python.ops import embedding_blocks
+from kfac.python.ops import linalg
+from kfac.python.ops import multi_use_blocks
+from kfac.python.ops import utils
+from kfac.python.ops.ekfac import factors as ekfac_factors
+from kfac.python.ops.ekfac import scalings
+
+__all__ = ["EKFACMixin", "FullyConnectedEKFACFB", "FullyConnectedEKFACReduceFB",
+           "FullyConnectedMultiEKFACFB", "ConvEKFACFB", "ConvEKFACReduceFB",
+           "EmbeddingEKFACFB"]
+
+
+def _to_basis(mat, q_in, q_out):
+  """Q_A^T M Q_G (None: identity)."""
+  if q_in is not None:
+    mat = tf.matmul(tf.cast(q_in, mat.dtype), mat, transpose_a=True)
+  if q_out is not None:
+    mat = tf.matmul(mat, tf.cast(q_out, mat.dtype))
+  return mat
+
+
+def _from_basis(mat, q_in, q_out):
+  """Q_A M Q_G^T."""
+  if q_in is not None:
+    mat = tf.matmul(tf.cast(q_in, mat.dtype), mat)
+  if q_out is not None:
+    mat = tf.matmul(mat, tf.cast(q_out, mat.dtype), transpose_b=True)
+  return mat
+
+
+def _power(values, exp):
+  if exp == 1:
+    return values
+  if exp == -1:
+    return 1.0 / values
+  return tf.pow(values, utils.cast(exp, values.dtype))
+
+
+class EKFACMixin:
+  """Products, registration and views of an EKFAC block (see the module
+  docstring). Put it before a K-FAC block class in the bases."""
+
+  is_ekfac = True
+  _correction = None
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    super().instantiate_factors(grads_list, damping, weights)
+    self._damping_func = damping_lib.as_damping_func(damping)
+    self._psd = weights is None or all(w >= 0 for w in weights)
+    self._correction = self._make_correction(
+        tuple(tuple(g) for g in grads_list),
+        None if weights is None else tuple(weights))
+
+  def _make_correction(self, grads_list, weights):
+    strategy = getattr(self._layer_collection, "ekfac_strategy", "auto")
+    return self._make_factor(
+        ekfac_factors.EigenCorrectionFactor,
+        (self, grads_list, self._input_factor, self._output_factor, weights,
+         strategy, self._renorm_coeff), "S")
+
+  @property
+  def correction_factor(self):
+    return self._correction
+
+  def factors(self):
+    return [self._input_factor, self._output_factor, self._correction]
+
+  # ------------------------------------------------------- registration
+  def register_matpower(self, exp):
+    self._check_instantiated()
+    if not self._psd and exp != int(exp):
+      raise ValueError("EKFAC block %s may be indefinite (negative-weight "
+                       "GGN sources); only integer powers are defined, got "
+                       "%s." % (self.name, exp))
+
+  def register_cholesky(self):
+    self._check_cholesky()
+
+  def register_cholesky_inverse(self):
+    self._check_cholesky()
+
+  def _check_cholesky(self):
+    self._check_instantiated()
+    if not self._psd:
+      raise ValueError("A Cholesky factor of EKFAC block %s is not defined: "
+                       "the block may be indefinite (negative-weight GGN "
+                       "sources)." % self.name)
+
+  # ------------------------------------------------------------ products
+  def _eigen_parts(self, damped=True):
+    """(Q_A or None, Q_G or None, eigenvalues [rows, cols])."""
+    q_in, q_out = self._correction.bases()
+    values = self._correction.effective_scalings()
+    if self._psd:
+      values = tf.maximum(values, 0.0)
+    if damped:
+      values = values + utils.cast(self._damping_func(), values.dtype)
+    return q_in, q_out, values
+
+  def spectral_view(self, damped=True):
+    """(L, R, E): the block is (L (x) R) diag(vec(E)) (L (x) R)^T in its
+    matrix view (L or R None for the identity)."""
+    self._check_instantiated()
+    return self._eigen_parts(damped)
+
+  def multiply_matpower(self, vector, exp):
+    self._check_instantiated()
+    q_in, q_out, values = self._eigen_parts()
+    if isinstance(vector, tf.IndexedSlices):
+      return self._slices_product(vector, q_out, values, _power(values, exp),
+                                  rotate_first=None)
+    mat = self._to_mat(vector)
+    scaled = _to_basis(mat, q_in, q_out) * tf.cast(_power(values, exp),
+                                                   mat.dtype)
+    return self._from_mat(_from_basis(scaled, q_in, q_out), vector)
+
+  def _multiply_cholesky(self, vector, transpose, inverse):
+    # C = Q diag(sqrt(S + lambda)) with Q = Q_A (x) Q_G, so C C^T is the
+    # block; C^T and C^-1 rotate into the basis first, C and C^-T scale
+    # first and rotate back.
+    self._check_instantiated()
+    q_in, q_out, values = self._eigen_parts()
+    power = _power(values, -0.5 if inverse else 0.5)
+    rotate_first = transpose != inverse
+    if isinstance(vector, tf.IndexedSlices):
+      return self._slices_product(vector, q_out, values, power, rotate_first)
+    mat = self._to_mat(vector)
+    power = tf.cast(power, mat.dtype)
+    if rotate_first:
+      out = _to_basis(mat, q_in, q_out) * power
+    else:
+      out = _from_basis(mat * power, q_in, q_out)
+    return self._from_mat(out, vector)
+
+  def _slices_product(self, vector, q_out, values, power, rotate_first):
+    raise ValueError("EKFAC block %s takes dense vectors, got %r." %
+                     (self.name, vector))
+
+  def full_fisher_block(self):
+    """The undamped block as a dense matrix over the flattened
+    parameters (row-major [rows, cols] view)."""
+    self._check_instantiated()
+    q_in, q_out, values = self._eigen_parts(damped=False)
+    rows, cols = values.shape
+    q_in = tf.eye(rows, dtype=values.dtype) if q_in is None else q_in
+    q_out = tf.eye(cols, dtype=values.dtype) if q_out is None else q_out
+    basis = linalg.kronecker_product(tf.cast(q_in, values.dtype),
+                                     tf.cast(q_out, values.dtype))
+    return tf.matmul(basis * tf.reshape(values, [1, -1]), basis,
+                     transpose_b=True)
+
+
+# ------------------------------------------------------------------ views
+def _concat(tensors):
+  tensors = list(tensors)
+  return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
+
+
+def _positions_view(x):
+  """[N, P..., n] -> [N, P, n] (P static when the middle dims are)."""
+  middle = x.shape[1:-1]
+  n = int(x.shape[-1])
+  if middle.is_fully_defined():
+    return tf.reshape(x, [-1, int(middle.num_elements()), n])
+  return tf.reshape(x, [tf.shape(x)[0], -1, n])
+
+
+def _with_ones(x):
+  return tf.concat([x, tf.ones_like(x[..., :1])], axis=-1)
+
+
+class _DenseViews:
+  """Views of a dense layer on [N, P..., in] inputs."""
+
+  def ekfac_shape(self):
+    first = self._inputs[0]
+    return [int(first.shape[-1]) + (1 if self._has_bias else 0),
+            int(self._outputs[0].shape[-1])]
+
+  def ekfac_inputs(self):
+    x = _positions_view(_concat(self._inputs))
+    return _with_ones(x) if self._has_bias else x
+
+  def ekfac_grads(self, source):
+    return _positions_view(_concat(source))
+
+
+class FullyConnectedEKFACFB(_DenseViews, EKFACMixin,
+                            dense_blocks.FullyConnectedKFACBasicFB):
+  """EKFAC of a dense layer ("ekfac"), in the K-FAC-expand basis (inputs of
+  rank > 2 share the weights over positions)."""
+
+  def __init__(self, layer_collection, has_bias=False, params=None):
+    dense_blocks.FullyConnectedKFACBasicFB.__init__(
+        self, layer_collection, has_bias=has_bias, params=params)
+
+
+class FullyConnectedEKFACReduceFB(_DenseViews, EKFACMixin,
+                                  multi_use_blocks.FullyConnectedKFACReduceFB):
+  """EKFAC of a dense layer in the K-FAC-reduce basis ("ekfac_reduce")."""
+
+
+class FullyConnectedMultiEKFACFB(EKFACMixin,
+                                 multi_use_blocks.FullyConnectedMultiIndepFB):
+  """EKFAC of a dense layer used num_uses times ("ekfac" in
+  register_fully_connected_multi), in the kron_indep basis; an example's
+  gradient sums over its uses."""
+
+  def __init__(self, layer_collection, has_bias=False, num_uses=None,
+               params=None):
+    multi_use_blocks.FullyConnectedMultiIndepFB.__init__(
+        self, layer_collection, has_bias=has_bias, num_uses=num_uses,
+        params=params)
+
+  @property
+  def approximation(self):
+    return "ekfac"
+
+  def _uses_view(self, x):
+    """A tower's uses (a tuple of [N, n], or folded [U * N, n]) as
+    [N, U, n]."""
+    if isinstance(x, tuple) and len(x) > 1:
+      return tf.stack(list(x), axis=1)
+    x = self._fold(x)
+    n = int(x.shape[-1])
+    return tf.transpose(tf.reshape(x, [self._num_uses, -1, n]), [1, 0, 2])
+
+  def ekfac_shape(self):
+    first = self._fold(self._inputs[0])
+    return [int(first.shape[-1]) + (1 if self._has_bias else 0),
+            int(self._fold(self._outputs[0]).shape[-1])]
+
+  def ekfac_inputs(self):
+    x = _concat(self._uses_view(x) for x in self._inputs)
+    return _with_ones(x) if self._has_bias else x
+
+  def ekfac_grads(self, source):
+    source, towers, start = tuple(source), [], 0
+    for outputs in self._outputs:
+      count = len(utils.ensure_sequence(outputs))
+      part = source[start:start + count]
+      towers.append(self._uses_view(part if count > 1 else part[0]))
+      start += count
+    return _concat(towers)
+
+
+class _ConvViews:
+  """Views of a convolution: per-example patches [N, L, K*C(+1)] and the
+  output gradients [N, L, O]."""
+
+  def ekfac_shape(self):
+    return [int(self._spec.num_taps * self._filter_shape[-2]) +
+            (1 if self._has_bias else 0), int(self._filter_shape[-1])]
+
+  def _locations(self, like):
+    spatial = like.shape[1:-1]
+    return (int(spatial.num_elements()) if spatial.is_fully_defined()
+            else -1)
+
+  def ekfac_inputs(self):
+    first = self._spec.channels_first
+    x = conv_factors._concat_channels_last(self._inputs, first)  # pylint: disable=protected-access
+    size = int(self._spec.num_taps * self._filter_shape[-2])
+    p = conv_factors.patches_lib.extract_patches(x, self._spec)
+    p = tf.reshape(p, [tf.shape(p)[0], self._locations(p), size])
+    mask = conv_factors._flat_mask(self._patch_mask, size, p.dtype)  # pylint: disable=protected-access
+    if mask is not None:
+      p = p * mask
+    return _with_ones(p) if self._has_bias else p
+
+  def ekfac_grads(self, source):
+    g = conv_factors._concat_channels_last(source, self._spec.channels_first)  # pylint: disable=protected-access
+    return tf.reshape(g, [tf.shape(g)[0], self._locations(g),
+                          int(self._filter_shape[-1])])
+
+
+class ConvEKFACFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCBasicFB):
+  """EKFAC of a convolution ("ekfac"), in the KFC (expand) basis."""
+
+  def __init__(self, layer_collection, params, padding, strides=None,
+               dilation_rate=None, data_format=None, patch_mask=None):
+    conv_blocks.ConvKFCBasicFB.__init__(
+        self, layer_collection, params, padding, strides, dilation_rate,
+        data_format, patch_mask=patch_mask)
+
+
+class ConvEKFACReduceFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCReduceFB):
+  """EKFAC of a convolution in the KFAC-reduce basis ("ekfac_reduce")."""
+
+  def __init__(self, layer_collection, params, padding, strides=None,
+               dilation_rate=None, data_format=None, patch_mask=None):
+    conv_blocks.ConvKFCReduceFB.__init__(
+        self, layer_collection, params, padding, strides, dilation_rate,
+        data_format, patch_mask=patch_mask)
+
+
+class EmbeddingEKFACFB(EKFACMixin, embedding_blocks.EmbeddingKFACFB):
+  """EKFAC of an embedding table ("ekfac"): the input factor is diagonal,
+  so the basis is I (x) Q_G and the scalings are the exact diagonal of the
+  table's Fisher in it. Takes `tf.IndexedSlices` vectors without
+  densifying them (each slice is a row of the table)."""
+
+  def __init__(self, layer_collection, vocab_size, params=None):
+    embedding_blocks.EmbeddingKFACFB.__init__(self, layer_collection,
+                                              vocab_size, params=params)
+
+  def _make_correction(self, grads_list, weights):
+    return self._make_factor(
+        ekfac_factors.EmbeddingEigenCorrectionFactor,
+        (tuple(self._ids_per_example), grads_list, self._vocab_size,
+         self._input_factor, self._output_factor, weights,
+         self._renorm_coeff), "S")
+
+  def _slices_product(self, vector, q_out, values, power, rotate_first):
+    rows = tf.gather(tf.cast(power, vector.values.dtype), vector.indices)
+    out = vector.values
+    if rotate_first is None:   # a power: rotate, scale, rotate back
+      out = _from_basis(_to_basis(out, None, q_out) * rows, None, q_out)
+    elif rotate_first:
+      out = _to_basis(out, None, q_out) * rows
+    else:
+      out = _from_basis(out * rows, None, q_out)
+    return tf.IndexedSlices(out, vector.indices, vector.dense_shape)
