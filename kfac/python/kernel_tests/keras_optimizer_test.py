@@ -137,8 +137,9 @@ def _fit(model, first, last):
   return losses
 
 
-def _tf1_reference(steps, estimation_mode, dampings=None):
-  """Weights after `steps` K-FAC steps of the same model in a TF1 graph."""
+def _tf1_reference(steps, estimation_mode, dampings=None, approx=None):
+  """Weights after `steps` K-FAC steps of the same model in a TF1 graph
+  (both layers registered with `approx`, default: the collection's)."""
   x_all, y_all = _data()
   dampings = dampings or [DAMPING] * steps
   graph = tf.Graph()
@@ -155,8 +156,8 @@ def _tf1_reference(steps, estimation_mode, dampings=None):
         tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
                                                        logits=logits))
     lc = kfac.LayerCollection()
-    lc.register_fully_connected((w1, b1), x, pre1)
-    lc.register_fully_connected((w2, b2), hidden, logits)
+    lc.register_fully_connected((w1, b1), x, pre1, approx=approx)
+    lc.register_fully_connected((w2, b2), hidden, logits, approx=approx)
     lc.register_categorical_predictive_distribution(
         logits, seed=tf.stack([tf.constant(SEED, tf.int64), step]))
     opt = kfac.PeriodicInvCovUpdateKfacOpt(

@@ -352,6 +352,14 @@ class FisherEstimator:
     """One thunk per factor; thunk(should_decay=True) builds its update
     (see _decay_and_weight)."""
     if self._lazy():
+      corrections = [f.name for f in self.factors
+                     if getattr(f, "is_eigen_correction", False)]
+      if corrections:
+        raise ValueError(
+            "lazy_statistics_sync=True does not support EKFAC blocks (their "
+            "scalings depend on the basis of the last refresh): %s. Use "
+            "lazy_statistics_sync=False or another approximation." %
+            ", ".join(corrections))
       examples = self.replica_examples()
 
       def make_local(factor):
