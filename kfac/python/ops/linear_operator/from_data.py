@@ -1,0 +1,241 @@
+"""`curvature_from_data`: a CurvatureOperator from one pass over a dataset.
+
+The model is registered by a user function `model_fn(batch, layer_collection)`
+(it runs the model on the batch and registers the layers and the losses;
+what it returns is ignored). The statistics are averaged over the whole
+dataset, weighted by the examples of each batch (an exact mean, not the
+optimizer's moving average): after the pass every factor holds the mean of
+its statistic over all examples.
+
+EKFAC blocks need two passes: pass 1 accumulates every factor whose
+`is_eigen_correction` is falsy, then the estimator's inverse update ops
+refresh the eigenbases, then pass 2 accumulates the eigenvalue corrections
+(factors with `is_eigen_correction=True`) in those bases. Models without
+such factors make one pass.
+
+Runs eagerly (the statistics of a batch are computed by a tf.function) or in
+a TF1 graph with `session=`.
+"""
+
+import time
+
+import tensorflow as tf
+
+from kfac.python.ops import estimator as estimator_lib
+from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops import state
+
+__all__ = ["curvature_from_data"]
+
+
+class _Progress:
+  """A line every `every` batches and at the end of a pass."""
+
+  def __init__(self, verbose, every, label):
+    self._verbose = verbose
+    self._every = max(1, int(every))
+    self._label = label
+    self._start = time.time()
+    self.batches = 0
+    self.examples = 0.0
+
+  def update(self, examples):
+    self.batches += 1
+    self.examples += float(examples)
+    if self._verbose and self.batches % self._every == 0:
+      self._line()
+
+  def _line(self, done=False):
+    print("%s: %d batches, %d examples, %.1f s%s" %
+          (self._label, self.batches, int(round(self.examples)),
+           time.time() - self._start, " (done)" if done else ""),
+          flush=True)
+
+  def finish(self):
+    if self._verbose:
+      self._line(done=True)
+
+
+def _is_correction(factor):
+  return bool(getattr(factor, "is_eigen_correction", False))
+
+
+def _check_steps(dataset, steps):
+  if steps is not None:
+    if int(steps) < 1:
+      raise ValueError("steps must be a positive number of batches, got %r."
+                       % (steps,))
+    return int(steps)
+  if isinstance(dataset, tf.data.Dataset):
+    cardinality = tf.get_static_value(dataset.cardinality())
+    if (cardinality is not None and
+        int(cardinality) == int(tf.data.INFINITE_CARDINALITY)):
+      raise ValueError("The dataset repeats forever: pass steps= (the "
+                       "number of batches of the pass).")
+  return None
+
+
+def _batches(dataset, steps):
+  for i, batch in enumerate(dataset):
+    if steps is not None and i >= steps:
+      return
+    yield batch
+
+
+class _Statistics:
+  """Builds the registration and the estimator on a batch (in the current
+  graph), with the statistics in one StateStore."""
+
+  def __init__(self, model_fn, damping, estimation_mode, name):
+    self._model_fn = model_fn
+    self._damping = damping
+    self._mode = estimation_mode
+    self._name = name
+    self.store = state.StateStore(name + "_statistics")
+    self.estimator = None
+
+  def build(self, batch):
+    lc = lc_lib.LayerCollection(name=self._name)
+    self._model_fn(batch, lc)
+    est = estimator_lib.FisherEstimator(
+        variables=lambda: lc.registered_variables, cov_ema_decay=0.5,
+        damping=self._damping, layer_collection=lc,
+        estimation_mode=self._mode, state_store=self.store,
+        name=self._name)
+    est.instantiate_variables()
+    self.estimator = est
+    return est
+
+  @staticmethod
+  def accumulate(est, phase):
+    """An op adding this batch's statistics to the means of the factors of
+    `phase` (1: not eigen corrections, 2: eigen corrections); also returns
+    the batch's number of examples."""
+    examples = est.replica_examples()
+    ops = [f.make_covariance_update_op(1.0, ema_weight=examples)
+           for f in est.factors if _is_correction(f) == (phase == 2)]
+    return tf.group(*ops), examples
+
+  @staticmethod
+  def refresh_bases(est):
+    thunks = est.create_ops_and_vars_thunks()[3]
+    return tf.group(*[t() for t in thunks])
+
+
+def curvature_from_data(model_fn, dataset, damping, damped=True,
+                        estimation_mode="gradients", steps=None, verbose=1,
+                        log_every=100, session=None, name="CurvatureOperator",
+                        operator_class=None):
+  """A CurvatureOperator of the statistics averaged over `dataset`.
+
+  Args:
+    model_fn: `model_fn(batch, layer_collection)`: runs the model on one
+      element of `dataset` and registers its layers and losses (the loss
+      with targets for the data-dependent modes). Called once per traced
+      batch shape (and once more at the end), not once per batch.
+    dataset: a `tf.data.Dataset` of batches (or, eagerly, any re-iterable
+      collection of batches).
+    damping: the damping of the operator (a number or variable), split
+      between Kronecker factors as the estimator does.
+    damped: False gives the undamped curvature.
+    estimation_mode: the FisherEstimator mode ("gradients": one sampled
+      target per example; "exact": the exact Fisher / GGN per example,
+      one backward pass per output; "empirical", ...).
+    steps: the number of batches of a pass (required for a dataset that
+      repeats forever); default the whole dataset.
+    verbose: 0 silent, 1 a line every `log_every` batches and at the end
+      of each pass.
+    log_every: batches between progress lines.
+    session: the tf.compat.v1.Session to run the pass in when called in a
+      TF1 graph (the model's variables must be initialized).
+    name: the operator's name.
+    operator_class: the class to make (default CurvatureOperator).
+
+  Returns:
+    The operator (its statistics live in `operator.statistics_store`).
+  """
+  if operator_class is None:
+    from kfac.python.ops.linear_operator import curvature  # pylint: disable=g-import-not-at-top
+    operator_class = curvature.CurvatureOperator
+  if not callable(model_fn):
+    raise TypeError("model_fn must be callable as model_fn(batch, "
+                    "layer_collection), got %r." % (model_fn,))
+  steps = _check_steps(dataset, steps)
+  stats = _Statistics(model_fn, damping, estimation_mode, name)
+  if tf.executing_eagerly():
+    est = _eager_passes(stats, dataset, steps, verbose, log_every)
+    op = operator_class(est.layers, damped=damped, name=name)
+  else:
+    if session is None:
+      raise ValueError(
+          "curvature_from_data in a graph: called inside a tf.function it "
+          "cannot run its own pass (call it eagerly); in a TF1 graph pass "
+          "session= (a tf.compat.v1.Session of this graph).")
+    est = _session_passes(stats, dataset, steps, verbose, log_every, session)
+    op = operator_class(est.layers, damped=damped, name=name)
+    session.run(tf.compat.v1.variables_initializer(op.state_variables))
+    session.run(op.refresh())
+  object.__setattr__(op, "statistics_store", stats.store)
+  return op
+
+
+def _eager_passes(stats, dataset, steps, verbose, log_every):
+  def make(phase):
+    def step(batch):
+      op, examples = stats.accumulate(stats.build(batch), phase)
+      with tf.control_dependencies([op]):
+        return tf.identity(examples)
+    return tf.function(step, reduce_retracing=True)
+
+  first = None
+  progress = _Progress(verbose, log_every, "curvature statistics, pass 1")
+  accumulate = make(1)
+  for batch in _batches(dataset, steps):
+    if first is None:
+      first = batch
+    progress.update(accumulate(batch).numpy())
+  if first is None:
+    raise ValueError("The dataset gave no batch.")
+  progress.finish()
+
+  def refresh(batch):
+    stats.refresh_bases(stats.build(batch))
+  tf.function(refresh)(first)
+  if any(_is_correction(f) for f in stats.estimator.factors):
+    progress = _Progress(verbose, log_every, "curvature statistics, pass 2 "
+                         "(eigenvalue corrections)")
+    accumulate = make(2)
+    for batch in _batches(dataset, steps):
+      progress.update(accumulate(batch).numpy())
+    progress.finish()
+  return stats.estimator
+
+
+def _session_passes(stats, dataset, steps, verbose, log_every, session):
+  if not isinstance(dataset, tf.data.Dataset):
+    raise TypeError("In a TF1 graph, dataset must be a tf.data.Dataset, got "
+                    "%r." % (dataset,))
+  iterator = tf.compat.v1.data.make_initializable_iterator(dataset)
+  est = stats.build(iterator.get_next())
+  phases = {1: stats.accumulate(est, 1), 2: stats.accumulate(est, 2)}
+  bases = stats.refresh_bases(est)
+  session.run(tf.compat.v1.variables_initializer(stats.store.variables))
+
+  def run_pass(phase, label):
+    session.run(iterator.initializer)
+    progress = _Progress(verbose, log_every, label)
+    while steps is None or progress.batches < steps:
+      try:
+        _, examples = session.run(phases[phase])
+      except tf.errors.OutOfRangeError:
+        break
+      progress.update(examples)
+    if progress.batches == 0:
+      raise ValueError("The dataset gave no batch.")
+    progress.finish()
+
+  run_pass(1, "curvature statistics, pass 1")
+  session.run(bases)
+  if any(_is_correction(f) for f in est.factors):
+    run_pass(2, "curvature statistics, pass 2 (eigenvalue corrections)")
+  return est

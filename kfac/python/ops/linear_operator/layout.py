@@ -1,0 +1,124 @@
+"""Where each block's parameters sit in the flattened parameter vector, and
+how the block's matrix view permutes them.
+
+The flattened order (the order of `CurvatureOperator.variables`): blocks in
+the layer collection's registration order; within a block its parameters
+in registration order ((W, b): W then b); each flattened row-major.
+
+A block's matrix view (spectral.view_functions) is a reshaping of its
+parameters: for most blocks the identity permutation of the flat entries
+([in(+1), out] for (W, b)), for per-channel blocks a transposition. The
+permutation is computed once, in numpy, by applying the block's own view
+functions to index-valued vectors, so vectors are moved between the flat
+layout and the views with one gather (or none) for any number of columns.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from kfac.python.ops import utils
+from kfac.python.ops.linear_operator import spectral
+
+
+class BlockLayout:
+  """One block's place in the flat vector and its view permutation."""
+
+  def __init__(self, block, params_key, offset):
+    self.block = block
+    self.kind = spectral.block_kind(block)
+    self.params = utils.ensure_sequence(params_key)
+    self.as_tuple = isinstance(params_key, (list, tuple))
+    self.shapes = []
+    for v in self.params:
+      if not v.shape.is_fully_defined():
+        raise ValueError("Variable %s of layer %s needs a static shape for a "
+                         "curvature operator, got %s." %
+                         (utils.variable_name(v), block.name, v.shape))
+      self.shapes.append([int(d) for d in v.shape])
+    self.sizes = [int(np.prod(s)) for s in self.shapes]
+    self.offset = offset
+    self.size = sum(self.sizes)
+    self.view_shape, self.perm, self.inv_perm = self._permutations()
+
+  @property
+  def name(self):
+    return "%s (%s)" % (self.block.name, type(self.block).__name__)
+
+  def _templates(self):
+    parts, start = [], 0
+    for shape, size in zip(self.shapes, self.sizes):
+      parts.append(tf.reshape(tf.range(start, start + size,
+                                       dtype=tf.float64), shape))
+      start += size
+    return tuple(parts) if self.as_tuple else parts[0]
+
+  def _permutations(self):
+    fns = spectral.view_functions(self.block, self.kind)
+    if fns is None:  # dense fallback: the flat column
+      return [self.size, 1], None, None
+    to_view, from_view = fns
+
+    def build():
+      template = self._templates()
+      view = tf.convert_to_tensor(to_view(template))
+      positions = tf.reshape(tf.range(tf.size(view), dtype=tf.float64),
+                             tf.shape(view))
+      back = from_view(positions, template)
+      flat_back = tf.concat([tf.reshape(t, [-1])
+                             for t in utils.ensure_sequence(back)], axis=0)
+      return view, flat_back
+
+    view, back = evaluate(build)
+    perm = np.rint(np.reshape(view, [-1])).astype(np.int64)
+    inv = np.rint(back).astype(np.int64)
+    ident = np.arange(self.size)
+    if (perm.size != self.size or inv.size != self.size or
+        not np.array_equal(np.sort(perm), ident) or
+        not np.array_equal(perm[inv], ident)):
+      raise ValueError(
+          "The matrix view of block %s is not a rearrangement of its %d "
+          "parameters (view shape %s), so the curvature operator cannot use "
+          "it." % (self.name, self.size, list(view.shape)))
+    perm_out = None if np.array_equal(perm, ident) else perm
+    inv_out = None if np.array_equal(inv, ident) else inv
+    return list(view.shape), perm_out, inv_out
+
+  def to_views(self, rows):
+    """rows [m, size] (flat vectors) -> [m, *view_shape]."""
+    if self.perm is not None:
+      rows = tf.gather(rows, self.perm, axis=1)
+    return tf.reshape(rows, tf.concat([tf.shape(rows)[:1],
+                                       self.view_shape], axis=0))
+
+  def from_views(self, views):
+    """[m, *view_shape] -> rows [m, size]."""
+    rows = tf.reshape(views, [-1, self.size])
+    if self.inv_perm is not None:
+      rows = tf.gather(rows, self.inv_perm, axis=1)
+    return rows
+
+
+def evaluate(build):
+  """numpy values of the tensors `build()` returns, computed eagerly (or in
+  a private graph when the program runs a TF1 graph): for static
+  bookkeeping that must not add ops to the user's graph."""
+  with tf.init_scope():
+    if tf.executing_eagerly():
+      return tf.nest.map_structure(np.asarray, build())
+  graph = tf.Graph()
+  with graph.as_default():
+    out = build()
+    with tf.compat.v1.Session(graph=graph) as sess:
+      return sess.run(out)
+
+
+def make_layouts(layer_collection):
+  layouts, offset = [], 0
+  for params, block in layer_collection.blocks_and_params():
+    layout = BlockLayout(block, params, offset)
+    layouts.append(layout)
+    offset += layout.size
+  if not layouts:
+    raise ValueError("LayerCollection %s has no registered layers." %
+                     getattr(layer_collection, "name", layer_collection))
+  return layouts
