@@ -23,6 +23,7 @@ import weakref
 
 import tensorflow as tf
 
+from kfac.python.ops import layer_collection as lc_lib
 from kfac.python.ops import utils
 from kfac.python.ops.linear_operator import flat
 from kfac.python.ops.linear_operator import layout as layout_lib
@@ -185,10 +186,10 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     Eagerly and in a tf.function it assigns (at once, or in program
     order) and returns None; in a TF1 graph it returns the op that assigns
     (the same op on every call: run it after initializing the variables,
-    and whenever the statistics changed). `source`: an estimator or LayerCollection registering the
-    same layers, to read the statistics through (e.g. the one built in
-    the current tf.function trace); default the one the operator was made
-    from.
+    and whenever the statistics changed). `source`: an estimator or
+    LayerCollection registering the same layers, to read the statistics
+    through (e.g. the one built in the current tf.function trace);
+    default the one the operator was made from.
     """
     shared = self._shared
     if source is not None:
@@ -398,7 +399,6 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
 
 def _layer_collection_of(source):
   """The LayerCollection of an estimator (finalizing it) or itself."""
-  from kfac.python.ops import layer_collection as lc_lib  # pylint: disable=g-import-not-at-top
   if isinstance(source, lc_lib.LayerCollection):
     return source
   if hasattr(source, "layers") and hasattr(source, "factors"):

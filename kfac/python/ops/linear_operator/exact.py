@@ -52,7 +52,9 @@ class ExactCurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     mean: divide the summed-loss curvature by the number of examples (the
       rows of the first registered loss, all its towers).
     tolerance, max_iter: of the conjugate gradient in `solve` (relative
-      residual; default max_iter: the number of parameters).
+      residual; default max_iter: 10 times the number of parameters, as
+      rounding makes CG on ill-conditioned systems take more than n
+      steps).
     max_dense_size: the most parameters `to_dense` (and what needs it)
       accepts.
     is_positive_definite: default True for "fisher" / "ggn" with a positive
@@ -97,15 +99,15 @@ class ExactCurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     object.__setattr__(self, "_variables", tuple(variables))
     self._sizes = [v.shape.num_elements() for v in variables]
     self._size = sum(self._sizes)
-    self._max_iter = self._size if max_iter is None else int(max_iter)
+    self._max_iter = 10 * self._size if max_iter is None else int(max_iter)
     if is_positive_definite is None and curvature != "hessian" and (
         utils.is_python_number(damping) and damping > 0):
       is_positive_definite = True
     object.__setattr__(self, "_eager_products",
                        tf.function(self._graph_products,
                                    reduce_retracing=True))
-    object.__setattr__(self, "_eager_solve",
-                       tf.function(self._graph_solve, reduce_retracing=True))
+    object.__setattr__(self, "_eager_cg", tf.function(
+        self.conjugate_gradient, reduce_retracing=True))
     super().__init__(
         dtype=variables[0].dtype.base_dtype, is_self_adjoint=True,
         is_square=True, is_positive_definite=is_positive_definite,
@@ -241,10 +243,18 @@ class ExactCurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     the operator's tolerance and max_iter; e.g. a `CurvatureOperator`'s
     inverse() as `preconditioner`."""
     self._check_solvable()
-    return tf.linalg.experimental.conjugate_gradient(
-        self, tf.convert_to_tensor(rhs, self.dtype),
-        preconditioner=preconditioner, tol=self._tolerance,
-        max_iter=self._max_iter)
+    rhs = tf.convert_to_tensor(rhs, self.dtype)
+    self._check_dim(rhs, -1, "conjugate_gradient")
+
+    def solve(rhs):
+      return tf.linalg.experimental.conjugate_gradient(
+          self, rhs, preconditioner=preconditioner, tol=self._tolerance,
+          max_iter=self._max_iter)
+    if tf.executing_eagerly():  # the loop as one graph
+      if preconditioner is None:
+        return self._eager_cg(rhs)
+      return tf.function(solve)(rhs)
+    return solve(rhs)
 
   def _check_solvable(self):
     if not self.is_positive_definite:
@@ -254,14 +264,8 @@ class ExactCurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
           "(pass is_positive_definite=True if it is)." %
           (self.name, self._curvature, self._damping))
 
-  def _graph_solve(self, rows):
-    return self.conjugate_gradient(rows).x
-
   def _solve_rows(self, rows):
-    self._check_solvable()
-    if tf.executing_eagerly():
-      return self._eager_solve(rows)
-    return self._graph_solve(rows)
+    return self.conjugate_gradient(rows).x
 
   def _solvevec(self, rhs, adjoint=False):
     del adjoint

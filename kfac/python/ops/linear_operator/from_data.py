@@ -24,6 +24,8 @@ import tensorflow as tf
 from kfac.python.ops import estimator as estimator_lib
 from kfac.python.ops import layer_collection as lc_lib
 from kfac.python.ops import state
+from kfac.python.ops import utils
+from kfac.python.ops.linear_operator import spectral
 
 __all__ = ["curvature_from_data"]
 
@@ -82,21 +84,25 @@ def _batches(dataset, steps):
     yield batch
 
 
+@utils.exclude_from_autograph
 class _Statistics:
   """Builds the registration and the estimator on a batch (in the current
-  graph), with the statistics in one StateStore."""
+  graph), with the statistics in one StateStore. Its methods are not
+  converted by autograph (kfac builds graphs with plain Python), while the
+  user's model_fn, called from the traced step itself, is."""
 
   def __init__(self, model_fn, damping, estimation_mode, name):
-    self._model_fn = model_fn
+    self.model_fn = model_fn
     self._damping = damping
     self._mode = estimation_mode
     self._name = name
     self.store = state.StateStore(name + "_statistics")
     self.estimator = None
 
-  def build(self, batch):
-    lc = lc_lib.LayerCollection(name=self._name)
-    self._model_fn(batch, lc)
+  def new_collection(self):
+    return lc_lib.LayerCollection(name=self._name)
+
+  def estimator_of(self, lc):
     est = estimator_lib.FisherEstimator(
         variables=lambda: lc.registered_variables, cov_ema_decay=0.5,
         damping=self._damping, layer_collection=lc,
@@ -106,20 +112,31 @@ class _Statistics:
     self.estimator = est
     return est
 
+  def accumulate(self, lc, phase):
+    """This batch's statistics added to the means of the factors of
+    `phase` (1: not eigen corrections, 2: eigen corrections); returns the
+    batch's number of examples (after the update)."""
+    op, examples = self.accumulate_op(self.estimator_of(lc), phase)
+    with tf.control_dependencies([op]):
+      return tf.identity(examples)
+
   @staticmethod
-  def accumulate(est, phase):
-    """An op adding this batch's statistics to the means of the factors of
-    `phase` (1: not eigen corrections, 2: eigen corrections); also returns
-    the batch's number of examples."""
+  def accumulate_op(est, phase):
     examples = est.replica_examples()
     ops = [f.make_covariance_update_op(1.0, ema_weight=examples)
            for f in est.factors if _is_correction(f) == (phase == 2)]
     return tf.group(*ops), examples
 
-  @staticmethod
-  def refresh_bases(est):
-    thunks = est.create_ops_and_vars_thunks()[3]
-    return tf.group(*[t() for t in thunks])
+  def refresh_bases(self, lc):
+    thunks = self.estimator_of(lc).create_ops_and_vars_thunks()[3]
+    tf.group(*[t() for t in thunks])
+
+  def needs_bases(self):
+    """Whether the views need the estimator's inverse update: EKFAC
+    (eigen corrections) or blocks viewed through their stored inverses."""
+    est = self.estimator
+    return (any(_is_correction(f) for f in est.factors) or
+            any(spectral.block_kind(b) == "dense" for b in est.blocks))
 
 
 def curvature_from_data(model_fn, dataset, damping, damped=True,
@@ -182,9 +199,9 @@ def curvature_from_data(model_fn, dataset, damping, damped=True,
 def _eager_passes(stats, dataset, steps, verbose, log_every):
   def make(phase):
     def step(batch):
-      op, examples = stats.accumulate(stats.build(batch), phase)
-      with tf.control_dependencies([op]):
-        return tf.identity(examples)
+      lc = stats.new_collection()
+      stats.model_fn(batch, lc)
+      return stats.accumulate(lc, phase)
     return tf.function(step, reduce_retracing=True)
 
   first = None
@@ -197,9 +214,13 @@ def _eager_passes(stats, dataset, steps, verbose, log_every):
   if first is None:
     raise ValueError("The dataset gave no batch.")
   progress.finish()
+  if not stats.needs_bases():
+    return stats.estimator
 
   def refresh(batch):
-    stats.refresh_bases(stats.build(batch))
+    lc = stats.new_collection()
+    stats.model_fn(batch, lc)
+    stats.refresh_bases(lc)
   tf.function(refresh)(first)
   if any(_is_correction(f) for f in stats.estimator.factors):
     progress = _Progress(verbose, log_every, "curvature statistics, pass 2 "
@@ -216,9 +237,11 @@ def _session_passes(stats, dataset, steps, verbose, log_every, session):
     raise TypeError("In a TF1 graph, dataset must be a tf.data.Dataset, got "
                     "%r." % (dataset,))
   iterator = tf.compat.v1.data.make_initializable_iterator(dataset)
-  est = stats.build(iterator.get_next())
-  phases = {1: stats.accumulate(est, 1), 2: stats.accumulate(est, 2)}
-  bases = stats.refresh_bases(est)
+  lc = stats.new_collection()
+  stats.model_fn(iterator.get_next(), lc)
+  est = stats.estimator_of(lc)
+  phases = {1: stats.accumulate_op(est, 1), 2: stats.accumulate_op(est, 2)}
+  bases = tf.group(*[t() for t in est.create_ops_and_vars_thunks()[3]])
   session.run(tf.compat.v1.variables_initializer(stats.store.variables))
 
   def run_pass(phase, label):

@@ -38,7 +38,7 @@ class BlockLayout:
     self.sizes = [int(np.prod(s)) for s in self.shapes]
     self.offset = offset
     self.size = sum(self.sizes)
-    self.view_shape, self.perm, self.inv_perm = self._permutations()
+    self.view_shape, self.perm, self.inv_perm = [self.size, 1], None, None
 
   @property
   def name(self):
@@ -52,10 +52,13 @@ class BlockLayout:
       start += size
     return tuple(parts) if self.as_tuple else parts[0]
 
-  def _permutations(self):
+  def index_views(self):
+    """A function building (the view of the index-valued vector, the
+    flattened from_view of the index-valued view), or None for the dense
+    fallback (a flat column)."""
     fns = spectral.view_functions(self.block, self.kind)
-    if fns is None:  # dense fallback: the flat column
-      return [self.size, 1], None, None
+    if fns is None:
+      return None
     to_view, from_view = fns
 
     def build():
@@ -67,8 +70,10 @@ class BlockLayout:
       flat_back = tf.concat([tf.reshape(t, [-1])
                              for t in utils.ensure_sequence(back)], axis=0)
       return view, flat_back
+    return build
 
-    view, back = evaluate(build)
+  def set_permutations(self, view, back):
+    """Checks and keeps the permutations computed from index_views()."""
     perm = np.rint(np.reshape(view, [-1])).astype(np.int64)
     inv = np.rint(back).astype(np.int64)
     ident = np.arange(self.size)
@@ -78,10 +83,10 @@ class BlockLayout:
       raise ValueError(
           "The matrix view of block %s is not a rearrangement of its %d "
           "parameters (view shape %s), so the curvature operator cannot use "
-          "it." % (self.name, self.size, list(view.shape)))
-    perm_out = None if np.array_equal(perm, ident) else perm
-    inv_out = None if np.array_equal(inv, ident) else inv
-    return list(view.shape), perm_out, inv_out
+          "it." % (self.name, self.size, list(np.shape(view))))
+    self.view_shape = list(np.shape(view))
+    self.perm = None if np.array_equal(perm, ident) else perm
+    self.inv_perm = None if np.array_equal(inv, ident) else inv
 
   def to_views(self, rows):
     """rows [m, size] (flat vectors) -> [m, *view_shape]."""
@@ -113,6 +118,8 @@ def evaluate(build):
 
 
 def make_layouts(layer_collection):
+  """The BlockLayouts of a collection's blocks, in the flattened order (the
+  view permutations of all blocks computed in one evaluation)."""
   layouts, offset = [], 0
   for params, block in layer_collection.blocks_and_params():
     layout = BlockLayout(block, params, offset)
@@ -121,4 +128,10 @@ def make_layouts(layer_collection):
   if not layouts:
     raise ValueError("LayerCollection %s has no registered layers." %
                      getattr(layer_collection, "name", layer_collection))
+  builds = [(l, l.index_views()) for l in layouts]
+  builds = [(l, b) for l, b in builds if b is not None]
+  if builds:
+    values = evaluate(lambda: [b() for _, b in builds])
+    for (layout, _), (view, back) in zip(builds, values):
+      layout.set_permutations(view, back)
   return layouts

@@ -5,7 +5,8 @@ A block's vectors are mapped to a matrix view M (the block's own
 made of one Kronecker product per channel). In that view the block's
 matrix is
 
-    B = (L (x) R) diag(vec(E)) (L (x) R)^T,   B^p v = from_view(L (E^p o (L^T M R)) R^T)
+    B = (L (x) R) diag(vec(E)) (L (x) R)^T,
+    B^p v = from_view(L (E^p o (L^T M R)) R^T)
 
 with L [rows, rows] and R [cols, cols] orthogonal (None stands for the
 identity) and E [rows, cols] the eigenvalues of B. A `SpectralView(left,
@@ -39,7 +40,9 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops import conv_factors
 from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import embedding_blocks
 from kfac.python.ops import linalg
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
@@ -60,7 +63,6 @@ SpectralView = collections.namedtuple("SpectralView",
 def _kronecker_products_are_standard(block):
   """Whether the block multiplies with TwoFactorKroneckerMixin's product (a
   subclass overriding it, like the kron_series blocks, does not)."""
-  from kfac.python.ops import embedding_blocks  # pylint: disable=g-import-not-at-top
   own = type(block).multiply_matpower
   return own in (TwoFactorKroneckerMixin.multiply_matpower,
                  embedding_blocks.EmbeddingKFACFB.multiply_matpower)
@@ -169,7 +171,6 @@ def _kronecker_damping(block, damping):
   # pylint: disable=protected-access
   if damping is None:
     return block._in_damping, block._out_damping
-  from kfac.python.ops import conv_factors  # pylint: disable=g-import-not-at-top
   base = damping_lib.as_damping_func(damping)
   coeff = block._renorm_coeff
   in_f, out_f = block._input_factor, block._output_factor
@@ -210,7 +211,8 @@ def _damping_func_of(block, damping):
 
 
 def _diagonal_view(block, damped, damping):
-  diag = tf.convert_to_tensor(block._factor.get_cov_var())  # pylint: disable=protected-access
+  factor = block._factor  # pylint: disable=protected-access
+  diag = tf.convert_to_tensor(factor.get_cov_var())
   if damped:
     dfunc = _damping_func_of(block, damping)
     diag = dfunc.scale(diag) + utils.cast(dfunc(), diag.dtype)
@@ -259,10 +261,15 @@ def _dense_matrix(block, exp):
                                     DENSE_FALLBACK_LIMIT, size))
   as_tuple = isinstance(block.params, (list, tuple))
   eye = tf.eye(size, dtype=block_dtype(block))
-  cols = [_to_flat(block.multiply_matpower(_from_flat(eye[i], shapes,
-                                                      as_tuple), exp))
-          for i in range(size)]
-  return tf.stack(cols, axis=1)
+
+  def column(unit):
+    return _to_flat(block.multiply_matpower(_from_flat(unit, shapes,
+                                                       as_tuple), exp))
+  try:  # all unit vectors at once
+    return tf.transpose(tf.vectorized_map(column, eye,
+                                          fallback_to_while_loop=False))
+  except Exception:  # pylint: disable=broad-except
+    return tf.stack([column(eye[i]) for i in range(size)], axis=1)
 
 
 def _dense_view(block, damped, damping):
