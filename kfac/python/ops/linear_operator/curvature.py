@@ -23,7 +23,6 @@ import weakref
 
 import tensorflow as tf
 
-from kfac.python.ops import layer_collection as lc_lib
 from kfac.python.ops import utils
 from kfac.python.ops.linear_operator import flat
 from kfac.python.ops.linear_operator import layout as layout_lib
@@ -32,28 +31,6 @@ from kfac.python.ops.linear_operator import spectral
 __all__ = ["CurvatureOperator"]
 
 _ROLES = ("left", "right", "eigenvalues")
-
-
-def eigen_power(evals, exp):
-  if exp == 1:
-    return evals
-  if exp == -1:
-    return tf.math.reciprocal(evals)
-  return tf.pow(evals, utils.cast(exp, evals.dtype))
-
-
-def apply_view(left, right, evals, mats, exp):
-  """L (E^exp o (L^T M R)) R^T for a batch of views M [m, *view]."""
-  if left is not None:
-    mats = tf.matmul(left, mats, transpose_a=True)
-  if right is not None:
-    mats = tf.matmul(mats, right)
-  mats = mats * eigen_power(evals, exp)
-  if left is not None:
-    mats = tf.matmul(left, mats)
-  if right is not None:
-    mats = tf.matmul(mats, right, transpose_b=True)
-  return mats
 
 
 class _Shared:
@@ -193,7 +170,7 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     """
     shared = self._shared
     if source is not None:
-      lc = _layer_collection_of(source)
+      lc = layout_lib.layer_collection_of(source)
       layouts = layout_lib.make_layouts(lc)
       old = [(utils.variable_name(v), v.shape.as_list())
              for v in shared.variables]
@@ -220,7 +197,7 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     """The curvature of a `FisherEstimator` (or of the LayerCollection an
     estimator was built on), with its current statistics; damping None is
     the estimator's."""
-    return cls(_layer_collection_of(estimator), damping=damping,
+    return cls(layout_lib.layer_collection_of(estimator), damping=damping,
                damped=damped, name=name)
 
   @classmethod
@@ -277,7 +254,7 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     outs = []
     for lay, view in zip(self._shared.layouts, self.views()):
       part = rows[:, lay.offset:lay.offset + lay.size]
-      mats = apply_view(view.left, view.right, view.eigenvalues,
+      mats = spectral.apply_view(view.left, view.right, view.eigenvalues,
                         lay.to_views(part), exp)
       outs.append(lay.from_views(mats))
     return outs[0] if len(outs) == 1 else tf.concat(outs, axis=1)
@@ -327,7 +304,7 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
   # ------------------------------------------------------------ spectra
   def _eigen_parts(self, exp=None):
     exp = self._exponent if exp is None else exp
-    return [tf.reshape(eigen_power(v.eigenvalues, exp), [-1])
+    return [tf.reshape(spectral.eigen_power(v.eigenvalues, exp), [-1])
             for v in self.views()]
 
   def _all_eigenvalues(self):
@@ -367,7 +344,7 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
     # diag of L diag(E) L^T (x) ... in the view: (L o L) E (R o R)^T.
     outs = []
     for lay, view in zip(self._shared.layouts, self.views()):
-      diag = eigen_power(view.eigenvalues, self._exponent)
+      diag = spectral.eigen_power(view.eigenvalues, self._exponent)
       if view.left is not None:
         diag = tf.matmul(tf.square(view.left), diag)
       if view.right is not None:
@@ -395,21 +372,3 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
   def _shape_tensor(self):
     n = self._shared.size
     return tf.constant([n, n], dtype=tf.int32)
-
-
-def _layer_collection_of(source):
-  """The LayerCollection of an estimator (finalizing it) or itself."""
-  if isinstance(source, lc_lib.LayerCollection):
-    return source
-  if hasattr(source, "layers") and hasattr(source, "factors"):
-    if not getattr(source, "_finalized", True) and tf.executing_eagerly():
-      raise ValueError(
-          "The estimator %s has not built its statistics yet, and cannot "
-          "eagerly (it differentiates the registered graph): build its ops "
-          "first (make_vars_and_create_ops, or a training step) inside a "
-          "tf.function or TF1 graph, then make the operator." %
-          getattr(source, "name", source))
-    source.factors  # pylint: disable=pointless-statement
-    return source.layers
-  raise TypeError("Expected a FisherEstimator or LayerCollection, got %r." %
-                  (source,))

@@ -16,6 +16,7 @@ layout and the views with one gather (or none) for any number of columns.
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops import layer_collection as lc_lib
 from kfac.python.ops import utils
 from kfac.python.ops.linear_operator import spectral
 
@@ -135,3 +136,23 @@ def make_layouts(layer_collection):
     for (layout, _), (view, back) in zip(builds, values):
       layout.set_permutations(view, back)
   return layouts
+
+
+def layer_collection_of(source):
+  """The LayerCollection of an estimator or optimizer (finalizing it), or
+  the collection itself."""
+  if isinstance(source, lc_lib.LayerCollection):
+    return source
+  if hasattr(source, "layers") and hasattr(source, "factors"):
+    if not getattr(source, "_finalized", True) and tf.executing_eagerly():
+      raise ValueError(
+          "The estimator %s has not built its statistics yet, and cannot "
+          "eagerly (it differentiates the registered graph): build its ops "
+          "first (make_vars_and_create_ops, or a training step) inside a "
+          "tf.function or TF1 graph, then make the operator." %
+          getattr(source, "name", source))
+    source.factors  # pylint: disable=pointless-statement
+    return source.layers
+  raise TypeError("Expected a FisherEstimator or LayerCollection (or a "
+                  "KfacOptimizer), got %r." %
+                  (source,))

@@ -50,7 +50,7 @@ from kfac.python.ops.block_base import SingleDenseFactorBlockMixin
 from kfac.python.ops.block_base import TwoFactorKroneckerMixin
 from kfac.python.ops.factor_base import DiagonalFactor
 
-__all__ = ["SpectralView", "spectral_view", "block_kind",
+__all__ = ["SpectralView", "spectral_view", "block_kind", "apply_view",
            "DENSE_FALLBACK_LIMIT"]
 
 # The dense fallback makes one block product per parameter of the block.
@@ -58,6 +58,28 @@ DENSE_FALLBACK_LIMIT = 4096
 
 SpectralView = collections.namedtuple("SpectralView",
                                       ["left", "right", "eigenvalues"])
+
+
+def eigen_power(evals, exp):
+  if exp == 1:
+    return evals
+  if exp == -1:
+    return tf.math.reciprocal(evals)
+  return tf.pow(evals, utils.cast(exp, evals.dtype))
+
+
+def apply_view(left, right, evals, mats, exp):
+  """L (E^exp o (L^T M R)) R^T for a batch of views M [m, *view]."""
+  if left is not None:
+    mats = tf.matmul(left, mats, transpose_a=True)
+  if right is not None:
+    mats = tf.matmul(mats, right)
+  mats = mats * eigen_power(evals, exp)
+  if left is not None:
+    mats = tf.matmul(left, mats)
+  if right is not None:
+    mats = tf.matmul(mats, right, transpose_b=True)
+  return mats
 
 
 def _kronecker_products_are_standard(block):
