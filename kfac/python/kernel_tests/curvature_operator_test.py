@@ -387,6 +387,25 @@ def test_refresh_in_tf_function_and_checkpoint_round_trip(world_factory):
   np.testing.assert_array_equal(other.solvevec(v).numpy(), before_solve)
 
 
+def test_refresh_from_the_estimator_of_a_later_trace(world_factory):
+  w = world_factory("eager")
+  op = w.operator()
+  data = _zoo_data(seed=8)
+
+  @tf.function
+  def step():
+    est, update = w._build(data)  # pylint: disable=protected-access
+    with tf.control_dependencies([update]):
+      op.refresh(est)  # reads the statistics after the update
+    return tf.constant(0)
+  step()
+  v = np.random.RandomState(4).randn(op.shape[0])
+  _close(op.matvec(v), w.reference() @ v, what="refresh(source)")
+  other = _World("eager", "variants")
+  with pytest.raises(ValueError, match="other variables"):
+    op.refresh(other.estimator)
+
+
 def test_tf1_refresh_op_and_checkpoint(world_factory):
   w = world_factory("graph")
   op = w.operator()
@@ -439,6 +458,8 @@ def test_bad_inputs_are_named(world_factory):
     op.unflatten(np.zeros(3))
   with pytest.raises(TypeError, match="Python number"):
     op.power(tf.constant(2.0))
+  with pytest.raises(TypeError, match="closure"):
+    tf.function(lambda o: o.trace())(op)
   lc = kfac.LayerCollection()
   with tf.Graph().as_default():
     vs = [tf.Variable(v) for v in _zoo_inits()]

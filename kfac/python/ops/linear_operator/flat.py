@@ -79,6 +79,14 @@ class FlatVectorMixin:
     self._check_dim(x, axis, what)
     return x
 
+  def __tf_tracing_type__(self, context):
+    del context
+    raise TypeError(
+        "%s (a %s) cannot be an argument of a tf.function: it is not a "
+        "CompositeTensor. Use it from the function's closure (define the "
+        "function where the operator is in scope)." %
+        (self.name, type(self).__name__))
+
   def matmul(self, x, adjoint=False, adjoint_arg=False, name="matmul"):
     x = self._checked(x, -1 if adjoint_arg else -2, "matmul")
     return super().matmul(x, adjoint=adjoint, adjoint_arg=adjoint_arg,
