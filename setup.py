@@ -41,7 +41,10 @@ EXTRAS = {
                   "numpy<2"],
     "estimator-cpu": ["tensorflow-cpu==2.15.*",
                       "tensorflow-estimator==2.15.*", "numpy<2"],
-    "tests": ["pytest", "pytest-xdist", "scikit-learn"],
+    # TensorFlow Probability: curvature_operator_test checks that its
+    # distributions take kfac.linear_operator operators.
+    "tests": ["pytest", "pytest-xdist", "scikit-learn",
+              "tensorflow-probability>=0.24"],
     "examples": ["scikit-learn", "matplotlib"],
 }
 

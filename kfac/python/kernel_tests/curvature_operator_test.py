@@ -338,6 +338,25 @@ def test_undamped_operator_equals_the_full_fisher_blocks(world_factory, world):
   _close(fetch["half"] @ fetch["half"], dense, what="power(0.5)^2")
 
 
+@pytest.mark.parametrize("world", ["eager", "graph"])
+def test_eigenvalue_damping_adds_to_every_block_exactly(world_factory, world):
+  """EigenvalueDamping(d): the undamped blocks plus d * I (Kronecker blocks
+  too, where the default damping splits d between the factors)."""
+  w = world_factory(world, "zoo")
+  op = w.operator(damping=kfac.linear_operator.EigenvalueDamping(0.3))
+  pi_split = w.operator(damping=0.3)
+  dense = w.reference(damped=False) + 0.3 * np.eye(op.shape[0])
+  v = np.random.RandomState(1).randn(dense.shape[0])
+  fetch = w.run(dict(dense=op.to_dense(), solve=op.solvevec(v),
+                     logdet=op.log_abs_determinant(),
+                     other=pi_split.to_dense()))
+  _close(fetch["dense"], dense, what="to_dense")
+  _close(fetch["solve"], np.linalg.solve(dense, v), what="solve")
+  _close(fetch["logdet"], np.linalg.slogdet(dense)[1], what="logdet")
+  # The pi split adds more than 0.3 * I to the Kronecker blocks.
+  assert np.abs(fetch["other"] - dense).max() > 1e-3
+
+
 def test_other_damping_equals_an_estimator_with_that_damping(world_factory):
   # (The TF1 checkpoint test uses another damping in a graph.)
   w = world_factory("eager", "zoo", damping=0.3)
@@ -746,7 +765,8 @@ def test_exact_operator_errors():
 
 
 def test_tensorflow_probability_accepts_the_operator(world_factory):
-  tfp = pytest.importorskip("tensorflow_probability")
+  # The "tests" extra installs TensorFlow Probability: no skip.
+  import tensorflow_probability as tfp  # pylint: disable=g-import-not-at-top
   w = world_factory("eager")
   op = w.operator()
   dist = tfp.distributions.MultivariateNormalLinearOperator(

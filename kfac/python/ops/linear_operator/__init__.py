@@ -23,6 +23,7 @@ from kfac.python.ops.linear_operator.sparse_aware import (
 from kfac.python.ops.linear_operator.curvature import CurvatureOperator
 from kfac.python.ops.linear_operator.exact import ExactCurvatureOperator
 from kfac.python.ops.linear_operator.from_data import curvature_from_data
+from kfac.python.ops.linear_operator.spectral import EigenvalueDamping
 from kfac.python.ops.linear_operator.spectral import SpectralView
 from kfac.python.ops.linear_operator.spectral import spectral_view
 
@@ -32,4 +33,5 @@ linalg = tf.linalg
 
 __all__ = ["LinearOperatorExtras", "LinearOperatorFullMatrix",
            "LinearOperatorDiag", "CurvatureOperator", "ExactCurvatureOperator",
-           "curvature_from_data", "SpectralView", "spectral_view"]
+           "curvature_from_data", "EigenvalueDamping", "SpectralView",
+           "spectral_view"]

@@ -50,7 +50,7 @@ from kfac.python.ops.block_base import SingleDenseFactorBlockMixin
 from kfac.python.ops.block_base import TwoFactorKroneckerMixin
 from kfac.python.ops.factor_base import DiagonalFactor
 
-__all__ = ["SpectralView", "spectral_view", "block_kind", "apply_view",
+__all__ = ["SpectralView", "spectral_view", "block_kind", "EigenvalueDamping", "apply_view",
            "DENSE_FALLBACK_LIMIT"]
 
 # The dense fallback makes one block product per parameter of the block.
@@ -136,6 +136,22 @@ def _check_instantiated(block):
         "operator of it." % block.name)
 
 
+class EigenvalueDamping:
+  """Damping added to the eigenvalues of every block: a Kronecker block
+  becomes c lambda_A lambda_G^T + value in its eigenbasis, as EKFAC's
+  damping is, i.e. the block plus value * I exactly, instead of the pi
+  split between the factors that K-FAC's products (and the default
+  `damping=`) use, which adds more than value * I. Use it to compare
+  approximations at the same damping, or for a prior precision (Laplace).
+  """
+
+  def __init__(self, value):
+    self.value = value
+
+  def __repr__(self):
+    return "EigenvalueDamping(%r)" % (self.value,)
+
+
 def spectral_view(block, damped=True, damping=None):
   """The `SpectralView` (L, R, E) of `block` (see the module docstring).
 
@@ -144,9 +160,17 @@ def spectral_view(block, damped=True, damping=None):
     damped: False gives the undamped block.
     damping: None uses the block's own damping (the estimator's); a number,
       tensor, variable or DampingFunc replaces it (split between Kronecker
-      factors with the pi rule as the block does).
+      factors with the pi rule as the block does); an `EigenvalueDamping`
+      adds its value to every eigenvalue of the undamped block instead.
   """
   _check_instantiated(block)
+  if isinstance(damping, EigenvalueDamping):
+    view = spectral_view(block, damped=False)
+    if not damped:
+      return view
+    value = damping_lib.as_damping_func(damping.value)()
+    return view._replace(eigenvalues=view.eigenvalues + utils.cast(
+        value, view.eigenvalues.dtype))
   kind = block_kind(block)
   if kind == "custom":
     if damping is None or not damped:
