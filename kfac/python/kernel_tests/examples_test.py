@@ -180,3 +180,37 @@ def test_distributed_multiworker_matches_one_process():
   assert losses[3] < 0.5 * losses[0], out
   (line,) = [l for l in out.splitlines() if l.startswith("max relative")]
   assert float(line.split()[-1]) <= 1e-5, line
+
+
+def test_influence_functions_example(tmp_path):
+  """examples/influence_functions.py on 600 Fashion-MNIST images: the
+  influence grid, the check against CG on the exact GGN and the Laplace
+  evidence are written and sane (CG converged, finite errors, helpful
+  scores negative and harmful ones positive, the evidence's best prior
+  precision inside the grid)."""
+  out = tmp_path / "influence"
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.run(
+      [sys.executable, str(EXAMPLES / "influence_functions.py"),
+       "--train_examples=600", "--epochs=2", "--check_examples=150",
+       "--check_dampings=1e-3,1e-1", "--output_dir=%s" % out],
+      cwd=str(EXAMPLES), env=env, capture_output=True, text=True,
+      timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert (out / "influence_grid.png").stat().st_size > 10000
+  assert (out / "laplace_evidence.png").stat().st_size > 10000
+  with open(out / "results.json") as f:
+    results = json.load(f)
+  assert max(results["helpful_scores"]) < 0 < min(results["harmful_scores"])
+  frobenius = results["check"].pop("frobenius")
+  # EKFAC is the best approximation diagonal in K-FAC's basis.
+  assert 0 < frobenius["ekfac"] <= frobenius["kron"] < 1, frobenius
+  for row in results["check"].values():
+    assert row["cg_relative_residual"] < 1e-4, row
+    for approx in ("ekfac", "kron", "kron_pi"):
+      assert 0 < row[approx]["relative_error"] < 1.5, row
+      assert row[approx]["score_correlation"] > 0.3, row
+  deltas = results["deltas"]
+  for name, curve in results["evidence"].items():
+    assert all(math.isfinite(v) for v in curve), name
+    assert deltas[0] < results["best_delta"][name] < deltas[-1], name
