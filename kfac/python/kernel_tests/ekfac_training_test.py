@@ -111,3 +111,19 @@ def test_keras_fit_equals_tf1_graph_steps(mode):
   kron = keras_case._tf1_reference(3, mode)  # pylint: disable=protected-access
   # EKFAC's steps differ from K-FAC's by more than the tolerance.
   assert max(np.max(np.abs(a - b)) for a, b in zip(expected, kron)) > 1e-3
+
+
+def test_lazy_statistics_sync_refuses_ekfac_blocks_by_name():
+  inits = ref.mlp_inits((5, 8, 6, 3), seed=96, dtype=np.float32)
+  with tf.Graph().as_default():
+    vs = [tf.Variable(v) for v in inits]
+    x, y = _batches(1)[0]
+    lc = kfac.LayerCollection()
+    _ekfac_mlp(vs, lc, (tf.constant(x), tf.constant(y)))
+    est = kfac.estimator.FisherEstimator(
+        variables=vs, cov_ema_decay=0.9, damping=0.01, layer_collection=lc,
+        lazy_statistics_sync=True)
+    est._lazy = lambda: True  # what several replicas would make it  # pylint: disable=protected-access
+    with pytest.raises(ValueError, match=r"lazy_statistics_sync=True does "
+                       r"not support EKFAC blocks .*S"):
+      est.make_vars_and_create_op_thunks()
