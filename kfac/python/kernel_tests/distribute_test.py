@@ -124,7 +124,8 @@ def test_replicas_equal_one(world, replicas):
   # replicated inverses (KfacOptimizer's explicit ops, the periodic
   # conditional, a multi-use layer, an embedding, the damping rule).
   placed = ["conv:regular", "multi_use:periodic", "conv:adaptive",
-            "embedding:periodic"]
+            "embedding:periodic", "dense:periodic:ekfac"]
+  cases.append("dense:periodic:ekfac")
   cases.extend(case + ":replica_round_robin" for case in placed)
   # Statistics reduced only at inversion steps: the same steps as the eager
   # sync (Kronecker factors; the damping rule; with the placement above).
@@ -134,7 +135,7 @@ def test_replicas_equal_one(world, replicas):
   if replicas == 2:
     cases.append("dense:periodic:uneven:lazy_statistics_sync")
   # EKFAC: the scalings are means over the global batch like the factors.
-  cases.extend(["dense:periodic:ekfac", "embedding:periodic:ekfac",
+  cases.extend(["embedding:periodic:ekfac",
                 "multi_use:periodic:ekfac", "conv:regular:ekfac:uneven"
                 if replicas == 2 else "conv:regular:ekfac"])
   # A diagonal factor (the embedding's inputs) reads its moving average at
