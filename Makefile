@@ -10,9 +10,10 @@
 #   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
 #                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
 #                  (about 6 minutes; plots in adaptive_autoencoder_results/)
-#   make bench     the benchmark suite into bench_results/ (about 40 minutes): time and
+#   make bench     the benchmark suite into bench_results/ (about 50 minutes): time and
 #                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
+#                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
 #                  ms/step vs the old kfac 0.2.4; Keras fit/custom loops vs Adam
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #   make data      best-effort offline Fashion-MNIST for Keras
@@ -157,6 +158,7 @@ DEMO_SECONDS := 45
 bench: venv data $(OLD_KFAC_STAMP)
 	$(VPY) examples/benchmarks/time_to_target.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/kfac_cost.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/ekfac_bench.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
 	  --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)

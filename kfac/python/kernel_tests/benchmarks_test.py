@@ -15,6 +15,10 @@ fast anything is.
   target is the best first-order final loss and the run that set it reaches
   it, the two K-FAC paths have the same hyperparameters, and the plots and
   tables are written.
+* ekfac_bench.py --quick (digits, 20 steps per run, tiny layers, ~30 s):
+  EKFAC and K-FAC runs differ only in their blocks, start from the same
+  loss and get the stated target; the scalings rows are positive, the two
+  strategies agree, "auto" picks the smaller memory; tables and plots.
 * side_by_side with a fake backend (~10 s): a step that raises
   InvalidArgumentError ends that run with a NaN loss, the others go on.
 """
@@ -216,3 +220,76 @@ def test_distributed_step_time_quick(tmp_path):
   assert (tmp_path / "distributed_step_time.png").stat().st_size > 0
   table = (tmp_path / "distributed_step_time.md").read_text()
   assert "| autoencoder | 1000 | 2 | lazy |" in table
+
+
+def test_ekfac_bench_quick(tmp_path):
+  """ekfac_bench.py --quick (digits, 20 steps per run, tiny layers, 2 reps;
+  ~30 s): the EKFAC runs register every layer with an EKFAC block and the
+  K-FAC runs none, the compared runs start from the same loss, take the
+  same steps and share the target (the higher of their final losses, which
+  both reach; none if a run ended above its start); the scalings rows give
+  positive times, the two strategies compute the same scalings, "auto"
+  picks the strategy with the smaller memory per example; tables and
+  plots are written."""
+  stdout = _run("ekfac_bench.py", ["--quick"], tmp_path)
+  with open(tmp_path / "ekfac_bench.json") as f:
+    results = json.load(f)
+  rows = results["optimizer"]
+  assert [(r["workload"], r["name"]) for r in rows] == [
+      ("autoencoder", "kfac"), ("autoencoder", "ekfac"),
+      ("convnet", "kfac"), ("convnet", "ekfac"),
+      ("convnet", "kfac_subsampled"), ("rnn", "kfac"), ("rnn", "ekfac")]
+  for workload in ("autoencoder", "convnet", "rnn"):
+    by = {r["name"]: r for r in rows if r["workload"] == workload}
+    kfac_run, ekfac_run = by["kfac"], by["ekfac"]
+    assert ekfac_run["ekfac_blocks"] == ekfac_run["blocks"] > 0
+    assert kfac_run["ekfac_blocks"] == 0
+    assert kfac_run["blocks"] == ekfac_run["blocks"]
+    assert "EKFAC" in ekfac_run["block_types"]
+    # Same weights and evaluation set; same hyperparameters.
+    assert kfac_run["initial_loss"] == ekfac_run["initial_loss"]
+    assert kfac_run["hyper"] == ekfac_run["hyper"]
+    for r in by.values():
+      # A budget in steps (--quick): the same work on any machine.
+      assert r["steps"] == 20 and r["ms_per_step"] > 0
+      assert math.isfinite(r["final_loss"]), r
+    finals = [kfac_run["final_loss"], ekfac_run["final_loss"]]
+    if max(finals) < kfac_run["initial_loss"]:
+      assert all(r["target"] == max(finals) for r in by.values())
+      for r in (kfac_run, ekfac_run):  # both reach the target
+        assert 0 < r["steps_to_target"] <= 20 and r["seconds_to_target"] > 0
+    else:  # a run ended above the start: no common target
+      assert all(math.isnan(r["target"]) for r in by.values())
+    table = (tmp_path / ("ekfac_%s.md" % workload)).read_text()
+    assert table.count("\n| kfac |") == 1 and "\n| ekfac |" in table
+    for axis in ("steps", "seconds"):
+      _png(tmp_path / ("ekfac_%s_loss_vs_%s.png" % (workload, axis)))
+  assert [r["sub_sampled_patches"] for r in rows] == [
+      False, False, False, False, True, False, False]
+
+  scal = results["scalings"]
+  assert sorted({r["sweep"] for r in scal}) == ["batch", "conv", "positions",
+                                                "width"]
+  picks = set()
+  for r in scal:
+    assert r["backward_ms"] > 0 and r["kfac_statistics_ms"] > 0
+    assert r["per_example_ms"] > 0 and r["gramian_ms"] > 0, r
+    assert r["strategies_max_rel_diff"] < 1e-4, r
+    rows_, cols, p = r["rows"], r["cols"], r["positions"]
+    if p == 1:
+      assert r["auto"] == "factored"
+      assert r["per_example_memory"] == r["gramian_memory"] == rows_ + cols
+      continue
+    assert r["per_example_memory"] == rows_ * cols
+    assert r["gramian_memory"] == p * p * (rows_ + cols)
+    assert r["auto"] == min(("per_example", "gramian"),
+                            key=lambda s, r=r: r["%s_memory" % s])
+    picks.add(r["auto"])
+  assert picks == {"per_example", "gramian"}  # both choices are exercised
+  _png(tmp_path / "ekfac_scalings_cost.png")
+  text = (tmp_path / "ekfac_bench.md").read_text()
+  for heading in ("Time to a target loss", "Cost of the scalings",
+                  "against batch size", "against width",
+                  "against positions", "3x3 convolution"):
+    assert heading in text and heading in stdout
+  assert "total wall time" in stdout
