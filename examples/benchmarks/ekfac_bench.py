@@ -20,15 +20,20 @@ PNG plots to --output_dir, and printed.
    EKFAC does not accept); here both compared runs use all patches, and with
    --convnet_reference time_to_target's K-FAC with sub-sampled patches runs
    alongside them as a third curve (not part of the ratios).
+   Equal damping is not equal regularisation: EKFAC adds the damping to
+   its scalings, K-FAC adds pi-split multiples of its square root to both
+   factors (cross terms included), which is more. So EKFAC runs at K-FAC's
+   tuned damping times each of --ekfac_damping_scales (default 1 and 10;
+   run names "ekfac", "ekfac_x10"), all taking turns, and the one with the
+   lowest final loss is compared with K-FAC (EKFAC tuned on a small grid,
+   K-FAC on time_to_target's).
    Target: the higher of the two compared runs' final losses (both reach
-   it; none when a run ended at or above the initial loss); the tables give the training seconds and steps until each run's
-   evaluation loss first reached it, ms/step, and the EKFAC / K-FAC ratios.
+   it; none when a run ended at or above the initial loss); the tables give
+   the training seconds and steps until each run's evaluation loss first
+   reached it, ms/step, and the EKFAC / K-FAC ratios.
    Losses are evaluated like time_to_target.py's (a fixed subset of the
    training set every --eval_every steps; evaluation is not training time).
-   Note that equal damping is not equal regularisation: EKFAC adds the
-   damping to its scalings, K-FAC adds pi-split multiples of its square
-   root to both factors (cross terms included); --ekfac_damping gives the
-   EKFAC run its own value.
+   --ekfac_damping replaces K-FAC's damping as the base of the grid.
 
 2. scalings: the cost of EKFAC's eigen-correction statistic
    (`EigenCorrectionFactor._compute_new_cov()`: rotate the layer's inputs
@@ -48,7 +53,7 @@ PNG plots to --output_dir, and printed.
    and which strategy "auto" picks for the layer. Strategies whose
    intermediate tensor would exceed --max_intermediate_mib are skipped.
 
-  python examples/benchmarks/ekfac_bench.py                    # ~10 min
+  python examples/benchmarks/ekfac_bench.py                    # ~14 min
   python examples/benchmarks/ekfac_bench.py --parts=scalings    # ~1.5 min
   python examples/benchmarks/ekfac_bench.py --workloads=rnn --seconds=30
   python examples/benchmarks/ekfac_bench.py --parts=optimizer \
@@ -101,6 +106,10 @@ flags.DEFINE_enum("ekfac_approx", "ekfac", ["ekfac", "ekfac_reduce"],
                   "convolution layers (multi-use layers: always 'ekfac').")
 flags.DEFINE_enum("ekfac_strategy", "auto", list(scalings_lib.STRATEGIES),
                   "LayerCollection.ekfac_strategy of the EKFAC run.")
+flags.DEFINE_list("ekfac_damping_scales", ["1", "10"],
+                  "EKFAC runs at these multiples of the damping (K-FAC's "
+                  "tuned one, or --ekfac_damping); the best final loss is "
+                  "compared with K-FAC.")
 flags.DEFINE_float("ekfac_damping", None, "The EKFAC run's damping (default: "
                    "K-FAC's tuned one; EKFAC adds it to the scalings, K-FAC "
                    "splits it between its two factors).")
@@ -173,12 +182,22 @@ def _runs(name):
   small = FLAGS.dataset == "digits"
   workload = workloads_lib.get(name, small=small)
   if name == "convnet":
-    runs = [("kfac", None, ConvnetAllPatches()),
-            ("ekfac", FLAGS.ekfac_approx, ConvnetAllPatches())]
-    if FLAGS.convnet_reference:
-      runs.append(("kfac_subsampled", None, workload))
-    return runs
-  return [("kfac", None, workload), ("ekfac", FLAGS.ekfac_approx, workload)]
+    workload, reference = ConvnetAllPatches(), workload
+  runs = [("kfac", None, workload)]
+  runs.extend((ekfac_run_name(scale), FLAGS.ekfac_approx, workload)
+              for scale in _damping_scales())
+  if name == "convnet" and FLAGS.convnet_reference:
+    runs.append(("kfac_subsampled", None, reference))
+  return runs
+
+
+def _damping_scales():
+  return [float(s) for s in FLAGS.ekfac_damping_scales]
+
+
+def ekfac_run_name(scale):
+  """"ekfac" at K-FAC's damping, "ekfac_x10" at 10 times it, ..."""
+  return "ekfac" if scale == 1 else "ekfac_x%g" % scale
 
 
 def _describe_blocks(collection):
@@ -203,8 +222,11 @@ def compare(name, data, out_dir):
   trainers, info = [], {}
   for run, approx, run_workload in runs:
     run_hyper = hyper
-    if approx is not None and FLAGS.ekfac_damping is not None:
-      run_hyper = dict(hyper, damping=FLAGS.ekfac_damping)
+    if approx is not None:
+      scale = dict((ekfac_run_name(x), x) for x in _damping_scales())[run]
+      damping = (FLAGS.ekfac_damping if FLAGS.ekfac_damping is not None
+                 else hyper["damping"])
+      run_hyper = dict(hyper, damping=damping * scale)
     made = []
     with _collections(approx, FLAGS.ekfac_strategy, made):
       backend = time_to_target.SessionBackend(
@@ -239,8 +261,15 @@ def compare(name, data, out_dir):
   return rows
 
 
+def best_ekfac(histories):
+  """The EKFAC run (of the damping grid) with the lowest final loss."""
+  runs = [h for h in histories if h.name.startswith("ekfac")]
+  finite = [h for h in runs if np.isfinite(h.final_loss)]
+  return min(finite, key=lambda h: h.final_loss) if finite else runs[0]
+
+
 def _summarise(name, histories, info):
-  pair = histories[:2]
+  pair = [histories[0], best_ekfac(histories)]
   finals = [h.final_loss for h in pair if np.isfinite(h.final_loss)]
   target = max(finals) if finals else float("nan")
   if not target < min(h.losses[0] for h in pair):
@@ -248,7 +277,8 @@ def _summarise(name, histories, info):
   rows = []
   for h in histories:
     rows.append(dict(
-        workload=name, name=h.name, steps=h.steps[-1],
+        workload=name, name=h.name, compared=any(h is p for p in pair),
+        steps=h.steps[-1],
         seconds=h.seconds[-1],
         ms_per_step=1e3 * h.seconds[-1] / max(h.steps[-1], 1),
         initial_loss=h.losses[0], final_loss=h.final_loss, target=target,
@@ -299,7 +329,8 @@ def summary_table(rows):
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for workload in dict.fromkeys(r["workload"] for r in rows):
     by = {r["name"]: r for r in rows if r["workload"] == workload}
-    k, e = by["kfac"], by["ekfac"]
+    k = by["kfac"]
+    e = [r for r in by.values() if r["compared"] and r is not k][0]
 
     def reach(r):
       if r["seconds_to_target"] is None:
@@ -308,7 +339,8 @@ def summary_table(rows):
 
     lines.append("| %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s | %.4g "
                  "| %.4g |" % (
-                     workload, _fmt(k["target"], "%.4g"), reach(k), reach(e),
+                     workload, _fmt(k["target"], "%.4g"), reach(k),
+                     "%s: %s" % (e["name"], reach(e)),
                      _fmt(_ratio(e["seconds_to_target"],
                                  k["seconds_to_target"]), "%.2fx"),
                      _fmt(_ratio(e["steps_to_target"],

@@ -251,11 +251,18 @@ def test_per_example_and_gramian_strategies_agree():
 
 def test_strategy_choice_follows_memory():
   choose = kfac.ekfac.choose_strategy
+  budget = kfac.python.ops.ekfac.scalings.PER_EXAMPLE_BUDGET
   assert choose(1, 100, 100) == "factored"
-  assert choose(4, 100, 100) == "gramian"       # 16 * 200 < 10000
-  assert choose(64, 10, 10) == "per_example"    # 4096 * 20 > 100
+  # Per-example gradients (faster) while they fit the budget ...
+  assert choose(4, 100, 100) == "per_example"   # Gramian 16 * 200 < 10000
+  assert choose(64, 10, 10) == "per_example"
   assert choose(None, 10, 10) == "per_example"
-  assert choose(4, 100, 100, "per_example") == "per_example"
+  # ... above it the Gramian when it needs less memory.
+  assert 4096 * 4096 > budget
+  assert choose(4, 4096, 4096) == "gramian"     # 16 * 8192 < 4096^2
+  assert choose(2048, 4096, 4096) == "per_example"
+  assert choose(None, 4096, 4096) == "per_example"
+  assert choose(4, 100, 100, "gramian") == "gramian"
   with pytest.raises(ValueError, match="strategy 'bogus'"):
     choose(4, 3, 3, "bogus")
   with pytest.raises(ValueError, match="strategy 'x'"):

@@ -18,13 +18,24 @@ Three ways to compute S, all exact:
 * "gramian": S = mean_n sum_{p,q} (x'_np . x'_nq) (g'_np . g'_nq) taken
   entrywise, i.e. einsum over the positions' pairwise products
   [N, P, P, rows] and [N, P, P, cols] (memory N * P^2 * (rows + cols)).
-"auto" picks the one with the smaller memory, per layer, from the static
-shapes (per_example when P is not static).
+"auto" chooses per layer from the static shapes, by memory: per-example
+gradients unless one example's needs more than PER_EXAMPLE_BUDGET entries
+(16 MiB in float32) and the Gramian's needs fewer. Measured
+(examples/benchmarks/ekfac_bench.py, docs/benchmarks.md), the Gramian
+does P times more multiplications and was slower in every case, 1.4x at
+P = 2 to 39x at P = 64, even where it needed 16x less memory; so it is the
+fallback for layers whose per-example gradients would not fit, not a
+speed-up.
 """
 
 import tensorflow as tf
 
 STRATEGIES = ("auto", "per_example", "gramian")
+
+# Entries of one example's rotated gradient above which "auto" takes the
+# Gramian when that needs less memory (2^22 floats: 16 MiB in float32, so
+# 2 GiB for a batch of 128).
+PER_EXAMPLE_BUDGET = 1 << 22
 
 
 def check_strategy(strategy):
@@ -37,15 +48,16 @@ def check_strategy(strategy):
 def choose_strategy(positions, rows, cols, strategy="auto"):
   """The strategy a layer with `positions` (a Python int or None), `rows`
   and `cols` uses: "factored" when there is one position, else the given
-  one, or for "auto" the one needing less memory per example."""
+  one; "auto" takes per-example gradients unless they need more than
+  PER_EXAMPLE_BUDGET entries per example and the Gramian fewer."""
   check_strategy(strategy)
   if positions == 1:
     return "factored"
   if strategy != "auto":
     return strategy
-  if positions is None:
-    return "per_example"
   per_example = rows * cols
+  if positions is None or per_example <= PER_EXAMPLE_BUDGET:
+    return "per_example"
   gramian = positions * positions * (rows + cols)
   return "gramian" if gramian < per_example else "per_example"
 
