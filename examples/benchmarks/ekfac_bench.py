@@ -69,7 +69,6 @@ import collections
 import contextlib
 import json
 import os
-import platform
 import sys
 import time
 
@@ -651,12 +650,6 @@ def _plot_scalings(rows, path):
 
 
 # ------------------------------------------------------------------ output
-def _machine_line():
-  devices = [d.device_type for d in tf.config.list_physical_devices()]
-  return ("Machine: %s, %d CPU cores, devices %s; TensorFlow %s, Python %s." %
-          (platform.machine(), os.cpu_count() or 0, ", ".join(devices),
-           tf.__version__, platform.python_version()))
-
 
 def _apply_quick():
   FLAGS.dataset = "digits"
@@ -682,9 +675,10 @@ def main(argv):
     raise app.UsageError("unknown --parts %s" % sorted(unknown))
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   start = time.time()
-  print(_machine_line(), flush=True)
-  results = dict(machine=_machine_line(), optimizer=[], scalings=[])
-  text = ["# EKFAC against K-FAC", "", _machine_line(), ""]
+  print(workloads_lib.machine_line(), flush=True)
+  results = dict(machine=workloads_lib.machine_line(), optimizer=[],
+                 scalings=[])
+  text = ["# EKFAC against K-FAC", "", workloads_lib.machine_line(), ""]
   if "optimizer" in parts:
     results["optimizer"] = optimizer_part(FLAGS.output_dir)
     text += ["## Time to a target loss (the higher of the two final losses)",

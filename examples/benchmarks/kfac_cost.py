@@ -41,7 +41,6 @@ times are medians over --reps calls after warm-up calls.
 
 import json
 import os
-import platform
 import sys
 import time
 
@@ -385,7 +384,7 @@ def _mib(num_bytes):
 
 
 def write_report(results, out_dir):
-  parts = ["# K-FAC cost and scaling", "", _machine_line(), ""]
+  parts = ["# K-FAC cost and scaling", "", workloads_lib.machine_line(), ""]
   inv = results["inverse_cost"]
   if inv:
     parts += ["## Inverse cost against factor width", "",
@@ -518,12 +517,6 @@ def _plot(results, out_dir):
     plt.close(fig)
 
 
-def _machine_line():
-  devices = [d.device_type for d in tf.config.list_physical_devices()]
-  return ("Machine: %s, %d CPU cores, devices %s; TensorFlow %s, Python %s." %
-          (platform.machine(), os.cpu_count() or 0, ", ".join(devices),
-           tf.__version__, platform.python_version()))
-
 
 def main(argv):
   del argv
@@ -534,7 +527,7 @@ def main(argv):
     widths, batch_sizes, dataset = [64, 128], [32, 64], "digits"
     FLAGS.reps = 2
   os.makedirs(FLAGS.output_dir, exist_ok=True)
-  print(_machine_line(), flush=True)
+  print(workloads_lib.machine_line(), flush=True)
   parts = set(FLAGS.parts)
   results = dict(inverse_cost=inverse_cost(widths) if "inverse" in parts
                  else [])

@@ -18,6 +18,7 @@ inputs.
 """
 
 import os
+import platform
 import sys
 
 import numpy as np
@@ -185,6 +186,14 @@ class Rnn(_Classifier):
 
 
 WORKLOADS = {w.name: w for w in (Autoencoder(), Convnet(), Rnn())}
+
+
+def machine_line():
+  """One line naming the machine and the software versions."""
+  devices = [d.device_type for d in tf.config.list_physical_devices()]
+  return ("Machine: %s, %d CPU cores, devices %s; TensorFlow %s, Python %s." %
+          (platform.machine(), os.cpu_count() or 0, ", ".join(devices),
+           tf.__version__, platform.python_version()))
 
 
 def get(name, small=False):
