@@ -72,6 +72,8 @@ flags.DEFINE_float("tune_seconds", None, "Budget of one tuning run "
                    "(default: half the comparison's).")
 flags.DEFINE_float("adaptive_min_damping", 1e-8, "min_damping of "
                    "kfac_adaptive (1e-8: the library's default).")
+flags.DEFINE_float("adaptive_relative_min_damping", None,
+                   "relative_min_damping of kfac_adaptive.")
 flags.DEFINE_list("tune_only", [], "With --tune, run only the grid points "
                   "with these values, e.g. damping=0.01,learning_rate=0.03.")
 
@@ -129,7 +131,8 @@ def make_optimizer(name, hyper, workload, layer_collection=None,
     opt = kfac.PeriodicInvCovUpdateKfacOpt(
         damping=hyper["damping"], layer_collection=layer_collection,
         l2_reg=workload.l2_reg, loss_fn=loss_fn, train_batch=train_batch,
-        min_damping=FLAGS.adaptive_min_damping, **ADAPTIVE)
+        min_damping=FLAGS.adaptive_min_damping,
+        relative_min_damping=FLAGS.adaptive_relative_min_damping, **ADAPTIVE)
     return opt, dict(damping=opt.damping, lr=opt.learning_rate,
                      momentum=opt.momentum, rho=opt.rho,
                      # burn-in steps leave the counter at 0

@@ -641,3 +641,27 @@ def test_schedules_and_norm_stats(world):
     assert stats["update_norm"] == pytest.approx(np.linalg.norm(delta),
                                                  rel=RTOL)
     prev_velocity = velocity
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("relative", [1e3, 1e-9])
+def test_relative_damping_floor(world, relative):
+  """relative_min_damping r: the rule's new damping is
+  max(decreased damping, r * trace(B) / dim(B)) with B the undamped
+  block-diagonal K-FAC matrix (here the generic blocks' covariances, read
+  from the state after the step); r = 1e3 makes the floor bind, 1e-9 not."""
+  damping = 0.05
+  trainer = Trainer(world, _inits(), dict(
+      learning_rate=None, momentum=None, momentum_type="qmodel",
+      damping=damping, adapt_damping=True, damping_adaptation_interval=1,
+      damping_adaptation_decay=0.9, damping_increase_rho_threshold=-10.0,
+      damping_decrease_rho_threshold=-5.0, relative_min_damping=relative))
+  for batch in _batches(2):
+    rec_before = trainer.records()
+    trainer.step(batch)
+    covs = trainer.precon_matrix(0.0)
+    scale = np.trace(covs) / covs.shape[0]
+    expected = max(rec_before["damping"] * 0.9, relative * scale)
+    assert trainer.records()["damping"] == pytest.approx(expected, rel=1e-9)
+  if relative > 1:
+    assert trainer.records()["damping"] > damping  # the floor lifted it

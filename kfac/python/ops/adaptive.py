@@ -80,6 +80,7 @@ _DAMPING_TARGET_DEFAULTS = (
     ("damping_decrease_rho_threshold", 0.75),
     ("damping_increase_rho_threshold", 0.25),
     ("min_damping", 1e-8),
+    ("relative_min_damping", None),
     ("use_passed_loss", True),
     ("always_use_exact_qmodel_for_damping_adjustment", False),
 )
@@ -94,7 +95,7 @@ ARGUMENTS = (
     "damping_increase_rho_threshold", "precon_damping_mult",
     "use_passed_loss", "train_batch", "print_logs", "use_weight_decay",
     "norm_constraint", "damping_schedule",
-    "always_use_exact_qmodel_for_damping_adjustment")
+    "always_use_exact_qmodel_for_damping_adjustment", "relative_min_damping")
 
 
 class _StoredDamping:
@@ -206,6 +207,7 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     self._loss = args["loss"]
     self._loss_fn = loss_fn
     self._min_damping = args["min_damping"]
+    self._relative_min_damping = args["relative_min_damping"]
     self._l2_reg = l2_reg
     self._adaptation_decay = args["damping_adaptation_decay"]
     self._adaptation_interval = int(args["damping_adaptation_interval"])

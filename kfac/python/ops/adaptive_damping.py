@@ -41,7 +41,10 @@ Only the chief (is_chief=True) adapts or calibrates the damping. The
 damping lives in a float64 state variable (`adaptive/damping`), or in the
 scalar variable passed as `damping`, floored at min_damping; the
 preconditioner adds l2_reg to it, so the effective damping never falls
-below l2_reg + min_damping * precon_damping_mult.
+below l2_reg + min_damping * precon_damping_mult. With relative_min_damping
+r the floor is max(min_damping, r * curvature scale), the scale being the
+mean eigenvalue of the K-FAC curvature read from the factors' traces
+(recipe/scale.py), evaluated when the rule runs.
 """
 
 import tensorflow as tf
@@ -49,6 +52,7 @@ import tensorflow as tf
 from kfac.python.ops import damping_adaptation
 from kfac.python.ops import utils
 from kfac.python.ops.distribute import collective
+from kfac.python.ops.recipe import scale
 
 
 class AdaptiveDampingMixin:
@@ -146,6 +150,16 @@ class AdaptiveDampingMixin:
     return change, [self._record("qmodel_change").assign(change)]
 
   # ------------------------------------------------------------ the rule
+  def _damping_floor(self):
+    """The damping's floor (float64): min_damping, or with
+    relative_min_damping r the larger of it and r * the curvature scale
+    (the mean eigenvalue of the K-FAC curvature, recipe/scale.py)."""
+    floor = tf.constant(float(self._min_damping), tf.float64)
+    if self._relative_min_damping is None:
+      return floor
+    curvature = scale.curvature_scale(self._require_estimator().blocks)
+    return tf.maximum(floor, float(self._relative_min_damping) * curvature)
+
   def _apply_rule(self, loss_before, loss_after, model_change, counter,
                   extra_ops=()):
     """Ops that set rho and the new damping."""
@@ -154,7 +168,7 @@ class AdaptiveDampingMixin:
     new = damping_adaptation.adapted_damping(
         self._damping, rho, self._adaptation_decay,
         self._adaptation_interval, self._rho_lower, self._rho_upper,
-        self._min_damping)
+        self._damping_floor())
     ops = [self._record("rho").assign(rho),
            self._damping.assign(tf.cast(new, self._damping.dtype))]
     ops.extend(extra_ops)
@@ -255,7 +269,7 @@ class AdaptiveDampingMixin:
                                           tf.float64)
     new, new_step, new_direction = damping_adaptation.calibrated_damping(
         self._damping, rho, log_step, direction, self._rho_lower,
-        self._rho_upper, self._min_damping)
+        self._rho_upper, self._damping_floor())
     with tf.control_dependencies([restored]):
       ops = [self._damping.assign(tf.cast(new, self._damping.dtype)),
              log_step.assign(new_step), direction.assign(new_direction),

@@ -60,6 +60,13 @@ def reduction_ratio(loss_before, loss_after, model_change):
                   tf.constant(float("nan"), tf.float64) * tf.ones_like(ratio))
 
 
+def _floor(min_damping):
+  """The floor as a float64 tensor (a number or a tensor)."""
+  if utils.is_python_number(min_damping):
+    return tf.constant(float(min_damping), tf.float64)
+  return utils.cast(min_damping, tf.float64)
+
+
 def adapted_damping(damping, rho, decay, interval, lower, upper, min_damping):
   """The new damping after one application of the rule (float64)."""
   damping = utils.cast(damping, tf.float64)
@@ -70,7 +77,7 @@ def adapted_damping(damping, rho, decay, interval, lower, upper, min_damping):
   decrease = tf.logical_and(finite, rho > upper)
   new = tf.where(decrease, damping * omega,
                  tf.where(increase, damping / omega, damping))
-  return tf.maximum(new, tf.constant(float(min_damping), tf.float64))
+  return tf.maximum(new, _floor(min_damping))
 
 
 # The first calibration move multiplies or divides the damping by 10.
@@ -103,6 +110,6 @@ def calibrated_damping(damping, rho, log_step, last_direction, lower, upper,
   reverses = direction * last < 0
   log_step = tf.where(reverses, log_step / 2.0, log_step)
   new = tf.maximum(damping * tf.exp(direction * log_step),
-                   tf.constant(float(min_damping), tf.float64))
+                   _floor(min_damping))
   return new, log_step, tf.where(direction != 0, direction, last)
 

@@ -128,6 +128,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                lazy_statistics_sync=False,
                skip_non_finite_steps=True,
                max_consecutive_skipped_steps=10,
+               relative_min_damping=None,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -147,6 +148,13 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     not finite (reliability/nonfinite.py, docs/reliability.md). False
     removes the checks (a little faster; one bad batch then poisons the
     statistics).
+
+    `relative_min_damping` (not in kfac 0.2.x; default None): with the
+    damping rule or its calibration, the damping never falls below
+    relative_min_damping * (mean eigenvalue of the K-FAC curvature, read
+    from the factors' traces: kfac.python.ops.recipe.curvature_scale) nor
+    below min_damping. A floor that follows the curvature's scale, where
+    min_damping is absolute (docs/recipe.md).
 
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,
@@ -258,6 +266,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     for name, rule in (("cov_ema_decay", arguments.UNIT_INTERVAL),
                        ("l2_reg", arguments.NON_NEGATIVE),
                        ("min_damping", arguments.NON_NEGATIVE),
+                       ("relative_min_damping", arguments.NON_NEGATIVE),
                        ("precon_damping_mult", arguments.POSITIVE),
                        ("qmodel_update_rescale", arguments.POSITIVE)):
       if not arguments.is_number(args[name]) and args[name] is not None:
