@@ -14,7 +14,8 @@
 #                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
-#                  ms/step vs the old kfac 0.2.4; Keras fit/custom loops vs Adam
+#                  ms/step vs the old kfac 0.2.4; ms/step and loss vs kfac-jax
+#                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make test-tf215  the Estimator / TPUEstimator tests and a core subset under
@@ -152,15 +153,32 @@ $(OLD_KFAC_STAMP):
 	  tensorflow-probability==0.25.0 dm-tree decorator && touch $@ || \
 	  echo "bench: note: could not install kfac==0.2.4; its column is skipped"
 
+# kfac-jax (DeepMind's K-FAC for JAX) is the peer of kfac_jax_step_time.py:
+# it goes into its own folder with its pinned JAX stack (jax/jaxlib 0.8.3 CPU;
+# kfac-jax 0.0.8 fails on jax 0.9.2 and 0.10.2), which only that benchmark's
+# kfac-jax worker puts on its path (about 650 MB, git-ignored).
+KFAC_JAX_VERSION := 0.0.8
+KFAC_JAX := .bench_deps/kfac-jax-$(KFAC_JAX_VERSION)
+KFAC_JAX_PINS := kfac-jax==$(KFAC_JAX_VERSION) jax==0.8.3 jaxlib==0.8.3 \
+  optax==0.2.8 chex==0.1.92 distrax==0.1.9 tfp-nightly==0.26.0.dev20261027
+KFAC_JAX_STAMP := $(KFAC_JAX)/.stamp-kfac-jax-$(KFAC_JAX_VERSION)
+
+$(KFAC_JAX_STAMP):
+	rm -rf $(KFAC_JAX)
+	$(VPY) -m pip install --quiet --target $(KFAC_JAX) $(KFAC_JAX_PINS) && touch $@ || \
+	  echo "bench: note: could not install kfac-jax $(KFAC_JAX_VERSION); its column is skipped"
+
 BENCH_OUT := bench_results
 DEMO_SECONDS := 45
 
-bench: venv data $(OLD_KFAC_STAMP)
+bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
 	$(VPY) examples/benchmarks/time_to_target.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/kfac_cost.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/ekfac_bench.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
 	  --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/kfac_jax_step_time.py --kfac_jax_path=$(KFAC_JAX) \
+	  --missing_kfac_jax=skip --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
