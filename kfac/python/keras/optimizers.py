@@ -54,6 +54,7 @@ from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
 from kfac.python.keras import utils as keras_utils
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
+from kfac.python.ops import recipe
 from kfac.python.ops import utils as kfac_utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.reliability import arguments
@@ -146,6 +147,15 @@ class KfacKerasMixin:
                  fisher_approx, layer_collection, adaptive, train_batch,
                  seed, kfac_kwargs):
     _check_before_base(learning_rate, adaptive, kfac_kwargs)
+    kfac_kwargs = dict(kfac_kwargs)
+    if adaptive:
+      # The default recipe (kfac/python/ops/recipe, docs/recipe.md).
+      kfac_kwargs.setdefault("relative_min_damping",
+                             recipe.RELATIVE_MIN_DAMPING)
+      if damping is None:
+        damping = recipe.INITIAL_DAMPING
+        kfac_kwargs.setdefault("calibrate_damping", True)
+        kfac_kwargs.setdefault("num_burnin_steps", recipe.NUM_BURNIN_STEPS)
     calibrate = bool(kfac_kwargs.get("calibrate_damping", False))
     if train_batch is not None and not (adaptive or calibrate):
       raise ValueError(
@@ -153,9 +163,8 @@ class KfacKerasMixin:
           "adaptive=True (or calibrate_damping=True).")
     if damping is None:
       raise ValueError(
-          "Kfac needs damping (with adaptive=True: the initial damping, "
-          "which the rule then adapts; num_burnin_steps=... with "
-          "calibrate_damping=True calibrates it first).")
+          "Kfac needs damping (or adaptive=True, which adapts it from an "
+          "initial damping calibrated during burn-in).")
     if layer_collection is not None:
       raise ValueError(
           "layer_collection=... is not used by the Keras optimizer: its "
@@ -164,7 +173,6 @@ class KfacKerasMixin:
           "kfac.PeriodicInvCovUpdateKfacOpt.")
     for one_loss in ([] if loss is None else tf.nest.flatten(loss)):
       loss_registration.loss_spec(one_loss)  # unsupported losses fail now
-    kfac_kwargs = dict(kfac_kwargs)
     self._kfac_options = dict(kfac_kwargs.pop("registration_options", None)
                               or {})
     self._kfac_kwargs = dict(kfac_kwargs)
@@ -778,17 +786,21 @@ _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
     learning_rate: the step size (a float; change it with
       `optimizer.learning_rate = ...` or kfac.keras.callbacks).
     damping: Tikhonov damping added to the Fisher blocks (a float, kept in a
-      variable like learning_rate).
+      variable like learning_rate). With adaptive=True it is the initial
+      damping and may be left out: the default recipe then starts from 1.0
+      and calibrates it during 5 burn-in steps (calibrate_damping=True,
+      num_burnin_steps=5, in which the weights do not move).
     model: the Keras model to train (its layers are watched from now on).
     loss: the model's Keras loss(es) (default: the loss given to compile).
     loss_weights: per-output loss coefficients (as in compile).
     fisher_approx: {layer name or layer class: approximation name}.
     layer_collection: not supported (the collection is built from the
       model); must be None.
-    adaptive: True: learning rate and momentum from the quadratic model
-      (momentum_type "qmodel"), damping adapted by the Levenberg-Marquardt
-      rule (pass learning_rate=None and the initial damping; see the module
-      docstring).
+    adaptive: True: the default recipe (docs/recipe.md): learning rate
+      and momentum from the quadratic model (momentum_type "qmodel"),
+      damping adapted by the Levenberg-Marquardt rule and never below
+      relative_min_damping=0.1 times the curvature scale (pass
+      learning_rate=None; see the module docstring).
     train_batch: the batch the damping rule evaluates, (x, y) or (x, y,
       sample_weight) or a callable returning one (default: fit's batch;
       custom loops call set_train_batch in the step).

@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 
 import kfac
+from kfac.python.ops import recipe
 import kfac.keras
 from kfac.python.kernel_tests import keras_optimizer_test as base
 from kfac.python.keras import keras_flavor
@@ -71,12 +72,16 @@ def _tf1_adaptive_reference(steps, **core_kwargs):
     lc.register_fully_connected((w1, b1), x, pre1)
     lc.register_fully_connected((w2, b2), hidden, logits)
     lc.register_categorical_predictive_distribution(logits)
-    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+    # Keras's adaptive=True applies the default recipe's damping floor.
+    kwargs = dict(
         learning_rate=None, momentum=None, momentum_type="qmodel",
         damping=DAMPING, layer_collection=lc, invert_every=1,
         estimation_mode="exact", adapt_damping=True, use_passed_loss=False,
         damping_adaptation_interval=INTERVAL, train_batch=(x, y),
-        loss_fn=lambda b: mean_loss(b[1], forward(b[0])[2]), **core_kwargs)
+        loss_fn=lambda b: mean_loss(b[1], forward(b[0])[2]),
+        relative_min_damping=recipe.RELATIVE_MIN_DAMPING)
+    kwargs.update(core_kwargs)
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(**kwargs)
     train = opt.minimize(mean_loss(y, logits), var_list=variables)
     with tf.compat.v1.Session(graph=graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
@@ -110,6 +115,30 @@ def test_adaptive_fit_equals_tf1_graph_steps(calibrate):
   # The steps moved the weights well beyond the tolerance.
   assert max(np.max(np.abs(a - b)) for a, b in
              zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
+
+
+def test_default_recipe_without_damping():
+  """Kfac(adaptive=True) without damping is the default recipe: the same
+  steps as the core optimizer with recipe.adaptive_kwargs() (initial damping
+  1, 5 calibrated burn-in steps, relative damping floor)."""
+  default = kfac.keras.optimizers.Kfac(adaptive=True)
+  assert default.kfac_optimizer.num_burnin_steps == (
+      recipe.NUM_BURNIN_STEPS)
+  steps, burnin = N_STEPS, 1  # the test data has three batches
+  model, opt = _adaptive(base.sequential_model(), damping=None,
+                         num_burnin_steps=burnin)
+  base._fit(model, 0, steps)  # pylint: disable=protected-access
+  want = _tf1_adaptive_reference(
+      steps, **recipe.adaptive_kwargs(num_burnin_steps=burnin))
+  base._assert_weights(model.get_weights(), want["weights"], rtol=1e-4,  # pylint: disable=protected-access
+                       atol=1e-6)
+  core = opt.kfac_optimizer
+  assert int(core.burnin_counter) == burnin
+  assert int(core.counter) == steps - burnin
+  assert float(opt.damping.numpy()) == pytest.approx(want["damping"],
+                                                     rel=1e-5)
+  # calibrated away from the initial damping
+  assert want["damping"] != pytest.approx(recipe.INITIAL_DAMPING, rel=0.01)
 
 
 @pytest.mark.slow  # end to end: XLA compile and a save/load round trip
@@ -265,7 +294,7 @@ def test_adapted_hyperparameters_cannot_be_set():
     (dict(adaptive=True, learning_rate=0.1), "pass learning_rate=None"),
     (dict(adaptive=True, momentum=0.9), "drop momentum"),
     (dict(adaptive=True, momentum_type="adam"), "momentum_type 'qmodel'"),
-    (dict(adaptive=True, damping=None), "initial damping"),
+    (dict(learning_rate=0.1, damping=None), "needs damping"),
     (dict(adaptive=True, loss_fn=lambda b: 0.0), "sets loss_fn itself"),
     (dict(adaptive=True, update_damping_immediately=False),
      "sets update_damping_immediately"),
