@@ -12,10 +12,13 @@ steps each so that machine noise slows all of them alike
                  and momentum, in a TF1 Session graph
   kfac_tf2       the same optimizer and hyperparameters in a TF2
                  tf.function step (a new LayerCollection per trace)
-  kfac_adaptive  PeriodicInvCovUpdateKfacOpt with momentum_type="qmodel"
+  kfac_adaptive  the default recipe (kfac.python.ops.recipe, docs/recipe.md):
+                 PeriodicInvCovUpdateKfacOpt with momentum_type="qmodel"
                  (learning rate and momentum from the exact quadratic model),
-                 adapt_damping=True (immediate rule, every 5 steps) and the
-                 initial damping calibrated during 5 burn-in steps, Session
+                 adapt_damping=True (immediate rule, every 5 steps), initial
+                 damping 1 calibrated during 5 burn-in steps, damping floor
+                 0.1 x the curvature scale; the same on every workload
+                 (nothing tuned), Session
 
 The target loss of a workload is the lowest final loss of the first-order
 runs (sgd, adam) at the end of the budget; the table gives for every run
@@ -55,6 +58,7 @@ import side_by_side
 import workloads as workloads_lib
 
 import kfac
+from kfac.python.ops import recipe
 
 FLAGS = flags.FLAGS
 
@@ -72,8 +76,10 @@ flags.DEFINE_float("tune_seconds", None, "Budget of one tuning run "
                    "(default: half the comparison's).")
 flags.DEFINE_float("adaptive_min_damping", 1e-8, "min_damping of "
                    "kfac_adaptive (1e-8: the library's default).")
-flags.DEFINE_float("adaptive_relative_min_damping", None,
-                   "relative_min_damping of kfac_adaptive.")
+flags.DEFINE_float("adaptive_relative_min_damping",
+                   recipe.RELATIVE_MIN_DAMPING,
+                   "relative_min_damping of kfac_adaptive (default: the "
+                   "recipe's; a negative value: none).")
 flags.DEFINE_list("tune_only", [], "With --tune, run only the grid points "
                   "with these values, e.g. damping=0.01,learning_rate=0.03.")
 
@@ -84,15 +90,15 @@ DEFAULTS = {
     "autoencoder": dict(sgd=dict(learning_rate=0.003),
                         adam=dict(learning_rate=1e-3),
                         kfac=dict(learning_rate=0.1, damping=10.0),
-                        kfac_adaptive=dict(damping=0.01)),
+                        kfac_adaptive=dict(damping=recipe.INITIAL_DAMPING)),
     "convnet": dict(sgd=dict(learning_rate=0.1),
                     adam=dict(learning_rate=3e-3),
                     kfac=dict(learning_rate=0.03, damping=0.1),
-                    kfac_adaptive=dict(damping=1.0)),
+                    kfac_adaptive=dict(damping=recipe.INITIAL_DAMPING)),
     "rnn": dict(sgd=dict(learning_rate=0.003),
                 adam=dict(learning_rate=1e-3),
                 kfac=dict(learning_rate=3e-4, damping=0.001),
-                kfac_adaptive=dict(damping=100.0)),
+                kfac_adaptive=dict(damping=recipe.INITIAL_DAMPING)),
 }
 GRIDS = {
     "sgd": [dict(learning_rate=lr) for lr in (0.001, 0.003, 0.01, 0.03,
@@ -106,10 +112,11 @@ GRIDS = {
 }
 KFAC_COMMON = dict(invert_every=10, cov_update_every=1, momentum=0.9,
                    momentum_type="adam", cov_ema_decay=0.95)
-ADAPTIVE = dict(invert_every=10, cov_update_every=1, num_burnin_steps=5,
-                calibrate_damping=True, learning_rate=None, momentum=None,
-                momentum_type="qmodel", adapt_damping=True,
-                damping_adaptation_interval=5, cov_ema_decay=0.95)
+# The default recipe, with the library's other defaults spelled out.
+ADAPTIVE = recipe.adaptive_kwargs(invert_every=10, cov_update_every=1,
+                                  damping_adaptation_interval=5,
+                                  cov_ema_decay=0.95)
+del ADAPTIVE["damping"], ADAPTIVE["relative_min_damping"]
 
 
 def make_optimizer(name, hyper, workload, layer_collection=None,
@@ -132,7 +139,9 @@ def make_optimizer(name, hyper, workload, layer_collection=None,
         damping=hyper["damping"], layer_collection=layer_collection,
         l2_reg=workload.l2_reg, loss_fn=loss_fn, train_batch=train_batch,
         min_damping=FLAGS.adaptive_min_damping,
-        relative_min_damping=FLAGS.adaptive_relative_min_damping, **ADAPTIVE)
+        relative_min_damping=(None if FLAGS.adaptive_relative_min_damping < 0
+                              else FLAGS.adaptive_relative_min_damping),
+        **ADAPTIVE)
     return opt, dict(damping=opt.damping, lr=opt.learning_rate,
                      momentum=opt.momentum, rho=opt.rho,
                      # burn-in steps leave the counter at 0
