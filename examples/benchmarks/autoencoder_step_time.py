@@ -9,6 +9,8 @@ Configurations, all on the same graph (same model code, same weights):
                     run on this TensorFlow in tf.compat.v1 mode), Session
   kfac_session      this kfac, PeriodicInvCovUpdateKfacOpt(invert_every=10)
   kfac_tf_function  this kfac, the same optimizer in a TF2 tf.function step
+  kfac_tf_function_xla  the same step compiled by XLA (jit_compile=True);
+                    not in the default set, name it with --configs
 
 Each measurement is a fresh worker process (the old library is also called
 `kfac`, so it cannot share a process with this one): it builds the graph,
@@ -50,7 +52,8 @@ import step_time_plot  # this script's own folder
 FLAGS = flags.FLAGS
 
 ALL_CONFIGS = ("sgd_momentum", "kfac_old_session", "kfac_session",
-               "kfac_tf_function")
+               "kfac_tf_function", "kfac_tf_function_xla")
+DEFAULT_CONFIGS = ALL_CONFIGS[:4]
 
 flags.DEFINE_integer("batch_size", 256, "Mini-batch size.")
 flags.DEFINE_integer("invert_every", 10, "K-FAC inverse period; also the "
@@ -66,7 +69,8 @@ flags.DEFINE_string("worker", None, "Internal: run one configuration and "
 flags.DEFINE_enum("data", "auto", ["auto", "random", "fashion_mnist"],
                   "Fashion-MNIST images when present ('auto'), else random "
                   "binary images.")
-flags.DEFINE_list("configs", list(ALL_CONFIGS), "Which configurations.")
+flags.DEFINE_list("configs", list(DEFAULT_CONFIGS), "Which configurations "
+                  "(known: %s)." % ", ".join(ALL_CONFIGS))
 flags.DEFINE_integer("seed", 0, "Seed.")
 flags.DEFINE_string("output_dir", "bench_results", "Where to write results.")
 
@@ -136,7 +140,7 @@ class SessionRunner(object):
 class TF2KfacRunner(object):
   """K-FAC in a TF2 tf.function step: registration inside the trace."""
 
-  def __init__(self, params_np, batches):
+  def __init__(self, params_np, batches, jit_compile=False):
     import kfac
     tf.random.set_seed(FLAGS.seed)
     self.batches = [tf.constant(b) for b in batches]
@@ -144,7 +148,7 @@ class TF2KfacRunner(object):
     var_list = model.flat_variables(self.variables)
     opt = kfac.PeriodicInvCovUpdateKfacOpt(**kfac_kwargs())
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def train_step(x):
       lc = kfac.LayerCollection()
       logits = model.forward(x, self.variables, layer_collection=lc)
@@ -174,6 +178,8 @@ def make_runner(name, params_np, batches):
     return SessionRunner("kfac", params_np, batches)
   if name == "kfac_tf_function":
     return TF2KfacRunner(params_np, batches)
+  if name == "kfac_tf_function_xla":
+    return TF2KfacRunner(params_np, batches, jit_compile=True)
   raise app.UsageError("unknown configuration %r (known: %s)" %
                        (name, ", ".join(ALL_CONFIGS)))
 
@@ -231,7 +237,7 @@ def spawn_worker(name):
 def write_plot(path, names, medians, spreads, title):
   step_time_plot.write_step_time_plot(
       path, names, medians, spreads, title,
-      ["#888888", "#1f77b4", "#ff7f0e", "#2ca02c"][:len(names)], label_format="%.1f", height=3.6)
+      ["#888888", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"][:len(names)], label_format="%.1f", height=3.6)
 
 
 def main(argv):

@@ -327,6 +327,63 @@ def test_float32_is_unsafe_bound():
                                        1e-12).numpy()
 
 
+def _weakly_correlated(n=200):
+  """A PSD matrix whose largest row sum (about 1.6) is far below its trace."""
+  rng = np.random.RandomState(27)
+  r = rng.randn(n, n)
+  return np.diag(rng.uniform(0.5, 1.5, n)) + 1e-3 * r @ r.T / n
+
+
+def test_float32_bound_uses_the_smaller_of_trace_and_row_sum():
+  eps = 1.1920929e-07
+  eye = tf.eye(100)  # trace 100, row sum 1: bound 10 * 100 * eps * 1
+  assert not linalg._float32_is_unsafe(eye, 1.01 * 1000 * eps).numpy()
+  assert linalg._float32_is_unsafe(eye, 0.99 * 1000 * eps).numpy()
+  ones = tf.ones([64, 64])  # trace = row sum = 64
+  bound = 10 * 64 * eps * 64
+  assert not linalg._float32_is_unsafe(ones, 1.01 * bound).numpy()
+  assert linalg._float32_is_unsafe(ones, 0.99 * bound).numpy()
+
+
+@pytest.mark.parametrize("side", ["above", "below"])
+def test_float32_at_the_edge_of_the_bound(side, monkeypatch):
+  """Just above the bound the damped matrix factors in float32 (backward
+  error ~eps, inverse error ~cond * eps); just below it goes through float64
+  (inverse error: the float32 rounding of the result only). The trace bound
+  alone (50x larger here) would have sent both to float64."""
+  mat = _weakly_correlated()
+  n = mat.shape[0]
+  m32 = mat.astype(np.float32)
+  mat = m32.astype(np.float64)
+  row_sum = np.abs(mat).sum(1).max()
+  bound = 10 * n * 1.1920929e-07 * row_sum
+  assert 10 * n * 1.1920929e-07 * np.trace(mat) > 50 * bound
+  damping = bound * (1.01 if side == "above" else 0.99)
+  assert bool(linalg._float32_is_unsafe(tf.constant(m32), damping).numpy()) == (
+      side == "below")
+  dtypes = []  # what tf.linalg.cholesky factors (eagerly: the branch taken)
+  real_cholesky = tf.linalg.cholesky
+  monkeypatch.setattr(tf.linalg, "cholesky",
+                      lambda a: dtypes.append(a.dtype) or real_cholesky(a))
+  want = mat + damping * np.eye(n)
+  chol = linalg.damped_cholesky(tf.constant(m32), damping).numpy()
+  chol = chol.astype(np.float64)
+  backward = np.linalg.norm(chol @ chol.T - want) / np.linalg.norm(want)
+  want_inv = np.linalg.inv(want)
+  inv = linalg.damped_inverse(tf.constant(m32), damping).numpy()
+  inv_err = (np.linalg.norm(inv.astype(np.float64) - want_inv) /
+             np.linalg.norm(want_inv))
+  cond = np.linalg.cond(want)  # about 3: float32 is accurate here
+  if side == "above":
+    assert dtypes == [tf.float32, tf.float32]
+    assert backward < 1e-6, backward  # measured 1.1e-7
+    assert inv_err < cond * 1.2e-7, (inv_err, cond)  # measured 1.4e-7
+  else:
+    assert dtypes == [tf.float64, tf.float64]
+    assert backward < 1e-7, backward  # measured 5.7e-8
+    assert inv_err < 1e-7, inv_err  # measured 2.4e-8
+
+
 def _ill_conditioned_float32(n=20):
   rng = np.random.RandomState(22)
   q, _ = np.linalg.qr(rng.randn(n, n))
