@@ -57,6 +57,19 @@ def _spd(dim, rng):
   return a @ a.T / dim + 0.1 * np.eye(dim)
 
 
+def _randomize_covs(blocks, rng, assign):
+  """Gives every factor of `blocks` a random SPD (square) or positive
+  (other shapes) statistic with assign(variable, value); returns the
+  factors."""
+  factors = list({f for b in blocks for f in b.factors() if f is not None})
+  for f in factors:
+    var = f.get_cov_var()
+    shape = var.shape.as_list()
+    assign(var, _spd(shape[0], rng) if len(shape) == 2 and
+           shape[0] == shape[1] else rng.rand(*shape) + 0.1)
+  return factors
+
+
 def _block_matrix(block, covs):
   # pylint: disable=protected-access
   left = getattr(block, "_input_factor", None)
@@ -97,28 +110,15 @@ def test_curvature_scale_is_trace_over_dim(world, approx):
       value = scale.curvature_scale(blocks)
       sess = tf.compat.v1.Session(graph=graph)
       sess.run(tf.compat.v1.global_variables_initializer())
-      factors = list({f for b in blocks for f in b.factors()
-                      if f is not None})
-      covs = {}
-      for f in factors:
-        var = f.get_cov_var()
-        shape = var.shape.as_list()
-        covs[f] = (_spd(shape[0], rng) if len(shape) == 2 and
-                   shape[0] == shape[1] else rng.rand(*shape) + 0.1)
-        var.load(covs[f], sess)
+      factors = _randomize_covs(blocks, rng,
+                                lambda var, value: var.load(value, sess))
       got = sess.run(value)
       covs = dict(zip(factors, sess.run([f.get_cov() for f in factors])))
   else:
     tf.function(lambda: [step()][:0]).get_concrete_function()
     blocks = holder["blocks"]
-    factors = {f for b in blocks for f in b.factors() if f is not None}
-    covs = {}
-    for f in factors:
-      var = f.get_cov_var()
-      shape = var.shape.as_list()
-      covs[f] = (_spd(shape[0], rng) if len(shape) == 2 and
-                 shape[0] == shape[1] else rng.rand(*shape) + 0.1)
-      var.assign(covs[f])
+    factors = _randomize_covs(blocks, rng,
+                              lambda var, value: var.assign(value))
     got = float(scale.curvature_scale(blocks))
     covs = {f: f.get_cov().numpy() for f in factors}
   # get_cov(): the dense factor (a convolution's input factor keeps
