@@ -100,10 +100,10 @@ def inverse_cost(widths):
   preconditioning ms).
 
   kfac's damped inverse runs in float32 unless the damping is too small for
-  float32 Cholesky to be reliable (damping <= 10 n eps trace(F), see
-  linalg._float32_is_unsafe); then it casts to float64 and back. Both paths
-  are timed through linalg.damped_inverse itself: float32 with a damping
-  just above that bound, float64 with damping 1e-3 (below it).
+  float32 Cholesky to be reliable (damping <= 10 n eps min(trace(F),
+  largest absolute row sum), see linalg._float32_is_unsafe); then it casts to float64 and back. Both paths
+  are timed through linalg.damped_inverse itself: float32 with twice that
+  bound as the damping, float64 with half of it.
   """
   rows = []
   rng = np.random.RandomState(FLAGS.seed)
@@ -112,12 +112,14 @@ def inverse_cost(widths):
     x = rng.randn(2 * n, n).astype(np.float32)
     cov = x.T @ x / (2 * n)
     v = rng.randn(n, n).astype(np.float32)
-    safe_damping = 2 * 10 * n * eps * float(np.abs(np.diag(cov)).sum())
+    # linalg._float32_is_unsafe's bound: 10 n eps min(trace, max row sum).
+    bound = 10 * n * eps * min(float(np.abs(np.diag(cov)).sum()),
+                               float(np.abs(cov).sum(axis=1).max()))
     with tf.Graph().as_default():
       mat = tf.compat.v1.placeholder_with_default(cov, [n, n])
       paths = {}
-      for key, damping in (("cholesky_ms", safe_damping),
-                           ("cholesky_f64_ms", 1e-3)):
+      for key, damping in (("cholesky_ms", 2 * bound),
+                           ("cholesky_f64_ms", bound / 2)):
         paths[key] = (linalg.damped_inverse(mat, damping),
                       linalg._float32_is_unsafe(mat, damping))  # pylint: disable=protected-access
       evals, _ = linalg.eigh(mat)
@@ -399,7 +401,7 @@ def write_report(results, out_dir):
               "Growth exponent over the two largest widths: Cholesky "
               "%.2f (float64 fallback %.2f), eigh %.2f, preconditioning "
               "%.2f (3 = cubic). kfac inverts in float64 when the damping "
-              "is at most 10 n eps trace(F)." % (
+              "is at most 10 n eps min(trace(F), largest row sum)." % (
                   _growth_exponent(inv, "cholesky_ms"),
                   _growth_exponent(inv, "cholesky_f64_ms"),
                   _growth_exponent(inv, "eigh_ms"),
