@@ -29,11 +29,11 @@ sums over examples, without a 1/N: the curvature of the mean loss, which the
 optimizer uses, is the product divided by the batch size.
 
 Cost. `multiply_fisher` / `multiply_ggn` take one Jacobian-vector product
-for all loss inputs at once (forward mode, built with the double-backward
-trick: g(u) = J^T u by reverse mode with a dummy u, then J v = d(g(u).v)/du,
-since the forward pass already exists and `tf.autodiff.ForwardAccumulator`
-cannot be used on it) and one vector-Jacobian product over all loss inputs
-at once: about the cost of two to three backward passes in total. The
+for all loss inputs at once (forward mode pushed op by op through the
+existing graph, `kfac.python.ops.forward_mode`, since the forward pass
+already exists and `tf.autodiff.ForwardAccumulator` cannot be used on it;
+about the cost of two forward passes) and one vector-Jacobian product over
+all loss inputs at once: about the cost of two backward passes in total. The
 Hessian product is a double backward pass of the total loss.
 
 Factor products. `multiply_fisher_factor_transpose(v)` returns, per loss
@@ -56,6 +56,7 @@ must be built in graph mode: a TF1 `tf.Graph` run by a Session, or inside a
 
 import tensorflow as tf
 
+from kfac.python.ops import forward_mode
 from kfac.python.ops import utils
 
 __all__ = ["CurvatureMatrixVectorProductComputer"]
@@ -290,7 +291,16 @@ class CurvatureMatrixVectorProductComputer(object):
     return flat, slices
 
   def _jacobian_vector(self, flat_inputs, vecs):
-    """[J_i v for every loss input i] (forward mode by double backward)."""
+    """[J_i v for every loss input i] (forward mode, op by op; by one
+    double backward where the path holds TF1 control flow)."""
+    try:
+      jvps = forward_mode.jvp(flat_inputs, self._wrt_tensors, vecs)
+    except forward_mode.UnsupportedGraph:
+      jvps = self._whole_graph_jacobian_vector(flat_inputs, vecs)
+    return [_zeros_like(z) if j is None else _dense(j)
+            for j, z in zip(jvps, flat_inputs)]
+
+  def _whole_graph_jacobian_vector(self, flat_inputs, vecs):
     dummies = [tf.zeros_like(z) for z in flat_inputs]
     transposed = tf.gradients(flat_inputs, self._wrt_tensors,
                               grad_ys=dummies)
@@ -299,8 +309,7 @@ class CurvatureMatrixVectorProductComputer(object):
     if idx:
       jvps = tf.gradients([_dense(transposed[i]) for i in idx], dummies,
                           grad_ys=[vecs[i] for i in idx])
-    return [_zeros_like(z) if j is None else _dense(j)
-            for j, z in zip(jvps, flat_inputs)]
+    return jvps
 
   def _vector_jacobian(self, flat_inputs, flat_vecs):
     """sum_i J_i^T u_i, aligned with the wrt tensors."""

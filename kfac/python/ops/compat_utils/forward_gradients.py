@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from kfac.python.ops import forward_mode
+
 
 def _as_list(x):
   return list(x) if isinstance(x, (list, tuple)) else [x]
@@ -11,9 +13,11 @@ def fwd_gradients(ys, xs, grad_xs=None, stop_gradients=None,
                   colocate_gradients_with_ops=True):
   """Jacobian-vector products d ys / d xs . grad_xs.
 
-  Uses the double reverse-mode trick (the reverse-mode gradient w.r.t. a
-  dummy cotangent u is linear in u; differentiating it again w.r.t. u gives
-  the forward-mode product), so it needs graph tensors: a TF1 graph or a
+  Pushes the tangents forward op by op (`kfac.python.ops.forward_mode`);
+  where the path holds TF1 control flow it uses the whole-graph double
+  reverse-mode trick instead (the reverse-mode gradient w.r.t. a dummy
+  cotangent u is linear in u; differentiating it again w.r.t. u gives the
+  forward-mode product). Both need graph tensors: a TF1 graph or a
   tf.function being traced (`tf.autodiff.ForwardAccumulator` is the eager
   alternative).
 
@@ -32,6 +36,19 @@ def fwd_gradients(ys, xs, grad_xs=None, stop_gradients=None,
     raise ValueError("fwd_gradients needs graph tensors (a TF1 graph or a "
                      "tf.function); eagerly use tf.autodiff."
                      "ForwardAccumulator.")
+  ys = _as_list(ys)
+  xs = _as_list(xs)
+  try:
+    tangents = (list(grad_xs) if isinstance(grad_xs, (list, tuple)) else
+                [grad_xs] if grad_xs is not None else
+                [tf.ones_like(tf.convert_to_tensor(x)) for x in xs])
+    return forward_mode.jvp(ys, xs, tangents, stop_gradients=stop_gradients)
+  except forward_mode.UnsupportedGraph:
+    return whole_graph_jvp(ys, xs, grad_xs, stop_gradients)
+
+
+def whole_graph_jvp(ys, xs, grad_xs=None, stop_gradients=None):
+  """fwd_gradients by one double backward over the whole graph."""
   ys = _as_list(ys)
   xs = _as_list(xs)
   # The dummy cotangents' value is irrelevant (the result does not depend

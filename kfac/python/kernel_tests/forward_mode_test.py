@@ -1,0 +1,221 @@
+"""forward_mode.jvp (op-by-op Jacobian-vector products on a built graph)
+against TensorFlow's eager forward mode (tf.autodiff.ForwardAccumulator) in
+float64, in a TF1 graph and in a tf.function, and what it runs."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from kfac.python.ops import forward_mode
+from kfac.python.ops import utils
+from kfac.python.ops.compat_utils import forward_gradients
+
+RNG = np.random.RandomState(3)
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def _params():
+  shapes = dict(w1=(3, 3, 3, 4), b1=(4,), dw=(2, 2, 4, 1), db=(4,),
+                w2=(36, 5), b2=(5,), emb=(7, 5), m=(5, 5))
+  return {k: 0.5 * RNG.randn(*s) for k, s in sorted(shapes.items())}
+
+
+def _model(x, ids, p):
+  """Every op with a direct rule and several without (MaxPool, Softmax,
+  ConcatV2, SquaredDifference, Sin, Square, Pack), a broadcasting add, an
+  op fed twice by one tensor and one fed by two paths from one tensor."""
+  h = tf.nn.conv2d(x, p["w1"], 1, "SAME") + p["b1"]          # AddV2 bcast
+  h = tf.nn.max_pool2d(tf.nn.relu(h), 2, 2, "SAME")           # 8x8 -> 4x4
+  h = tf.nn.depthwise_conv2d(h, p["dw"], [1, 1, 1, 1], "VALID")
+  h = tf.nn.bias_add(h, p["db"])                              # 3x3x4
+  h = tf.reshape(h, [-1, 36])
+  z = tf.matmul(h, p["w2"]) - tf.nn.embedding_lookup(p["emb"], ids)
+  z = tf.tanh(z) * tf.sigmoid(z)                              # Mul
+  z = tf.math.squared_difference(z, tf.sin(z))                # two paths
+  z3 = tf.expand_dims(z, 1)
+  z3 = tf.matmul(z3, tf.transpose(tf.stack([p["m"]] * 1), [0, 2, 1]))
+  z = tf.squeeze(tf.matmul(tf.tile(z3, [1, 1, 1]), p["m"][None]), 1)
+  z = tf.add_n([z, -z * z, tf.identity(z)])
+  s = tf.nn.softmax(tf.concat([z, tf.square(z)], axis=1))
+  return [s, tf.reduce_mean(s * s, axis=0, keepdims=True), tf.reduce_sum(z)]
+
+
+def _inputs(n=4):
+  return RNG.randn(n, 8, 8, 3), RNG.randint(0, 7, size=n)
+
+
+def _reference(p, tangents, x, ids):
+  """Eager forward mode (TensorFlow's own per-op JVPs)."""
+  variables = {k: tf.Variable(v) for k, v in p.items()}
+  with tf.autodiff.ForwardAccumulator(
+      [variables[k] for k in sorted(p)],
+      [tf.constant(tangents[k]) for k in sorted(p)]) as acc:
+    ys = _model(tf.constant(x), tf.constant(ids), variables)
+  return [acc.jvp(y).numpy() for y in ys]
+
+
+def _build(x, ids, p, tangents):
+  variables = {k: tf.Variable(v) for k, v in p.items()}
+  ys = _model(x, ids, variables)
+  keys = sorted(p)
+  return forward_mode.jvp(ys, [variables[k] for k in keys],
+                          [tf.constant(tangents[k]) for k in keys])
+
+
+def test_tf1_graph_matches_eager_forward_mode():
+  p = _params()
+  tangents = {k: RNG.randn(*v.shape) for k, v in p.items()}
+  x, ids = _inputs()
+  ref = _reference(p, tangents, x, ids)
+  with tf.Graph().as_default():
+    xp = tf.compat.v1.placeholder(tf.float64, (None, 8, 8, 3))  # batch unknown
+    ip = tf.compat.v1.placeholder(tf.int32, (None,))
+    out = _build(xp, ip, p, tangents)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got = sess.run(out, {xp: x, ip: ids})
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, **TOL)
+  assert max(np.abs(r).max() for r in ref) > 1e-2  # not trivially zero
+
+
+def test_function_matches_eager_forward_mode():
+  p = _params()
+  tangents = {k: RNG.randn(*v.shape) for k, v in p.items()}
+  x, ids = _inputs(5)
+  ref = _reference(p, tangents, x, ids)
+  variables = {k: tf.Variable(v) for k, v in p.items()}
+  keys = sorted(p)
+
+  @tf.function
+  def run(x, ids):  # variables captured from outside the function
+    return forward_mode.jvp(_model(x, ids, variables),
+                            [variables[k] for k in keys],
+                            [tf.constant(tangents[k]) for k in keys])
+
+  got = run(tf.constant(x), tf.constant(ids))
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g.numpy(), r, **TOL)
+
+
+def test_subsets_of_variables_and_tensors():
+  """Tangents on some variables only (the others held fixed), on a
+  tensor, None where y does not depend on xs, the tangent where y is x."""
+  p = _params()
+  tangents = {k: (RNG.randn(*v.shape) if k in ("b1", "emb") else
+                  np.zeros(v.shape)) for k, v in p.items()}
+  x, ids = _inputs()
+  ref = _reference(p, tangents, x, ids)
+  tx = RNG.randn(*x.shape)
+  with tf.Graph().as_default():
+    variables = {k: tf.Variable(v) for k, v in p.items()}
+    xt = tf.constant(x)
+    ys = _model(xt, tf.constant(ids), variables)
+    only = forward_mode.jvp(ys, [variables["b1"], variables["emb"]],
+                            [tf.constant(tangents["b1"]),
+                             tf.constant(tangents["emb"])])
+    wrt_x = forward_mode.jvp(ys[0], xt, tf.constant(tx))
+    other = tf.constant(2.0, tf.float64)
+    none, same = forward_mode.jvp([other, xt], xt, tf.constant(tx))
+    assert none is None
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got, got_x, got_same = sess.run([only, wrt_x, same])
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, **TOL)
+  np.testing.assert_array_equal(got_same, tx)
+  # d s / d x . tx against central differences of the model in x.
+  eps = 1e-6
+  plus, minus = (_model(tf.constant(x + s * eps * tx), tf.constant(ids),
+                        {k: tf.constant(v) for k, v in p.items()})[0]
+                 for s in (1, -1))
+  np.testing.assert_allclose(got_x[0], (plus - minus).numpy() / (2 * eps),
+                             rtol=1e-6, atol=1e-9)
+
+
+def test_stop_gradients():
+  with tf.Graph().as_default():
+    x = tf.constant(RNG.randn(3))
+    h = tf.sin(x)
+    y = h * x
+    (got,) = forward_mode.jvp(y, x, tf.ones(3, tf.float64),
+                              stop_gradients=[h])
+    (full,) = forward_mode.jvp(y, x, tf.ones(3, tf.float64))
+    with tf.compat.v1.Session() as sess:
+      g, f, xv = sess.run([got, full, x])
+  np.testing.assert_allclose(g, np.sin(xv), rtol=1e-14)
+  np.testing.assert_allclose(f, np.sin(xv) + xv * np.cos(xv), rtol=1e-14)
+
+
+def test_no_dummy_backward_pass_runs():
+  """With the batch size unknown until run time, the whole-graph double
+  backward runs the dummy reverse pass (its Shape ops need it); op by op,
+  no convolution or pooling gradient runs at all."""
+  p = _params()
+  tangents = {k: RNG.randn(*v.shape) for k, v in p.items()}
+  x, ids = _inputs()
+  backward_types = {"Conv2DBackpropInput", "Conv2DBackpropFilter",
+                    "DepthwiseConv2dNativeBackpropInput",
+                    "DepthwiseConv2dNativeBackpropFilter", "MaxPoolGrad"}
+  executed = {}
+  for name, method in (("op_by_op", forward_mode.jvp),
+                       ("whole_graph", forward_gradients.whole_graph_jvp)):
+    with tf.Graph().as_default() as g:
+      xp = tf.compat.v1.placeholder(tf.float64, (None, 8, 8, 3))
+      ip = tf.compat.v1.placeholder(tf.int32, (None,))
+      variables = {k: tf.Variable(v) for k, v in p.items()}
+      ys = _model(xp, ip, variables)
+      out = method(ys, [variables[k] for k in sorted(p)],
+                   [tf.constant(tangents[k]) for k in sorted(p)])
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        meta = tf.compat.v1.RunMetadata()
+        sess.run(out, {xp: x, ip: ids}, run_metadata=meta,
+                 options=tf.compat.v1.RunOptions(
+                     trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+      types = set()
+      for dev in meta.step_stats.dev_stats:
+        for node in dev.node_stats:
+          try:
+            types.add(g.get_operation_by_name(node.node_name).type)
+          except KeyError:  # nodes added by grappler
+            pass
+      executed[name] = types & backward_types
+  assert not executed["op_by_op"], executed
+  assert executed["whole_graph"], executed  # what the test guards against
+
+
+def test_tf1_control_flow_falls_back_to_the_whole_graph():
+  with tf.Graph().as_default():
+    x = tf.constant(RNG.randn(3))
+    pred = tf.constant(True)
+    false_out, true_out = tf.raw_ops.Switch(data=tf.sin(x), pred=pred)
+    y = tf.raw_ops.Merge(inputs=[false_out * 2.0, true_out * 3.0])[0]
+    with pytest.raises(forward_mode.UnsupportedGraph, match="Switch"):
+      forward_mode.jvp(y, x, tf.ones(3, tf.float64))
+    (got,) = utils.fwd_gradients(y, x, grad_xs=tf.ones(3, tf.float64))
+    with tf.compat.v1.Session() as sess:
+      g, xv = sess.run([got, x])
+  np.testing.assert_allclose(g, 3 * np.cos(xv), rtol=1e-14)
+
+
+def test_reference_variables():
+  """TF1 reference variables (use_resource=False) are graph tensors."""
+  a = RNG.randn(4, 3)
+  t = RNG.randn(4, 3)
+  with tf.Graph().as_default():
+    w = tf.compat.v1.Variable(a, use_resource=False)
+    y = tf.reduce_sum(tf.tanh(w) * 2.0, axis=0)
+    (got,) = forward_mode.jvp(y, w, tf.constant(t))
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      g = sess.run(got)
+  np.testing.assert_allclose(g, (2 * (1 - np.tanh(a) ** 2) * t).sum(0),
+                             rtol=1e-13)
+
+
+def test_bad_arguments():
+  with tf.Graph().as_default():
+    x = tf.constant(1.0)
+    with pytest.raises(ValueError, match="one tangent per x"):
+      forward_mode.jvp(x * 2, [x, x], [tf.constant(1.0)])

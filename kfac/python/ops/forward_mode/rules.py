@@ -1,0 +1,218 @@
+"""Forward-mode rules: the tangents of one op's outputs from its inputs'.
+
+A rule is `rule(op, tangents) -> [tangent or None per output]`, where
+`tangents` holds one tangent (a tensor shaped like the input) or None per
+input of `op`. The ops here are those whose generic treatment (the op's
+gradient differentiated again, see walk.py) costs more than the direct
+formula: the broadcasting adds (their gradient sums over the broadcast
+axes and the second pass materialises the broadcast), and the matrix
+products and convolutions that dominate a network. The rest are the cheap
+ops met on every path, where a direct rule saves a dummy cotangent per op.
+
+MaxPool keeps the generic path (MaxPoolGradGrad, about 9 ms per pooling
+and tangent on the benchmark convnet): the tangent at each window's first
+maximum through strided slices and selects cost 6x that on CPU, and
+through an argmax pooling and a gather 1.4x.
+
+Every rule is exact: the derivative of the op, not an approximation.
+"""
+
+import tensorflow as tf
+
+
+def _attr(op, name, default=None):
+  try:
+    return op.get_attr(name)
+  except ValueError:
+    return default
+
+
+def _str(value):
+  return value.decode() if isinstance(value, bytes) else value
+
+
+def _sum(terms):
+  terms = [t for t in terms if t is not None]
+  if not terms:
+    return None
+  total = terms[0]
+  for t in terms[1:]:
+    total = total + t
+  return total
+
+
+def _broadcast_to_output(tangent, source, out):
+  """`tangent` (shaped like `source`) broadcast to `out`'s shape."""
+  if (source.shape.is_fully_defined() and out.shape.is_fully_defined() and
+      source.shape == out.shape):
+    return tangent
+  return tf.broadcast_to(tangent, tf.shape(out))
+
+
+# ------------------------------------------------------------ linear in x
+def _identity(op, tangents):
+  return [tangents[0]]
+
+
+def _first_input(fn):
+  """A rule for an op linear in its first input, the others being shapes,
+  axes or indices: the same op applied to the tangent."""
+  def rule(op, tangents):
+    if tangents[0] is None:
+      return [None] * len(op.outputs)
+    return [fn(op, tangents[0])]
+  return rule
+
+
+def _cast(op, t):
+  dtype = op.outputs[0].dtype
+  return tf.cast(t, dtype) if dtype.is_floating or dtype.is_complex else None
+
+
+_LINEAR_IN_FIRST = {
+    "Reshape": lambda op, t: tf.reshape(t, op.inputs[1]),
+    "Neg": lambda op, t: -t,
+    "Cast": _cast,
+    "Transpose": lambda op, t: tf.transpose(t, op.inputs[1]),
+    "ExpandDims": lambda op, t: tf.expand_dims(t, op.inputs[1]),
+    "Squeeze": lambda op, t: tf.squeeze(t, _attr(op, "squeeze_dims") or
+                                        None),
+    "Sum": lambda op, t: tf.reduce_sum(t, op.inputs[1],
+                                       keepdims=op.get_attr("keep_dims")),
+    "Mean": lambda op, t: tf.reduce_mean(t, op.inputs[1],
+                                         keepdims=op.get_attr("keep_dims")),
+}
+
+
+# ------------------------------------------------------------ sums, products
+def _add(op, tangents):
+  x, y = op.inputs[0], op.inputs[1]
+  out = op.outputs[0]
+  tx, ty = tangents[0], tangents[1]
+  if op.type == "Sub" and ty is not None:
+    ty = -ty
+  if tx is not None and ty is not None:
+    return [tx + ty]  # the add broadcasts like the op did
+  if tx is not None:
+    return [_broadcast_to_output(tx, x, out)]
+  return [_broadcast_to_output(ty, y, out)]
+
+
+def _bias_add(op, tangents):
+  tx, tb = tangents[0], tangents[1]
+  data_format = _str(_attr(op, "data_format", "NHWC"))
+  if tb is None:
+    return [tx]
+  if tx is None:
+    tx = tf.zeros_like(op.outputs[0])
+  return [tf.nn.bias_add(tx, tb, data_format=data_format)]
+
+
+def _mul(op, tangents):
+  x, y = op.inputs[0], op.inputs[1]
+  tx, ty = tangents[0], tangents[1]
+  # Each product broadcasts to the output's shape by itself.
+  return [_sum([None if tx is None else tx * y,
+                None if ty is None else x * ty])]
+
+
+def _add_n(op, tangents):
+  out = op.outputs[0]
+  return [_sum([t if t is None else _broadcast_to_output(t, x, out)
+                for t, x in zip(tangents, op.inputs)])]
+
+
+def _matmul(op, tangents):
+  a, b = op.inputs[0], op.inputs[1]
+  ta, tb = tangents[0], tangents[1]
+  if op.type == "MatMul":
+    kw = dict(transpose_a=op.get_attr("transpose_a"),
+              transpose_b=op.get_attr("transpose_b"))
+  else:  # BatchMatMulV2 / V3 of real types: adjoint is transpose
+    kw = dict(adjoint_a=op.get_attr("adj_x"), adjoint_b=op.get_attr("adj_y"))
+  return [_sum([None if ta is None else tf.linalg.matmul(ta, b, **kw),
+                None if tb is None else tf.linalg.matmul(a, tb, **kw)])]
+
+
+def _conv2d(op, tangents):
+  x, w = op.inputs[0], op.inputs[1]
+  tx, tw = tangents[0], tangents[1]
+  attrs = dict(strides=op.get_attr("strides"),
+               padding=_str(op.get_attr("padding")),
+               explicit_paddings=_attr(op, "explicit_paddings", []),
+               data_format=_str(op.get_attr("data_format")),
+               dilations=op.get_attr("dilations"))
+  if op.type == "DepthwiseConv2dNative":
+    conv = tf.raw_ops.DepthwiseConv2dNative
+  else:
+    conv = tf.raw_ops.Conv2D
+  return [_sum([None if tx is None else conv(input=tx, filter=w, **attrs),
+                None if tw is None else conv(input=x, filter=tw, **attrs)])]
+
+
+# ------------------------------------------------------------ nonlinear
+def _relu(op, tangents):
+  t = tangents[0]
+  return [None if t is None else
+          tf.raw_ops.ReluGrad(gradients=t, features=op.outputs[0])]
+
+
+def _tanh(op, tangents):
+  t = tangents[0]
+  return [None if t is None else tf.raw_ops.TanhGrad(y=op.outputs[0], dy=t)]
+
+
+def _sigmoid(op, tangents):
+  t = tangents[0]
+  return [None if t is None else
+          tf.raw_ops.SigmoidGrad(y=op.outputs[0], dy=t)]
+
+
+def _batch_matmul_supported(op):
+  return op.type != "BatchMatMulV3" or (
+      op.get_attr("Ta") == op.get_attr("Tb") == op.get_attr("Tout"))
+
+
+RULES = {
+    "Identity": _identity,
+    "Snapshot": _identity,
+    "Add": _add,
+    "AddV2": _add,
+    "Sub": _add,
+    "BiasAdd": _bias_add,
+    "Mul": _mul,
+    "AddN": _add_n,
+    "MatMul": _matmul,
+    "BatchMatMulV2": _matmul,
+    "BatchMatMulV3": _matmul,
+    "Conv2D": _conv2d,
+    "DepthwiseConv2dNative": _conv2d,
+    "Relu": _relu,
+    "Tanh": _tanh,
+    "Sigmoid": _sigmoid,
+}
+RULES.update({name: _first_input(fn) for name, fn in _LINEAR_IN_FIRST.items()})
+
+# Rules that apply only to some attribute values; otherwise the generic
+# path handles the op.
+_CONDITIONS = {
+    "BatchMatMulV3": _batch_matmul_supported,
+}
+
+# Real dtypes only: the rules above use transpose for adjoint and ignore
+# conjugation.
+_REAL = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def rule_for(op):
+  """The direct rule for `op`, or None (use the generic path)."""
+  rule = RULES.get(op.type)
+  if rule is None:
+    return None
+  if any(o.dtype.base_dtype not in _REAL for o in op.outputs
+         if o.dtype.is_floating or o.dtype.is_complex):
+    return None
+  condition = _CONDITIONS.get(op.type)
+  if condition is not None and not condition(op):
+    return None
+  return rule
