@@ -141,11 +141,12 @@ def _exact_sources(layer_collection, ggn):
   return sources
 
 
-def gradients_of_sources(sources, xs):
-  """tf.gradients of every source w.r.t. xs; missing gradients are zeros."""
+def gradients_of_sources(sources, xs, fill=True):
+  """tf.gradients of every source w.r.t. xs; missing gradients are zeros
+  (None with fill=False)."""
   out = []
   for source in sources:
     grads = tf.gradients(source.ys, xs, grad_ys=source.grad_ys)
-    out.append([tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
-                for g, x in zip(grads, xs)])
+    out.append([(tf.zeros_like(x) if fill else None) if g is None
+                else tf.convert_to_tensor(g) for g, x in zip(grads, xs)])
   return out

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimation_modes
+from kfac.python.ops import lazy
 from kfac.python.ops import placement
 from kfac.python.ops import state
 from kfac.python.ops import utils
@@ -125,6 +126,7 @@ class FisherEstimator:
     self._batch_size = batch_size
     self._store = state_store or state.StateStore(name)
     self._params_stats = None
+    self._source_grads, self._rebuild_source_grads = [], None
     self._lazy_statistics_sync = bool(lazy_statistics_sync)
     self._lazy_sync_ops = {}
     self._skip_non_finite = bool(skip_non_finite)
@@ -160,6 +162,19 @@ class FisherEstimator:
     if self._compute_params_stats:
       xs.extend(self.variables)
     grads = estimation_modes.gradients_of_sources(sources, xs)
+    # The statistics read these inside the conditional of the statistics
+    # update: there they are built again (lazy.recompute_in_branch), so
+    # the sampled backward pass runs only on the steps that update. Only
+    # the gradients w.r.t. graph tensors: inside a branch of a tf.function,
+    # tf.gradients does not reach a variable read outside the branch. A
+    # gradient the branch cannot rebuild (None) keeps the outer tensor.
+    lazy_xs = [j for j, x in enumerate(xs)
+               if not isinstance(x, tf.Variable) and x.dtype != tf.resource]
+    self._source_grads = [g[j] for g in grads for j in lazy_xs]
+    self._rebuild_source_grads = lambda: [
+        g[j] for g in estimation_modes.gradients_of_sources(
+            sources, [xs[j] for j in lazy_xs], fill=False)
+        for j in range(len(lazy_xs))]
     weights = [s.weight for s in sources]
     if all(w == 1.0 for w in weights):
       weights = None
@@ -402,6 +417,13 @@ class FisherEstimator:
       return assign()
     return nonfinite.guarded_op(stats, assign)
 
+  def _in_branch(self, make_op):
+    """make_op() with the sources' gradients rebuilt where the statistics
+    read them, when that is inside a conditional branch (lazy/)."""
+    with lazy.recompute_in_branch(self._source_grads,
+                                  self._rebuild_source_grads):
+      return make_op()
+
   def checked_cov_update(self, pred, gate=None, should_decay=True,
                          scope=None, conditional_reduction=False):
     """The statistics update of a training step, guarded against
@@ -425,8 +447,8 @@ class FisherEstimator:
         pred = tf.logical_and(pred, gate)
       if self._lazy():
         thunks = self._cov_update_thunks(scope)
-        op = utils.cond_op(pred, lambda: tf.group(
-            *[t(should_decay) for t in thunks]))
+        op = utils.cond_op(pred, lambda: self._in_branch(lambda: tf.group(
+            *[t(should_decay) for t in thunks])))
       else:
         op = self.conditional_cov_update(pred, scope)
       with tf.control_dependencies([op]):
@@ -463,7 +485,7 @@ class FisherEstimator:
 
     def compute_and_fold():
       with self._scope(scope):
-        owners, tensors, _ = self._local_statistics()
+        owners, tensors, _ = self._in_branch(self._local_statistics)
         flag = None if gate is None else nonfinite.finite_flag(tensors)
         op = fold(self._by_factor(owners, tensors), flag)
       with tf.control_dependencies([op]):
@@ -522,7 +544,8 @@ class FisherEstimator:
     steps without a statistics update."""
     if not collective.is_distributed() or self._lazy():
       thunks = self._cov_update_thunks(scope)
-      return utils.cond_op(pred, lambda: tf.group(*[t() for t in thunks]))
+      return utils.cond_op(pred, lambda: self._in_branch(
+          lambda: tf.group(*[t() for t in thunks])))
     with self._scope(scope):
       owners, tensors, symmetric = self._local_statistics()
       examples = self.replica_examples()
