@@ -107,7 +107,10 @@ def test_keras_fit_equals_tf1_graph_steps(mode):
       fisher_approx={keras_case.keras.layers.Dense: "ekfac"})
   keras_case._fit(model, 0, 3)  # pylint: disable=protected-access
   expected = keras_case._tf1_reference(3, mode, approx="ekfac")  # pylint: disable=protected-access
-  keras_case._assert_weights(model.get_weights(), expected)  # pylint: disable=protected-access
+  # float32 eigendecompositions: Keras and the TF1 graph agree to about
+  # 1.4e-6 absolute after three steps (measured on an AVX2 machine; the
+  # default atol 1e-6 held on others).
+  keras_case._assert_weights(model.get_weights(), expected, atol=3e-6)  # pylint: disable=protected-access
   kron = keras_case._tf1_reference(3, mode)  # pylint: disable=protected-access
   # EKFAC's steps differ from K-FAC's by more than the tolerance.
   assert max(np.max(np.abs(a - b)) for a, b in zip(expected, kron)) > 1e-3

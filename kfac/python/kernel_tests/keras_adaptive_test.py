@@ -72,14 +72,16 @@ def _tf1_adaptive_reference(steps, **core_kwargs):
     lc.register_fully_connected((w1, b1), x, pre1)
     lc.register_fully_connected((w2, b2), hidden, logits)
     lc.register_categorical_predictive_distribution(logits)
-    # Keras's adaptive=True applies the default recipe's damping floor.
+    # Keras's adaptive=True applies the default recipe's damping floor and
+    # statistics interval.
     kwargs = dict(
         learning_rate=None, momentum=None, momentum_type="qmodel",
         damping=DAMPING, layer_collection=lc, invert_every=1,
         estimation_mode="exact", adapt_damping=True, use_passed_loss=False,
         damping_adaptation_interval=INTERVAL, train_batch=(x, y),
         loss_fn=lambda b: mean_loss(b[1], forward(b[0])[2]),
-        relative_min_damping=recipe.RELATIVE_MIN_DAMPING)
+        relative_min_damping=recipe.RELATIVE_MIN_DAMPING,
+        cov_update_every=recipe.COV_UPDATE_EVERY)
     kwargs.update(core_kwargs)
     opt = kfac.PeriodicInvCovUpdateKfacOpt(**kwargs)
     train = opt.minimize(mean_loss(y, logits), var_list=variables)
@@ -158,7 +160,10 @@ def test_adaptive_xla_and_exact_resume(tmp_path):
     xla.compile(optimizer=xla_opt, loss="sparse_categorical_crossentropy",
                 jit_compile=True)
     base._fit(xla, 0, 3)  # pylint: disable=protected-access
-    base._assert_weights(xla.get_weights(), plain.get_weights(), rtol=1e-5)  # pylint: disable=protected-access
+    # float32, and XLA orders the reductions its own way: three steps
+    # agree to about 2e-6 (measured 1.7e-6 at most).
+    base._assert_weights(xla.get_weights(), plain.get_weights(), rtol=1e-5,  # pylint: disable=protected-access
+                         atol=3e-6)
     assert float(xla_opt.damping.numpy()) == pytest.approx(
         float(plain_opt.damping.numpy()), rel=1e-6)
   first, _ = _adaptive(base.functional_model(),
