@@ -80,6 +80,9 @@ flags.DEFINE_float("adaptive_relative_min_damping",
                    recipe.RELATIVE_MIN_DAMPING,
                    "relative_min_damping of kfac_adaptive (default: the "
                    "recipe's; a negative value: none).")
+flags.DEFINE_integer("adaptive_cov_update_every", None, "cov_update_every "
+                     "of kfac_adaptive (default: the recipe's, %d)."
+                     % recipe.COV_UPDATE_EVERY)
 flags.DEFINE_list("tune_only", [], "With --tune, run only the grid points "
                   "with these values, e.g. damping=0.01,learning_rate=0.03.")
 
@@ -113,7 +116,7 @@ GRIDS = {
 KFAC_COMMON = dict(invert_every=10, cov_update_every=1, momentum=0.9,
                    momentum_type="adam", cov_ema_decay=0.95)
 # The default recipe, with the library's other defaults spelled out.
-ADAPTIVE = recipe.adaptive_kwargs(invert_every=10, cov_update_every=1,
+ADAPTIVE = recipe.adaptive_kwargs(invert_every=10,
                                   damping_adaptation_interval=5,
                                   cov_ema_decay=0.95)
 del ADAPTIVE["damping"], ADAPTIVE["relative_min_damping"]
@@ -141,7 +144,9 @@ def make_optimizer(name, hyper, workload, layer_collection=None,
         min_damping=FLAGS.adaptive_min_damping,
         relative_min_damping=(None if FLAGS.adaptive_relative_min_damping < 0
                               else FLAGS.adaptive_relative_min_damping),
-        **ADAPTIVE)
+        **dict(ADAPTIVE, **({} if FLAGS.adaptive_cov_update_every is None
+                            else dict(cov_update_every=
+                                      FLAGS.adaptive_cov_update_every))))
     return opt, dict(damping=opt.damping, lr=opt.learning_rate,
                      momentum=opt.momentum, rho=opt.rho,
                      # burn-in steps leave the counter at 0

@@ -152,6 +152,7 @@ class KfacKerasMixin:
       # The default recipe (kfac/python/ops/recipe, docs/recipe.md).
       kfac_kwargs.setdefault("relative_min_damping",
                              recipe.RELATIVE_MIN_DAMPING)
+      kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
       if damping is None:
         damping = recipe.INITIAL_DAMPING
         kfac_kwargs.setdefault("calibrate_damping", True)

@@ -160,7 +160,7 @@ def test_no_dummy_backward_pass_runs():
   executed = {}
   for name, method in (("op_by_op", forward_mode.jvp),
                        ("whole_graph", forward_gradients.whole_graph_jvp)):
-    with tf.Graph().as_default() as g:
+    with tf.Graph().as_default():
       xp = tf.compat.v1.placeholder(tf.float64, (None, 8, 8, 3))
       ip = tf.compat.v1.placeholder(tf.int32, (None,))
       variables = {k: tf.Variable(v) for k, v in p.items()}
@@ -176,10 +176,9 @@ def test_no_dummy_backward_pass_runs():
       types = set()
       for dev in meta.step_stats.dev_stats:
         for node in dev.node_stats:
-          try:
-            types.add(g.get_operation_by_name(node.node_name).type)
-          except KeyError:  # nodes added by grappler
-            pass
+          if " = " in node.timeline_label:  # "name = Type(inputs)"
+            types.add(node.timeline_label.split(" = ")[1].split("(")[0])
+      assert "Conv2D" in types  # the trace lists op types
       executed[name] = types & backward_types
   assert not executed["op_by_op"], executed
   assert executed["whole_graph"], executed  # what the test guards against

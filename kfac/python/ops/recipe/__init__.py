@@ -23,6 +23,9 @@ RELATIVE_MIN_DAMPING = 0.1
 # of 10, then bisecting in log space): the same on every workload.
 INITIAL_DAMPING = 1.0
 NUM_BURNIN_STEPS = 5
+# Statistics (their sampled backward pass and factor products) every this
+# many steps; measured by time to target in docs/recipe.md.
+COV_UPDATE_EVERY = 2
 
 
 def adaptive_kwargs(**overrides):
@@ -32,6 +35,7 @@ def adaptive_kwargs(**overrides):
   kwargs = dict(learning_rate=None, momentum=None, momentum_type="qmodel",
                 damping=INITIAL_DAMPING, adapt_damping=True,
                 calibrate_damping=True, num_burnin_steps=NUM_BURNIN_STEPS,
-                relative_min_damping=RELATIVE_MIN_DAMPING)
+                relative_min_damping=RELATIVE_MIN_DAMPING,
+                cov_update_every=COV_UPDATE_EVERY)
   kwargs.update(overrides)
   return kwargs
