@@ -81,6 +81,28 @@ def test_recompute_in_branch_function_and_no_op_outside_a_branch():
   np.testing.assert_array_equal(run(tf.constant(False))[0].numpy(), [0, 0])
 
 
+def test_recompute_in_branch_first_read_in_a_nested_conditional():
+  """The first read comes through a conditional inside the branch: the
+  values are right either way it is captured."""
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float64, [None])
+    pred = tf.compat.v1.placeholder(tf.bool, [])
+    outer = tf.tanh(x) * 3.0
+
+    def branch():
+      with lazy.recompute_in_branch([outer], lambda: [tf.tanh(x) * 3.0]):
+        inner = tf.cond(pred, lambda: outer + 1.0, lambda: outer * 0.0)
+        return inner + outer
+
+    out = tf.cond(pred, branch, lambda: tf.zeros_like(x))
+    xv = np.array([0.3, -1.2])
+    with tf.compat.v1.Session() as sess:
+      np.testing.assert_allclose(sess.run(out, {x: xv, pred: True}),
+                                 np.tanh(xv) * 6 + 1, rtol=1e-15)
+      np.testing.assert_array_equal(sess.run(out, {x: xv, pred: False}),
+                                    [0, 0])
+
+
 # ------------------------------------------------------------ K-FAC
 def _loss(labels, logits):
   return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(

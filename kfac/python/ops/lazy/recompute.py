@@ -57,7 +57,10 @@ def recompute_in_branch(tensors, build):
     if i is not None:
       if not built:
         built.append(None)  # re-entrant captures during build() pass by
-        built[0] = list(build())
+        # In this graph, also when the first capture comes through a graph
+        # nested in it (a conditional inside the branch).
+        with graph.as_default():
+          built[0] = list(build())
       replacement = built[0][i] if built[0] is not None else None
       if replacement is not None:
         return replacement
