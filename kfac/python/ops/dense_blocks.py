@@ -1,8 +1,11 @@
 """Blocks of dense layers: K-FAC (with diagonal variants) and the exact
 diagonal."""
 
+import tensorflow as tf
+
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import dense_factors
+from kfac.python.ops import factored_grads
 from kfac.python.ops import utils
 from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.block_base import FisherBlock
@@ -92,6 +95,33 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
             "(inputs %s)." % (self.name, first, self._inputs[0].shape, this,
                               inputs.shape))
     super().register_additional_tower(inputs, outputs)
+
+  def multiply_matpower(self, vector, exp):
+    # A gradient that the graph formed as X^T d is multiplied through its
+    # two factors where that is cheaper (factored_grads/match.py).
+    pair = None
+    if not (self._diag_in or self._diag_out):
+      pair = factored_grads.gradient_factors(vector, self._has_bias)
+    if pair is None:
+      return super().multiply_matpower(vector, exp)
+    self._check_instantiated()
+    x, d = pair
+
+    def factored():
+      left = self._input_factor.right_multiply_matpower(x, exp,
+                                                        self._in_damping)
+      right = self._output_factor.right_multiply_matpower(d, exp,
+                                                          self._out_damping)
+      return tf.matmul(left, right, transpose_a=True)
+
+    def plain():
+      mat = self._input_factor.left_multiply_matpower(
+          self._to_mat(vector), exp, self._in_damping)
+      return self._output_factor.right_multiply_matpower(mat, exp,
+                                                         self._out_damping)
+
+    mat = factored_grads.prefer_factored(x, d, factored, plain)
+    return self._from_mat(self._scaled(mat, exp), vector)
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     self._make_kronecker_factors(tuple(self._inputs),
