@@ -4,7 +4,10 @@
   <= 1e-13), for sizes 1, 2, odd sizes, exactly the base size, base + 1 and
   a few hundred, eagerly and XLA-compiled; base sizes 1 (1x1 leaves) to 64;
 * linalg.damped_* build the blocked recursion under jit_compile=True only
-  (a spy on xla_linalg), and keep the float64 fallback there;
+  (a spy on xla_linalg), and keep the float64 fallback there; without XLA,
+  damped_inverse builds it (blocks of linalg.CPU_BLOCK_SIZE) for static
+  matrices wider than linalg.CPU_BLOCKED_MIN, eagerly, in a tf.function and
+  in a TF1 graph, with numpy's values (float64 1e-10, float32 1e-5);
 * a TF2 K-FAC step whose factors exceed the base size takes the same steps
   with jit_compile=True as without (rtol 1e-5, float32), through the
   blocked path (distribute_options_test.py compares small factors);
@@ -150,6 +153,32 @@ def test_blocked_path_is_used_under_xla_only(name, monkeypatch):
       got = tf.function(lambda m: fn(m, damping), jit_compile=compiled)(mat)
     assert (spy.calls > before) == uses_blocked, (name, compiled)
     _close(got.numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_wide_damped_inverse_is_blocked_without_xla(dtype, monkeypatch):
+  n, damping = linalg.CPU_BLOCKED_MIN + 45, 0.05
+  want = np.linalg.inv(_spd(n) + damping * np.eye(n))
+  tol = 1e-10 if dtype == np.float64 else 1e-5  # float32 measured 6e-7
+  spy = _Spy(monkeypatch)
+  mat = tf.constant(_spd(n).astype(dtype))
+  _close(linalg.damped_inverse(mat, damping).numpy(), want, tol)
+  _close(tf.function(lambda m: linalg.damped_inverse(m, damping))(
+      mat).numpy(), want, tol)
+  with tf.Graph().as_default():
+    out = linalg.damped_inverse(tf.constant(_spd(n).astype(dtype)), damping)
+    with tf.compat.v1.Session() as sess:
+      _close(sess.run(out), want, tol)
+  # float64: one build per call; float32 graphs also build the float64
+  # fallback copy (eagerly only the branch taken runs): 1 + 2 + 2.
+  assert spy.calls == (3 if dtype == np.float64 else 5), spy.calls
+  # At the limit and with a run-time shape: the library kernels.
+  before = spy.calls
+  linalg.damped_inverse(tf.constant(_spd(linalg.CPU_BLOCKED_MIN)), damping)
+  tf.function(lambda m: linalg.damped_inverse(m, damping),
+              input_signature=[tf.TensorSpec([None, None], tf.float64)]
+             ).get_concrete_function()
+  assert spy.calls == before
 
 
 def test_use_xla_blocked_decision():
