@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from kfac.python.ops import conv_factors
 from kfac.python.ops import damping as damping_lib
+from kfac.python.ops import dense_blocks
 from kfac.python.ops import embedding_blocks
 from kfac.python.ops import linalg
 from kfac.python.ops import utils
@@ -84,10 +85,13 @@ def apply_view(left, right, evals, mats, exp):
 
 def _kronecker_products_are_standard(block):
   """Whether the block multiplies with TwoFactorKroneckerMixin's product (a
-  subclass overriding it, like the kron_series blocks, does not)."""
+  subclass overriding it, like the kron_series blocks, does not; the dense
+  block's override applies the same matrix, in a cheaper order for some
+  gradients)."""
   own = type(block).multiply_matpower
   return own in (TwoFactorKroneckerMixin.multiply_matpower,
-                 embedding_blocks.EmbeddingKFACFB.multiply_matpower)
+                 embedding_blocks.EmbeddingKFACFB.multiply_matpower,
+                 dense_blocks.FullyConnectedKFACBasicFB.multiply_matpower)
 
 
 def block_kind(block):
