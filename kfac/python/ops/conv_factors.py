@@ -89,7 +89,8 @@ def _flat_mask(patch_mask, size, dtype):
   if patch_mask is None:
     return None
   mask = tf.reshape(tf.cast(patch_mask, dtype), [-1])
-  if mask.shape[0] is not None and mask.shape[0] != size:
+  if (tf.compat.dimension_value(mask.shape[0]) is not None and
+      mask.shape[0] != size):
     raise ValueError("patch_mask has %d entries; the patches have %d "
                      "(shape [k1, ..., kd, in_channels])." %
                      (mask.shape[0], size))

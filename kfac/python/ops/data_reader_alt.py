@@ -108,7 +108,8 @@ class VariableBatchReader(data_reader.ReaderBase):
                        % owner)
     sizes = set()
     for i, p in enumerate(parts):
-      if p.shape.rank is None or p.shape.rank == 0 or p.shape[0] is None:
+      if (p.shape.rank is None or p.shape.rank == 0 or
+          tf.compat.dimension_value(p.shape[0]) is None):
         raise ValueError(
             "%s: dataset component %d (%s) needs a static leading (number "
             "of examples) dimension, got shape %s." % (owner, i, p.name,

@@ -166,7 +166,7 @@ def _check_embedding_params(params):
   if not isinstance(params, tf.Variable):
     raise TypeError("Registered parameters must be tf.Variables, got %r." %
                     (params,))
-  if params.shape.rank != 2 or params.shape[0] is None:
+  if params.shape.rank != 2 or tf.compat.dimension_value(params.shape[0]) is None:
     raise ValueError("Embedding table %s must have shape [vocab, dim] with a "
                      "static vocab, got %s." % (_describe(params),
                                                 params.shape))
@@ -222,7 +222,9 @@ def _ids_layouts(ids, outputs, bag):
   """(ids per lookup row: [rows] or [rows, k]; ids [examples, positions,
   k])."""
   if bag:
-    k = ids.shape[-1] if ids.shape[-1] is not None else tf.shape(ids)[-1]
+    k = tf.compat.dimension_value(ids.shape[-1])
+    if k is None:
+      k = tf.shape(ids)[-1]
     rows = tf.reshape(ids, [-1, k]) if ids.shape.rank > 2 else ids
   else:
     k = 1

@@ -128,7 +128,8 @@ def _exact_sources(layer_collection, ggn):
   sources = []
   for loss, coeff in layer_collection.losses_with_coeffs():
     _, one_hot, _, static_shape, signs = _factor_ops(loss, ggn)
-    if static_shape.rank != 2 or static_shape[-1] is None:
+    if (static_shape.rank != 2 or
+        tf.compat.dimension_value(static_shape[-1]) is None):
       raise ValueError(
           "The exact modes loop over output coordinates and need a static "
           "[batch, d] factor shape; %s has %s." %

@@ -390,7 +390,9 @@ def extract_convolution_patches(inputs, filter_shape, padding, strides=None,
       out_dims = out_shape.as_list()
     else:
       out_dims = tf.unstack(tf.shape(patches)[1:-1])
-    batch = inputs.shape[0] if inputs.shape[0] is not None else -1
+    batch = tf.compat.dimension_value(inputs.shape[0])
+    if batch is None:
+      batch = -1
     return tf.reshape(patches, [batch] + list(out_dims) +
                       list(spatial_kernel) + [int(in_channels)])
 

@@ -33,26 +33,34 @@ BASE_SIZE = 32
 GRAM_BASE_SIZE = 128
 
 
+def _rows(mat):
+  """The static number of rows as a Python int (or None), also where the
+  shape holds v1 `Dimension`s (tf.compat.v1.disable_v2_behavior)."""
+  return tf.compat.dimension_value(mat.shape[0])
+
+
 def _static_order(mat, what):
   """The static number of rows of a square matrix, or a ValueError."""
   shape = mat.shape
-  if (shape.rank != 2 or shape[0] is None or shape[1] is None or
-      shape[0] != shape[1]):
+  rows = cols = None
+  if shape.rank == 2:
+    rows, cols = _rows(mat), tf.compat.dimension_value(shape[1])
+  if rows is None or cols is None or rows != cols:
     raise ValueError("%s needs a square matrix of static shape, got shape %s."
                      % (what, shape))
-  return shape[0]
+  return rows
 
 
 def _blocks(m11, m21, m22, upper_right=None):
   """[[m11, upper_right or 0], [m21, m22]]."""
   if upper_right is None:
-    upper_right = tf.zeros([m11.shape[0], m22.shape[0]], m11.dtype)
+    upper_right = tf.zeros([_rows(m11), _rows(m22)], m11.dtype)
   return tf.concat([tf.concat([m11, upper_right], 1),
                     tf.concat([m21, m22], 1)], 0)
 
 
 def _chol_and_inverse(mat, base_size):
-  n = mat.shape[0]
+  n = _rows(mat)
   if n <= base_size:
     chol = tf.linalg.cholesky(mat)
     eye = tf.eye(n, dtype=mat.dtype)
@@ -88,7 +96,7 @@ def cholesky_inverse(mat, base_size=BASE_SIZE):
 
 
 def _gram(m, base_size):
-  n = m.shape[0]
+  n = _rows(m)
   if n <= base_size:
     return tf.matmul(m, m, transpose_a=True)
   k = n // 2

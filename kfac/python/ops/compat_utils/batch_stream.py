@@ -114,7 +114,7 @@ class BatchStream(object):
     self._check_graph()
     checks = []
     for c in self._components:
-      if c.shape[0] is None:
+      if tf.compat.dimension_value(c.shape[0]) is None:
         checks.append(tf.debugging.assert_greater_equal(
             tf.shape(c, out_type=tf.int32)[0], size,
             message="%s: the dataset batch has fewer rows than the "

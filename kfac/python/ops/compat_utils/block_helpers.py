@@ -21,7 +21,9 @@ def _trace_and_dim(cov):
   if cov.shape.rank != 2:
     raise ValueError("Expected a square matrix or a LinearOperator, got "
                      "shape %s." % cov.shape)
-  dim = cov.shape[-1] if cov.shape[-1] is not None else tf.shape(cov)[-1]
+  dim = tf.compat.dimension_value(cov.shape[-1])
+  if dim is None:
+    dim = tf.shape(cov)[-1]
   return tf.linalg.trace(cov), dim
 
 

@@ -13,8 +13,9 @@ def compute_cov(tensor, tensor_right=None, normalizer=None):
     raise ValueError("compute_cov needs a 2-d tensor, got shape %s." %
                      tensor.shape)
   if normalizer is None:
-    normalizer = (tensor.shape[0] if tensor.shape[0] is not None else
-                  tf.shape(tensor)[0])
+    normalizer = tf.compat.dimension_value(tensor.shape[0])
+    if normalizer is None:
+      normalizer = tf.shape(tensor)[0]
   normalizer = tf.cast(normalizer, tensor.dtype)
   if tensor_right is None:
     cov = tf.matmul(tensor, tensor, transpose_a=True) / normalizer

@@ -87,14 +87,15 @@ def prefer_factored(x, d, factored, plain):
   """factored() where it costs fewer multiply-adds than plain() for the
   rows of x, else plain(); decided at build time when the row count is
   static, else by a tf.cond on it."""
-  if x.shape[1] is None or d.shape[1] is None:
+  cols_in = tf.compat.dimension_value(x.shape[1])
+  cols_out = tf.compat.dimension_value(d.shape[1])
+  if cols_in is None or cols_out is None:
     return plain()
-  cols_in, cols_out = int(x.shape[1]), int(d.shape[1])
   plain_cost = cols_in * cols_out * (cols_in + cols_out)
   per_row = cols_in * cols_in + cols_out * cols_out + cols_in * cols_out
   # Below this many rows the factored form does less work.
   limit = plain_cost // per_row
-  rows = x.shape[0]
+  rows = tf.compat.dimension_value(x.shape[0])
   if rows is not None:
     return factored() if rows < limit else plain()
   if limit < 1:
