@@ -20,7 +20,14 @@ TF2 behaviour. Checked:
 * factored_grads_test's trainings: the factored form = the plain product in
   legacy mode, and = the TF2-behaviour run (float64, rtol 1e-12); the
   fixed-K-FAC run-time-batch case in the fast tier, static batches and
-  adaptive K-FAC in the slow tier.
+  adaptive K-FAC in the slow tier;
+* distribute_program.py's models and optimizers (dense, conv, embedding,
+  multi-use; K-FAC and EKFAC; periods and burn-in, explicit update ops,
+  the quadratic model, both damping rules) without a strategy: legacy mode
+  = TF2 behaviour (float32: weights and state 1e-5 relative to the
+  variable's largest entry, the recorded scalars 1e-4; measured: bit-equal
+  except the delayed rule's rho, 1.8e-6). Two cases in the fast tier, the
+  other ten in the slow tier.
 """
 
 import os
@@ -37,9 +44,10 @@ from kfac.python.ops import xla_linalg
 _PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                         "legacy_mode_program.py")
 FAST = ("inverse_thresholds", "float32_bound", "factored_choice",
-        "wide_training", "factored_fixed_dynamic", "plain_fixed_dynamic")
+        "wide_training", "factored_fixed_dynamic", "plain_fixed_dynamic",
+        "kinds_fast")
 SLOW = ("factored_fixed_static", "plain_fixed_static",
-        "factored_adaptive_dynamic", "plain_adaptive_dynamic")
+        "factored_adaptive_dynamic", "plain_adaptive_dynamic", "kinds_slow")
 
 
 def _run_legacy(names, directory):
@@ -157,10 +165,31 @@ def test_legacy_factored_form_equals_plain_and_tf2_behaviour(legacy):
                "factored/fixed_dynamic/param", rtol=1e-12)
 
 
+def _assert_kinds_same(got, want, specs):
+  for spec in specs:
+    prefix = "kinds/%s/" % spec
+    keys = sorted(k for k in want if k.startswith(prefix))
+    assert keys == sorted(k for k in got if k.startswith(prefix))
+    assert any("/w/" in k for k in keys) and any("/s/" in k for k in keys)
+    for key in keys:
+      ref = want[key].astype(np.float64)
+      scale = max(np.max(np.abs(np.nan_to_num(ref)), initial=0.0), 1e-6)
+      tol = 1e-4 if "/records/" in key else 1e-5
+      np.testing.assert_allclose(got[key], ref, rtol=0, atol=tol * scale,
+                                 err_msg=key)
+
+
+def test_legacy_layer_kinds_equal_tf2_behaviour(legacy):
+  _assert_kinds_same(legacy, scenarios.run(["kinds_fast"]),
+                     scenarios.LAYER_KINDS_FAST)
+
+
 @pytest.mark.slow
-def test_legacy_static_batches_and_adaptive_training(tmp_path):
+def test_legacy_static_batches_adaptive_and_layer_kinds(tmp_path):
   got = _run_legacy(SLOW, tmp_path)
   for case in ("fixed_static", "adaptive_dynamic"):
     _assert_factored_equals_plain(got, case)
     _assert_same(got, scenarios.factored_training(case),
                  "factored/%s/param" % case, rtol=1e-12)
+  _assert_kinds_same(got, scenarios.run(["kinds_slow"]),
+                     scenarios.LAYER_KINDS_SLOW)

@@ -236,12 +236,42 @@ def factored_training(case, plain=False):
   return out
 
 
+# distribute_program.py's models (dense, conv, embedding, a weight used
+# twice; K-FAC and EKFAC blocks) and optimizers (burn-in and periods,
+# KfacOptimizer with explicit update ops, the quadratic model, the damping
+# rules), trained 5 steps without a strategy in a TF1 Session.
+LAYER_KINDS_FAST = ("dense:adaptive", "conv:periodic:ekfac")
+LAYER_KINDS_SLOW = ("dense:periodic", "conv:periodic", "embedding:periodic",
+                    "multi_use:periodic", "dense:qmodel",
+                    "dense:adaptive_delayed", "conv:regular",
+                    "dense:periodic:ekfac", "embedding:periodic:ekfac",
+                    "multi_use:periodic:ekfac")
+
+
+def layer_kinds(specs):
+  """Weights ("w") and K-FAC state ("s") after each case's run."""
+  from kfac.python.kernel_tests import distribute_program  # pylint: disable=g-import-not-at-top
+  out = {}
+  for spec in specs:
+    parts = spec.split(":")
+    for flag in distribute_program.FLAGS:
+      distribute_program.FLAGS[flag] = flag in parts[2:]
+    weights, state = distribute_program.run_tf1(kfac, None, parts[0],
+                                                parts[1], 1, False)
+    for kind, values in (("w", weights), ("s", state)):
+      for name, value in values.items():
+        out["kinds/%s/%s/%s" % (spec, kind, name)] = np.asarray(value)
+  return out
+
+
 # Scenario name -> builder; legacy_mode_program.py takes names from here.
 SCENARIOS = {
     "inverse_thresholds": inverse_thresholds,
     "float32_bound": float32_bound,
     "factored_choice": factored_choice,
     "wide_training": wide_training,
+    "kinds_fast": lambda: layer_kinds(LAYER_KINDS_FAST),
+    "kinds_slow": lambda: layer_kinds(LAYER_KINDS_SLOW),
 }
 for _case in FACTORED_CASES:
   SCENARIOS["factored_" + _case] = (
