@@ -346,4 +346,4 @@ def test_under_tf_keras():
       env=env, cwd=root, capture_output=True, text=True, timeout=900,
       check=False)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-  assert " 8 passed" in result.stdout, result.stdout[-2000:]
+  assert "\n8 passed" in result.stdout, result.stdout[-2000:]
