@@ -6,10 +6,17 @@
 the optimizer's step counter, at the start of every training batch:
 
     t = int(model.optimizer.iterations)       # steps taken so far
-    setattr(model.optimizer, hyperparameter, schedule(t))
+    if 0 < t - num_delay_steps <= num_decay_steps:
+      setattr(model.optimizer, hyperparameter, schedule(t))
 
-The schedule is a function of t only, so resuming training (a second `fit`,
-a restored optimizer) continues where the counter is. The new value reaches
+As in kfac 0.2.x, the callback sets nothing until the delay has passed (the
+optimizer's own value is used until then, also at t = num_delay_steps,
+where the schedule is init_value) nor after the decay has ended (the value
+set last stays; a schedule without an end, ExponentialDecay with
+decay_rate and final_value, sets it at every step after the delay). So a
+second callback may schedule the same hyperparameter after the first one's
+window. The schedule is a function of t only, so resuming training (a
+second `fit`, a restored optimizer) continues where the counter is. The new value reaches
 a compiled train step only if the attribute is backed by a variable (a
 property whose setter assigns to a `tf.Variable` / `keras.Variable`, as for
 `kfac.keras.optimizers.Kfac`'s `learning_rate`, `damping`, `momentum`,
@@ -93,13 +100,14 @@ def _check_int(name, value, minimum):
 class HyperparameterDecay(_Callback):
   """Base class: sets `optimizer.<hyperparameter>` from its step counter.
 
-  Subclasses implement `value_at(step)`. On `on_train_begin` the optimizer
-  is checked (it must have the attribute and an `iterations` counter, else
-  ValueError) and the value for the current step is set; on every
-  `on_train_batch_begin` the value for the current step
-  t = int(optimizer.iterations) is set with `setattr`. With `verbose > 0`
-  the value is printed at the start of every epoch; at the end of every
-  epoch it is added to the epoch logs under the hyperparameter's name (so
+  Subclasses implement `value_at(step)` and `decay_steps()`. On
+  `on_train_begin` the optimizer is checked (it must have the attribute and
+  an `iterations` counter, else ValueError); at the start of training, of
+  every epoch and of every training batch, with t = int(optimizer.iterations)
+  and `applies_at(t)` (after the delay, until the decay ends: kfac 0.2.x),
+  `value_at(t)` is set with `setattr`. With `verbose > 0` the optimizer's
+  value is printed at the start of every epoch; at the end of every epoch
+  it is added to the epoch logs under the hyperparameter's name (so
   `History` records it).
   """
 
@@ -126,8 +134,21 @@ class HyperparameterDecay(_Callback):
     return self._hyperparameter
 
   def value_at(self, step):
-    """The hyperparameter's value at optimizer step `step` (an int >= 0)."""
+    """The schedule's value at optimizer step `step` (an int >= 0); it is
+    set only where `applies_at(step)`."""
     raise NotImplementedError
+
+  def decay_steps(self):
+    """Steps the decay lasts after the delay (None: no end)."""
+    raise NotImplementedError
+
+  def applies_at(self, step):
+    """Whether the callback sets the value at optimizer step `step`: after
+    the delay (step > num_delay_steps) until the decay has ended
+    (step <= num_delay_steps + decay_steps()), as kfac 0.2.x did."""
+    s = int(step) - self._num_delay_steps
+    n = self.decay_steps()
+    return s > 0 and (n is None or s <= n)
 
   def get_config(self):
     """The constructor arguments: `type(self)(**get_config())` is a copy."""
@@ -143,10 +164,24 @@ class HyperparameterDecay(_Callback):
                        (type(self).__name__, self._hyperparameter))
     return optimizer
 
+  def _current_value(self, optimizer):
+    """The optimizer's value of the hyperparameter as a float (None when it
+    is not a number, e.g. a learning-rate schedule object)."""
+    try:
+      return float(_get_value(getattr(optimizer, self._hyperparameter)))
+    except (TypeError, ValueError):
+      return None
+
   def _set_value(self):
+    """Sets the schedule's value where it applies; returns the optimizer's
+    value."""
     optimizer = self._optimizer()
-    value = self.value_at(_to_int(optimizer.iterations))
-    setattr(optimizer, self._hyperparameter, value)
+    step = _to_int(optimizer.iterations)
+    if self.applies_at(step):
+      value = self.value_at(step)
+      setattr(optimizer, self._hyperparameter, value)
+    else:
+      value = self._current_value(optimizer)
     self._last_value = value
     return value
 
@@ -177,7 +212,7 @@ class HyperparameterDecay(_Callback):
 
   def on_epoch_begin(self, epoch, logs=None):
     value = self._set_value()
-    if self.verbose > 0:
+    if self.verbose > 0 and value is not None:
       print("Epoch %05d: %s is %.6g." %
             (epoch + 1, self._hyperparameter, value))
 
@@ -209,9 +244,12 @@ class PolynomialDecay(HyperparameterDecay):
       value = (init_value - final_value) * (1 - s / num_decay_steps)**power
               + final_value
 
-  so the value is `init_value` until the delay ends, moves to `final_value`
-  over `num_decay_steps` steps (linearly for power=1), and stays there.
-  `final_value` may be larger than `init_value` (a polynomial increase).
+  so the schedule is `init_value` until the delay ends, moves to
+  `final_value` over `num_decay_steps` steps (linearly for power=1), and
+  stays there. The callback sets it for num_delay_steps < t <=
+  num_delay_steps + num_decay_steps (kfac 0.2.x): build the optimizer with
+  `init_value`. `final_value` may be larger than `init_value` (a polynomial
+  increase).
   """
 
   def __init__(self, hyperparameter, init_value, final_value, power=1.0,
@@ -221,12 +259,14 @@ class PolynomialDecay(HyperparameterDecay):
     Args:
       hyperparameter: name of the optimizer attribute to set, e.g.
         "learning_rate" or "damping".
-      init_value: value before and at the start of the decay.
-      final_value: value at and after the end of the decay.
+      init_value: the schedule's value at the start of the decay (the
+        optimizer's own value is used until the delay has passed).
+      final_value: value at the end of the decay (kept afterwards).
       power: exponent of the polynomial, > 0.
       num_decay_steps: number of steps the decay lasts, a positive int
         (required; it follows `power` to keep the original argument order).
-      num_delay_steps: steps to wait (at init_value) before decaying, >= 0.
+      num_delay_steps: steps to wait before decaying, >= 0 (the callback
+        sets nothing until then).
       verbose: if > 0, print the value at the start of every epoch.
 
     Raises:
@@ -240,6 +280,9 @@ class PolynomialDecay(HyperparameterDecay):
     if num_decay_steps is None:
       raise ValueError("PolynomialDecay needs num_decay_steps.")
     self._num_decay_steps = _check_int("num_decay_steps", num_decay_steps, 1)
+
+  def decay_steps(self):
+    return self._num_decay_steps
 
   def value_at(self, step):
     n = self._num_decay_steps
@@ -281,7 +324,10 @@ class ExponentialDecay(HyperparameterDecay):
       value to `final_value` exactly at the end of the decay; it stays
       there.
 
-  Values must be > 0.
+  Values must be > 0. The callback sets the value for t > num_delay_steps
+  (kfac 0.2.x: build the optimizer with `init_value`) and, where
+  `num_decay_steps` is given, up to t = num_delay_steps + num_decay_steps
+  (the value set last stays afterwards).
   """
 
   def __init__(self, hyperparameter, init_value, final_value=None,
@@ -291,11 +337,13 @@ class ExponentialDecay(HyperparameterDecay):
 
     Args:
       hyperparameter: name of the optimizer attribute to set.
-      init_value: value before and at the start of the decay, > 0.
+      init_value: the schedule's value at the start of the decay, > 0
+        (the optimizer's own value is used until the delay has passed).
       final_value: the bound (mode a) or the value at the end (mode b), > 0.
       decay_rate: factor per step, > 0 (mode a).
       num_decay_steps: positive int: steps the decay lasts.
-      num_delay_steps: steps to wait (at init_value) before decaying, >= 0.
+      num_delay_steps: steps to wait before decaying, >= 0 (the callback
+        sets nothing until then).
       verbose: if > 0, print the value at the start of every epoch.
 
     Raises:
@@ -326,6 +374,9 @@ class ExponentialDecay(HyperparameterDecay):
             "ExponentialDecay: decay_rate=%r moves the value away from "
             "final_value=%r (init_value=%r)." %
             (decay_rate, final_value, init_value))
+
+  def decay_steps(self):
+    return self._num_decay_steps
 
   def value_at(self, step):
     s = max(int(step) - self._num_delay_steps, 0)

@@ -88,9 +88,10 @@ def resolve_fisher_approx(fisher_approx, layer):
   return None
 
 
-def _check_layer_keys(mapping, model, what, check_value):
+def _check_layer_keys(mapping, model, what, check_value, class_keys=True):
   """Raises unless every key of `mapping` names some layer of `model` and
-  every value passes check_value(key, value)."""
+  every value passes check_value(key, value). With class_keys=False a
+  layer-class key need not match a layer (only name keys must)."""
   if not mapping:
     return
   layers = keras_flavor.leaf_layers(model)
@@ -109,20 +110,25 @@ def _check_layer_keys(mapping, model, what, check_value):
     else:
       raise RegistrationError("%s keys must be layer names or layer "
                               "classes, got %r." % (what, key))
-    if not found:
+    if not found and (class_keys or isinstance(key, str) and
+                      class_key_name(key) is None):
       raise RegistrationError(
           "%s key %r matches no layer of model %r (layers: %s)." %
           (what, key, model.name, ", ".join(sorted(names))))
 
 
 def check_fisher_approx(fisher_approx, model):
-  """Raises unless every key of fisher_approx names some layer of model."""
+  """Raises unless every layer-name key of fisher_approx names some layer of
+  model and every value is an approximation name or None. Layer-class keys
+  need not match a layer (kfac 0.2.x: one fisher_approx may serve several
+  models)."""
   def check(key, value):
     if value is not None and not isinstance(value, str):
       raise RegistrationError("fisher_approx[%r] must be an approximation "
                               "name (a string) or None (the default), got "
                               "%r." % (key, value))
-  _check_layer_keys(fisher_approx, model, "fisher_approx", check)
+  _check_layer_keys(fisher_approx, model, "fisher_approx", check,
+                    class_keys=False)
 
 
 # Options a convolution registration takes (see conv_registration).

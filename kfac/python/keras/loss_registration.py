@@ -5,22 +5,31 @@ A Keras loss (a string, a loss function or a loss object) maps to:
   categorical_crossentropy,
   sparse_categorical_crossentropy  register_categorical_predictive_distribution
   binary_crossentropy              register_sigmoid_cross_entropy_loss
-The coefficient makes the registered loss the Keras loss per example: Keras
-averages the elementwise squared error / Bernoulli losses over every
-non-batch axis and the categorical losses over every non-batch axis but the
-last, then averages over the batch ("sum_over_batch_size"); K-FAC sums over
-non-batch entries and averages its statistics over the batch.
+The coefficient: K-FAC sums a registered loss over the non-batch entries
+of an example and averages its statistics over the batch. Keras averages
+the elementwise squared error / Bernoulli losses over every non-batch axis
+and the categorical losses over every non-batch axis but the last, then
+averages over the batch ("sum_over_batch_size"). With
+average_over_outputs=False (kfac 0.2.x, the default of the 0.2.x API) the
+coefficient is the loss weight: the loss summed over an example's outputs,
+whose curvature is k times Keras's for k outputs per example. With
+average_over_outputs=True (the default recipe, Kfac(adaptive=True)) it is
+the weight / k: the registered loss is Keras's per-example loss.
 
 The cross-entropies are registered on the logits Keras computes them from
 (see `find_logits`): behind a softmax / sigmoid output (the tensor Keras
 records on it as `_keras_logits`, or the input of the Softmax / Sigmoid op),
 whatever from_logits says, as Keras does; else the prediction itself when
-from_logits=True.
+from_logits=True; else (from_logits=False on another output, e.g. an
+average of sigmoid outputs) the logits of the probabilities Keras's loss
+uses (see probabilities.py), unless the output's ops show that it can
+leave [0, 1] (a linear output): that is an error.
 """
 
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.keras import probabilities
 from kfac.python.keras.layer_registration import RegistrationError
 
 _ALIASES = {
@@ -113,37 +122,47 @@ def _static_size(shape, what):
   return int(np.prod(dims)) if dims else 1
 
 
+# How find_logits found the logits (for the registration report).
+AS_GIVEN, BEHIND_ACTIVATION, OF_PROBABILITIES = "as given", "behind", "probs"
+
+
 def find_logits(spec, prediction):
-  """The logits the Keras loss `spec` computes its value from.
+  """(logits, how): the logits the Keras loss `spec` computes its value
+  from, and how they were found.
 
   Keras's cross-entropies (both flavours, backend `_get_logits`) take the
   logits behind a prediction that carries `_keras_logits` (set by Keras's
   softmax / sigmoid) or comes out of a Softmax / Sigmoid op, whatever
   from_logits says (from_logits=True on such a prediction only warns);
-  otherwise from_logits=True uses the prediction itself. kfac registers the
-  same logits."""
+  otherwise from_logits=True uses the prediction itself, and
+  from_logits=False takes it as probabilities (clipped; normalised over
+  the classes by the categorical losses). kfac registers the same logits:
+  for probabilities, the logits of the clipped probabilities. A prediction
+  whose ops show that it can leave [0, 1] is not a probability: error."""
   if spec.kind == "mean_squared_error":
-    return prediction
+    return prediction, AS_GIVEN
   keras_logits = getattr(prediction, "_keras_logits", None)
   if keras_logits is not None:
-    return tf.convert_to_tensor(keras_logits)
+    return tf.convert_to_tensor(keras_logits), BEHIND_ACTIVATION
   expected = _ACTIVATION_OP[spec.kind]
   op_type = getattr(getattr(prediction, "op", None), "type", None)
   if op_type == expected:
-    return prediction.op.inputs[0]
+    return prediction.op.inputs[0], BEHIND_ACTIVATION
   if spec.from_logits:
-    return prediction
-  raise RegistrationError(
-      "Loss %s with from_logits=False needs predictions that come out of "
-      "a %s activation (to find the logits), but the model output %s comes "
-      "from a %s op. Use from_logits=True with a linear last layer, or end "
-      "the model with a %s activation." %
-      (spec.description, expected.lower(), getattr(prediction, "name", ""),
-       op_type, expected.lower()))
-
-
-def _behind_activation(spec, prediction, logits):
-  return spec.kind != "mean_squared_error" and logits is not prediction
+    return prediction, AS_GIVEN
+  bounds = probabilities.value_range(prediction)
+  if bounds is not None and not probabilities.is_within_probabilities(
+      bounds):
+    raise RegistrationError(
+        "Loss %s with from_logits=False takes the model output %s as "
+        "probabilities, but it comes from a %s op and can take values in "
+        "[%g, %g], outside [0, 1] (kfac follows the output's ops back to "
+        "find that out). Use from_logits=True with a linear last layer, or "
+        "end the model with a %s activation." %
+        (spec.description, getattr(prediction, "name", ""), op_type,
+         bounds[0], bounds[1], expected.lower()))
+  return (probabilities.probability_logits(spec.kind, prediction),
+          OF_PROBABILITIES)
 
 
 def _targets(spec, targets, logits):
@@ -161,17 +180,22 @@ def _targets(spec, targets, logits):
 
 
 def register_keras_loss(lc, loss, prediction, targets=None,
-                        coeff=1.0, seed=None, name=None):
+                        coeff=1.0, seed=None, name=None,
+                        average_over_outputs=False, **register_kwargs):
   """Registers `loss` applied to `prediction` (the model output) on lc.
 
-  Returns a one-line description for the registration report."""
+  The registered coefficient is `coeff`, divided by the number of outputs
+  per example Keras averages the loss over when `average_over_outputs`
+  (see the module doc). `register_kwargs` (e.g. reuse) go to the
+  LayerCollection's register method. Returns a one-line description for
+  the registration report."""
   spec = loss_spec(loss)
   prediction = tf.convert_to_tensor(prediction)
   if prediction.shape.rank is None or prediction.shape.rank < 2:
     raise RegistrationError(
         "kfac needs model outputs of shape [batch, ...] (rank >= 2) for loss "
         "%s, got %s." % (spec.description, prediction.shape))
-  logits = find_logits(spec, prediction)
+  logits, how = find_logits(spec, prediction)
   targets = _targets(spec, targets, logits)
   if spec.kind in ("mean_squared_error", "binary_crossentropy"):
     # Elementwise losses: one distribution per output entry, averaged by
@@ -187,20 +211,26 @@ def register_keras_loss(lc, loss, prediction, targets=None,
       targets = tf.reshape(targets, [-1, size])
     register = (lc.register_squared_error_loss if mse else
                 lc.register_sigmoid_cross_entropy_loss)
-    register(flat, seed=seed, targets=targets, coeff=coeff / size, name=name)
+    coeff = coeff / size if average_over_outputs else coeff
+    register(flat, seed=seed, targets=targets, coeff=coeff, name=name,
+             **register_kwargs)
     what = "%s %s, coeff %g" % (
         "squared error on" if mse else "sigmoid cross-entropy on logits",
-        logits.shape, coeff / size)
+        logits.shape, coeff)
   else:
     positions = _static_size(logits.shape[1:-1], "the logits")
+    coeff = coeff / positions if average_over_outputs else coeff
     lc.register_softmax_cross_entropy_loss(
-        logits, seed=seed, targets=targets, coeff=coeff / positions,
-        name=name)
-    what = "categorical on logits %s, coeff %g" % (logits.shape,
-                                                    coeff / positions)
-  source = ("" if not _behind_activation(spec, prediction, logits) else
-            " (logits found behind the %s)" %
-            _ACTIVATION_OP[spec.kind].lower())
+        logits, seed=seed, targets=targets, coeff=coeff, name=name,
+        **register_kwargs)
+    what = "categorical on logits %s, coeff %g" % (logits.shape, coeff)
+  if how == BEHIND_ACTIVATION:
+    source = " (logits found behind the %s)" % (
+        _ACTIVATION_OP[spec.kind].lower())
+  elif how == OF_PROBABILITIES:
+    source = " (logits of the output's probabilities)"
+  else:
+    source = ""
   return "%s: %s%s" % (spec.description, what, source)
 
 

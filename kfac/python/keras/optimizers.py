@@ -542,7 +542,10 @@ class KfacKerasMixin:
         self._kfac_model, *self._kfac_losses(),
         fisher_approx=self._kfac_fisher_approx, seed=seed,
         variables=variables, warn=self._kfac_warn,
-        registration_options=self._kfac_options)
+        registration_options=self._kfac_options,
+        # The default recipe was tuned on the Keras loss's own scale; the
+        # 0.2.x-style optimizer keeps kfac 0.2.x's coefficients.
+        average_over_outputs=self._kfac_adaptive)
     self._kfac_report = report
     return lc
 
@@ -801,7 +804,10 @@ _CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       and momentum from the quadratic model (momentum_type "qmodel"),
       damping adapted by the Levenberg-Marquardt rule and never below
       relative_min_damping=0.1 times the curvature scale (pass
-      learning_rate=None; see the module docstring).
+      learning_rate=None; see the module docstring). Its losses are
+      registered at the scale of the Keras loss (coefficient: loss weight /
+      outputs per example Keras averages over); without adaptive, as in
+      kfac 0.2.x, with the loss weight (docs/keras.md, "Coefficients").
     train_batch: the batch the damping rule evaluates, (x, y) or (x, y,
       sample_weight) or a callable returning one (default: fit's batch;
       custom loops call set_train_batch in the step).

@@ -193,7 +193,7 @@ def _register_generic_orphans(lc, model, tf_vars, plans, batch_size, warn,
 def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
                    layer_collection=None, seed=None, y_pred=None,
                    targets=None, variables=None, warn=None,
-                   registration_options=None):
+                   registration_options=None, average_over_outputs=False):
   """Registers `model`'s layers and loss(es) on a LayerCollection and
   returns (layer_collection, report), report being the text of the
   registration report. Arguments as get_layer_collection's."""
@@ -234,7 +234,7 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
       zip(pairs, target_list)):
     loss_lines.append(loss_registration.register_keras_loss(
         lc, one_loss, pred, targets=target, coeff=weight,
-        seed=_seed_for(seed, i)))
+        seed=_seed_for(seed, i), average_over_outputs=average_over_outputs))
   if sample_weight is not None and warn is not None:
     warn("sample_weight", "kfac: sample weights weight the gradient but not "
          "the curvature statistics (K-FAC's Fisher is over the model's "
@@ -287,7 +287,8 @@ def _node_losses(model, loss, loss_weights, y_pred):
 def get_layer_collection(model, loss=None, loss_weights=None,
                          fisher_approx=None, layer_collection=None, seed=None,
                          y_pred=None, targets=None, variables=None, warn=None,
-                         registration_options=None):
+                         registration_options=None,
+                         average_over_outputs=False):
   """Registers `model`'s layers and loss(es) on a LayerCollection.
 
   Where the tensors come from: the model's call recorded in the current
@@ -303,7 +304,8 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       keyed by output name; missing ones weigh 1.0).
     fisher_approx: {layer name or class: approximation} (None: the
       default), or a list with one entry per layer with trainable weights
-      (depth-first order of `model.layers`).
+      (depth-first order of `model.layers`). A name must match a layer; a
+      class need not (kfac 0.2.x).
     layer_collection: a collection to add to (default: a new one).
     seed: seed of the sampled targets (an int, or a [2] tensor for
       stateless sampling).
@@ -319,6 +321,13 @@ def get_layer_collection(model, loss=None, loss_weights=None,
     registration_options: {layer name or class: {option: value}}, extra
       arguments of a convolution's registration: sub_sample_inputs,
       sub_sample_patches, patch_mask (see docs/convolutions.md).
+    average_over_outputs: False (kfac 0.2.x): each loss is registered with
+      its loss weight as coefficient, i.e. summed over the outputs of an
+      example. True: the coefficient is also divided by the outputs per
+      example Keras averages the loss over (entries of an mse or binary
+      cross-entropy output, positions of a categorical one), so the
+      registered loss is the Keras loss per example (the scale
+      Kfac(adaptive=True) uses).
 
   Returns:
     The LayerCollection (`register_model` also returns the registration
@@ -328,7 +337,8 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       model, loss=loss, loss_weights=loss_weights,
       fisher_approx=fisher_approx, layer_collection=layer_collection,
       seed=seed, y_pred=y_pred, targets=targets, variables=variables,
-      warn=warn, registration_options=registration_options)[0]
+      warn=warn, registration_options=registration_options,
+      average_over_outputs=average_over_outputs)[0]
 
 
 def _is_layer(obj):
@@ -389,25 +399,58 @@ def register_layers(layer_collection, layers, fisher_approx=None,
           for layer in layers]
 
 
-def register_loss(layer_collection, loss, prediction=None, targets=None,
-                  coeff=1.0, seed=None, name=None):
+# Keyword arguments register_loss forwards to the LayerCollection's method
+# (kfac 0.2.x forwarded its **kwargs there).
+_REGISTER_KWARGS = ("reuse",)
+
+
+def register_loss(layer_collection, layer=None, loss=None, prediction=None,
+                  targets=None, coeff=1.0, seed=None, name=None,
+                  average_over_outputs=False, **kwargs):
   """Registers a Keras loss (name, function or object) on
   `layer_collection`; returns its report line.
 
-  Two forms: register_loss(lc, loss, prediction) applies `loss` to the
-  model output `prediction`; register_loss(lc, layer, loss) (kfac 0.2.x)
-  applies it to the output of the Keras layer `layer` (its call recorded
-  in this trace, or its latest node in a TF1 graph)."""
-  if _is_layer(loss):
-    layer, loss = loss, prediction
+  Two forms:
+    register_loss(lc, layer, loss, coeff=..., seed=...)  (kfac 0.2.x, also
+      with layer= and loss= as keywords) applies `loss` to the output of the
+      Keras layer `layer` (its call recorded in this trace, or its latest
+      node in a TF1 graph);
+    register_loss(lc, loss, prediction) (or loss=..., prediction=...)
+      applies it to the tensor `prediction`.
+  coeff, seed, name, targets and `reuse` (kfac 0.2.x's keyword arguments of
+  the LayerCollection's register methods) go to the registration;
+  average_over_outputs as in get_layer_collection."""
+  unknown = sorted(set(kwargs) - set(_REGISTER_KWARGS))
+  if unknown:
+    raise TypeError("register_loss() got unexpected keyword argument(s) %s "
+                    "(it takes coeff, seed, name, targets, reuse and "
+                    "average_over_outputs)." % ", ".join(unknown))
+  if layer is not None and not _is_layer(layer):
+    # register_loss(lc, loss, prediction): positions 1 and 2 hold them.
+    if loss is not None and prediction is not None:
+      raise TypeError("register_loss(layer_collection, loss, prediction): "
+                      "prediction given twice (positionally and as "
+                      "prediction=).")
+    layer, loss, prediction = None, layer, (
+        loss if prediction is None else prediction)
+  if loss is None:
+    raise TypeError("register_loss needs the loss: register_loss("
+                    "layer_collection, layer, loss) or register_loss("
+                    "layer_collection, loss, prediction).")
+  if layer is not None:
+    if prediction is not None:
+      raise TypeError("register_loss: pass either a layer (its output is "
+                      "the prediction) or prediction=, not both.")
     source = _calls_of(layer, None, "kfac.keras.utils.register_loss")
     prediction = source.calls(layer)[-1].outputs
   elif prediction is None:
     raise TypeError("register_loss(layer_collection, loss, prediction): "
-                    "prediction is missing.")
+                    "prediction is missing (or pass the output layer: "
+                    "register_loss(layer_collection, layer, loss)).")
   return loss_registration.register_keras_loss(
       layer_collection, loss, prediction, targets=targets, coeff=coeff,
-      seed=seed, name=name)
+      seed=seed, name=name, average_over_outputs=average_over_outputs,
+      **kwargs)
 
 
 def get_parent(node):

@@ -47,8 +47,6 @@ DELIBERATE = {
         "a module import of the old file, not API",
     "kfac.python.keras.utils.losses":
         "a module import of the old file, not API",
-    "kfac.python.keras.utils.register_loss":
-        "both positional forms work (lc, layer, loss) and (lc, loss, prediction); the keyword layer= is gone",
     "kfac.python.ops.fisher_blocks.InputOutputMultiTower":
         "internal mixin of the old blocks; towers live in every block here",
     "kfac.python.ops.fisher_blocks.InputOutputMultiTowerMultiUse":

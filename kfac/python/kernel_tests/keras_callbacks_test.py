@@ -4,11 +4,18 @@ What is checked:
 - `value_at(t)` of PolynomialDecay and of each ExponentialDecay mode against
   numbers computed by hand (delay, mid-decay, end, after the end), exact to
   1e-12 relative; the argument errors.
+- `applies_at(t)`: the callback sets the value for num_delay_steps < t <=
+  num_delay_steps + num_decay_steps (kfac 0.2.x; no end for
+  ExponentialDecay with decay_rate and final_value), checked against
+  windows written by hand.
 - A real `model.fit` (Keras 3 in this process; tf_keras and the crossed
   flavours in subprocesses with TF_USE_LEGACY_KERAS=1 / without): at every
-  batch the optimizer attribute equals the schedule at the optimizer's step,
-  and the weight update the compiled train step made is the one that value
-  implies. The model is linear, y = x w, with mean squared error, so the
+  batch the optimizer attribute equals a sequence of values written by hand
+  (the optimizer's own value until the delay has passed, as kfac 0.2.x left
+  it; the schedule after), and the weight update the compiled train step
+  made is the one that value implies. Two callbacks chained on one
+  hyperparameter (a warm-up, then a delayed decay) each act in their own
+  window. The model is linear, y = x w, with mean squared error, so the
   gradient of a batch is 2/B X^T (X w - y) (numpy float64); the float32
   update -lr * scale * grad is compared with rtol 1e-4, atol 1e-6.
 - The errors and the warning about the optimizer's attribute.
@@ -78,6 +85,31 @@ def test_exponential_values(kwargs, expected):
   cb = callbacks.ExponentialDecay("learning_rate", **kwargs)
   for step, value in expected.items():
     assert cb.value_at(step) == pytest.approx(value, rel=REL), step
+
+
+# (callback, steps where it sets the value) written by hand: after the
+# delay, up to delay + num_decay_steps.
+WINDOW_CASES = [
+    (lambda: callbacks.PolynomialDecay("damping", 1.0, 0.1, num_decay_steps=4,
+                                       num_delay_steps=2), {3, 4, 5, 6}),
+    (lambda: callbacks.PolynomialDecay("damping", 1.0, 0.1, num_decay_steps=2),
+     {1, 2}),
+    (lambda: callbacks.ExponentialDecay("damping", 1.0, decay_rate=0.5,
+                                        num_decay_steps=3, num_delay_steps=1),
+     {2, 3, 4}),
+    (lambda: callbacks.ExponentialDecay("damping", 1.0, final_value=0.1,
+                                        num_decay_steps=2), {1, 2}),
+    # decay_rate and final_value: no end
+    (lambda: callbacks.ExponentialDecay("damping", 1.0, decay_rate=0.5,
+                                        final_value=0.1, num_delay_steps=3),
+     set(range(4, 40))),
+]
+
+
+@pytest.mark.parametrize("make,steps", WINDOW_CASES)
+def test_applies_only_after_the_delay_until_the_end(make, steps):
+  cb = make()
+  assert {t for t in range(40) if cb.applies_at(t)} == steps
 
 
 def test_exponential_reaches_final_exactly_in_mode_b():
@@ -228,14 +260,16 @@ def linear_model(keras_mod, optimizer):
   return model
 
 
-def check_records(records, schedule, step_scale):
-  """Values follow the schedule; updates are -step_scale(values) * grad."""
+def check_records(records, schedule, step_scale, expected):
+  """Values are `expected` (one per batch, by hand); updates are
+  -step_scale(values) * grad."""
   first = records[0]["step"]
   assert [r["step"] for r in records] == list(
       range(first, first + EPOCHS * len(X) // BATCH))
+  np.testing.assert_allclose(
+      [r["values"][schedule.hyperparameter] for r in records], expected,
+      rtol=1e-6)
   for r in records:
-    assert r["values"][schedule.hyperparameter] == pytest.approx(
-        schedule.value_at(r["step"]), rel=1e-6), r["step"]
     rows = slice(r["batch"] * BATCH, (r["batch"] + 1) * BATCH)
     xb, yb = X[rows], Y[rows]
     w = r["w_before"]
@@ -251,22 +285,24 @@ def lr_schedule():
                                    num_decay_steps=6, num_delay_steps=3)
 
 
+# lr_schedule on an optimizer built with learning_rate=0.5, by hand:
+# 0.09 * (1 - s/6)**2 + 0.01 with s = t - 3; the optimizer's own 0.5 until
+# the delay has passed (steps 0-3, kfac 0.2.x), 0.01 from step 9 on.
+SGD_LRS = [0.5, 0.5, 0.5, 0.5, 0.0725, 0.05, 0.0325, 0.02, 0.0125, 0.01,
+           0.01, 0.01]
+
+
 def run_sgd_learning_rate(keras_mod):
   """Plain SGD's learning_rate driven by PolynomialDecay through fit."""
   schedule = lr_schedule()
   records, history = fit_records(
       keras_mod, keras_mod.optimizers.SGD(learning_rate=0.5), schedule,
       ["learning_rate"])
-  check_records(records, schedule, lambda v: v["learning_rate"])
-  lrs = [r["values"]["learning_rate"] for r in records]
-  # Hand-computed anchors: the delay, mid-decay (s = 3: 0.09 * 0.25 + 0.01),
-  # the end.
-  np.testing.assert_allclose(lrs[:4], 0.1, rtol=1e-6)
-  np.testing.assert_allclose(lrs[6], 0.0325, rtol=1e-6)
-  np.testing.assert_allclose(lrs[9:], 0.01, rtol=1e-6)
-  # History records the value set at the last batch of each epoch.
+  check_records(records, schedule, lambda v: v["learning_rate"], SGD_LRS)
+  # History records the value of the last batch of each epoch.
   np.testing.assert_allclose(history.history["learning_rate"],
-                             [lrs[3], lrs[7], lrs[11]], rtol=1e-6)
+                             [SGD_LRS[3], SGD_LRS[7], SGD_LRS[11]],
+                             rtol=1e-6)
 
 
 def test_keras3_fit_sgd_learning_rate():
@@ -312,19 +348,49 @@ def test_keras3_fit_damping_exponential_decay_verbose(capsys):
                                         verbose=1)
   opt = _damped_sgd_class()(damping=7.0, learning_rate=0.05)
   records, history = fit_records(keras, opt, schedule, ["damping"])
-  check_records(records, schedule, lambda v: 0.05 * v["damping"])
-  # 0.25**(s/4), s = clip(t - 2, 0, 4), by hand
-  expected = [1, 1, 1, 0.25**0.25, 0.5, 0.25**0.75] + [0.25] * 6
-  np.testing.assert_allclose([r["values"]["damping"] for r in records],
-                             expected, rtol=1e-6)
+  # By hand: the optimizer's own 7 until the delay has passed (steps 0-2,
+  # kfac 0.2.x), then 0.25**(s/4) with s = t - 2, 0.25 from step 6 on.
+  expected = [7, 7, 7, 0.25**0.25, 0.5, 0.25**0.75] + [0.25] * 6
+  check_records(records, schedule, lambda v: 0.05 * v["damping"], expected)
   np.testing.assert_allclose(history.history["damping"],
                              [expected[3], expected[7], expected[11]],
                              rtol=1e-6)
   lines = [l for l in capsys.readouterr().out.splitlines() if "damping" in l]
   # printed at the start of epochs 1, 2, 3 (steps 0, 4, 8)
-  assert lines == ["Epoch 00001: damping is 1.",
+  assert lines == ["Epoch 00001: damping is 7.",
                    "Epoch 00002: damping is 0.5.",
                    "Epoch 00003: damping is 0.25."]
+
+
+def test_chained_schedules_act_in_their_own_windows():
+  """A warm-up of the learning rate, then a delayed decay of it: each
+  callback sets the value only in its window (kfac 0.2.x), so neither
+  undoes the other."""
+  import keras  # pylint: disable=g-import-not-at-top
+  warmup = callbacks.PolynomialDecay("learning_rate", 0.0, 0.2,
+                                     num_decay_steps=4)
+  decay = callbacks.ExponentialDecay("learning_rate", 0.2, decay_rate=0.5,
+                                     num_decay_steps=3, num_delay_steps=6)
+  opt = keras.optimizers.SGD(learning_rate=0.0)
+  model = linear_model(keras, opt)
+  records = []
+
+  class Recorder(keras.callbacks.Callback):
+
+    def on_train_batch_begin(self, batch, logs=None):
+      records.append(_float(self.model.optimizer.learning_rate))
+
+  for order in ([warmup, decay], [decay, warmup]):
+    del records[:]
+    opt.iterations.assign(0)
+    opt.learning_rate.assign(0.0)
+    model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+              verbose=0, callbacks=order + [Recorder()])
+    # By hand: 0 at step 0 (the optimizer's own), 0.05 t up to t = 4, 0.2
+    # held at steps 5 and 6, 0.2 * 0.5**(t - 6) for t = 7..9, then held.
+    np.testing.assert_allclose(
+        records, [0.0, 0.05, 0.1, 0.15, 0.2, 0.2, 0.2, 0.1, 0.05, 0.025,
+                  0.025, 0.025], rtol=1e-6, atol=1e-9)
 
 
 def test_resumed_fit_continues_from_optimizer_step():
@@ -336,7 +402,8 @@ def test_resumed_fit_continues_from_optimizer_step():
   records, _ = fit_records(keras, opt, schedule, ["learning_rate"],
                            model=model)
   assert [r["step"] for r in records] == list(range(12, 24))
-  check_records(records, schedule, lambda v: v["learning_rate"])
+  # The decay ended at step 9: the value set then stays.
+  check_records(records, schedule, lambda v: v["learning_rate"], [0.01] * 12)
   np.testing.assert_allclose(_float(opt.learning_rate), 0.01, rtol=1e-6)
 
 
@@ -368,13 +435,17 @@ def test_warns_for_plain_number_attribute():
   momentum.set_model(model)
   with pytest.warns(UserWarning, match=r"SGD\.momentum is a plain Python"):
     momentum.on_train_begin()
-  assert opt.momentum == 0.9
+  # Step 0: the schedule does not apply yet (kfac 0.2.x); at step 2 it does.
+  assert opt.momentum == 0.5
+  opt.iterations.assign(2)
+  momentum.on_train_batch_begin(0)
+  assert opt.momentum == pytest.approx(0.945, rel=1e-12)
   lr = callbacks.PolynomialDecay("learning_rate", 0.2, 0.1, num_decay_steps=4)
   lr.set_model(model)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     lr.on_train_begin()
-  np.testing.assert_allclose(_float(opt.learning_rate), 0.2, rtol=1e-7)
+  np.testing.assert_allclose(_float(opt.learning_rate), 0.15, rtol=1e-7)
 
 
 # -- tf_keras and the crossed flavours, in fresh processes ---------------------

@@ -8,8 +8,13 @@ the logits behind the softmax, BatchNormalization its normalised inputs
 (checked against numpy in both learning phases); a K-FAC step on that
 collection equals the step on a hand-made registration; list / dict /
 class-key fisher_approx, loss lists / dicts / loss_weights and their
-errors; nested models and a model called twice; register_layer and
-register_loss(lc, layer, loss); get_loss_fn against the compiled loss.
+errors (class keys that match no layer are unused, as in 0.2.x); nested
+models and a model called twice; register_layer; register_loss in 0.2.x's
+forms (lc, layer, loss) with loss= / layer= keywords and coeff / seed /
+reuse, and ours (lc, loss, prediction), and its errors; the loss
+coefficient is 0.2.x's (the loss weight; a K-FAC step equals a hand
+registration with coeff 1 for a 2-output mse); get_loss_fn against the
+compiled loss.
 
 TF2: Keras 3 (and eagerly built tf_keras) outside a trace raise an error
 naming the traced usage; inside a tf.function get_layer_collection returns
@@ -127,7 +132,9 @@ def test_graph_kfac_step_equals_hand_registration():
                                      d1_node.output_tensors.op.inputs[0])
     by_hand.register_fully_connected(tuple(d2.weights),
                                      d2_node.input_tensors, out)
-    by_hand.register_squared_error_loss(out, coeff=0.5)  # mean over 2
+    # kfac 0.2.x's coefficient: the loss weight, 1 (not 1/2 for the mean
+    # Keras takes over the 2 outputs).
+    by_hand.register_squared_error_loss(out, coeff=1.0)
     train_ops = []
     for lc in (by_utils, by_hand):
       opt = periodic_lib.PeriodicInvCovUpdateKfacOpt(
@@ -156,6 +163,9 @@ def test_graph_kfac_step_equals_hand_registration():
     {L.Conv2D: "diagonal", L.Dense: "kron_both_diag", "d1": "kron_out_diag"},
     {"kfac_class_Conv2D": "diagonal", "kfac_class_Dense": "kron_both_diag",
      "d1": "kron_out_diag"},
+    # Class keys that match no layer are unused (kfac 0.2.x).
+    {L.Conv2D: "diagonal", L.Dense: "kron_both_diag", "d1": "kron_out_diag",
+     L.Conv1D: "kron", "kfac_class_Embedding": "kron"},
 ])
 def test_graph_fisher_approx_forms(fisher_approx):
   with tf.Graph().as_default():
@@ -260,6 +270,62 @@ def test_graph_register_layer_and_register_loss_of_a_layer():
     assert loss.params is model.layers[-1].output.op.inputs[0]
     assert lc.loss_coeffs[loss] == 0.5
     assert len(lc.get_blocks()) == 4
+
+
+@pytest.mark.parametrize("call", [
+    # kfac 0.2.x's signature register_loss(layer_collection, layer, loss,
+    # **kwargs), in each of its forms (get_layer_collection of 0.2.x used
+    # the last one).
+    lambda lc, layer, out: utils.register_loss(
+        lc, layer, "mse", coeff=0.5, seed=3),
+    lambda lc, layer, out: utils.register_loss(
+        lc, layer, loss="mse", coeff=0.5, seed=3),
+    lambda lc, layer, out: utils.register_loss(
+        lc, layer=layer, loss="mse", coeff=0.5, seed=3),
+    lambda lc, layer, out: utils.register_loss(
+        layer_collection=lc, layer=layer, loss="mse", coeff=0.5, seed=3),
+    # Ours: a loss applied to a tensor.
+    lambda lc, layer, out: utils.register_loss(lc, "mse", out, coeff=0.5,
+                                               seed=3),
+    lambda lc, layer, out: utils.register_loss(
+        lc, loss="mse", prediction=out, coeff=0.5, seed=3),
+    lambda lc, layer, out: utils.register_loss(
+        lc, "mse", prediction=out, coeff=0.5, seed=3),
+])
+def test_graph_register_loss_forms(call):
+  with tf.Graph().as_default():
+    model = _cnn()
+    layer = model.layers[-1]
+    lc = kfac.LayerCollection()
+    call(lc, layer, layer.output)
+    (loss,) = lc.losses
+    assert isinstance(loss, loss_functions.NormalMeanNegativeLogProbLoss)
+    assert loss.params is layer.output  # mse: the output itself
+    assert lc.loss_coeffs[loss] == 0.5
+    assert loss._default_seed == 3
+
+
+def test_graph_register_loss_reuse_and_errors():
+  with tf.Graph().as_default():
+    model = _cnn()
+    layer = model.layers[-1]
+    lc = kfac.LayerCollection()
+    utils.register_loss(lc, layer, "categorical_crossentropy", name="ce")
+    # kfac 0.2.x forwarded **kwargs to the registration: reuse adds a tower.
+    utils.register_loss(lc, layer, "categorical_crossentropy", name="ce",
+                        reuse=True)
+    assert len(lc._loss_dict["ce"]) == 2
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) "
+                       r"bogus"):
+      utils.register_loss(lc, layer, "mse", bogus=1)
+    with pytest.raises(TypeError, match="needs the loss"):
+      utils.register_loss(lc, layer)
+    with pytest.raises(TypeError, match="prediction is missing"):
+      utils.register_loss(lc, loss="mse")
+    with pytest.raises(TypeError, match="either a layer .* or prediction="):
+      utils.register_loss(lc, layer, "mse", prediction=layer.output)
+    with pytest.raises(TypeError, match="prediction given twice"):
+      utils.register_loss(lc, "mse", layer.output, prediction=layer.output)
 
 
 def test_graph_get_loss_fn_equals_compiled_loss():

@@ -33,15 +33,19 @@ the optimizer keeps them in):
   Dense or a separate Activation layer; from_logits=True on a softmax /
   sigmoid output, which Keras computes from the logits behind it), as
   strings and as loss objects, rank-2 and rank-3 outputs: inside a
-  tf.function, sum over the registered losses of coeff * GGN (multiply_ggn
-  on basis vectors) equals the tape Hessian of N * (the Keras loss of
-  `model.compute_loss`) w.r.t. the logits, to 1e-9 relative (the whole
-  N*D x N*D matrix: per-example blocks and zero cross-example blocks;
-  measured: <= 3e-16). The registered logits are also checked against
-  numpy's x @ W + b.
-- Errors: unsupported loss, from_logits=False on a linear output,
-  reduction "sum" / "none", ignore_class, fisher_approx keys naming no
-  layer, non-string approximations, unknown approximations (named by the
+  tf.function, coeff * GGN of the registered loss (multiply_ggn on basis
+  vectors) equals the tape Hessian of N * (the Keras loss of
+  `model.compute_loss`) w.r.t. the logits times k, the outputs per example
+  Keras averages over (written per case), with the default
+  average_over_outputs=False (kfac 0.2.x's coefficient: the loss weight),
+  and the Hessian itself with average_over_outputs=True (the recipe's), to
+  1e-9 relative (the whole N*D x N*D matrix: per-example blocks and zero
+  cross-example blocks; measured: <= 3e-16). The registered logits are
+  also checked against numpy's x @ W + b.
+- Errors: unsupported loss, from_logits=False on an output that can
+  leave [0, 1] (linear, relu, tanh), reduction "sum" / "none",
+  ignore_class, fisher_approx name keys naming no layer (class keys that
+  match no layer are unused, as in kfac 0.2.x), non-string approximations, unknown approximations (named by the
   LayerCollection error), dynamic non-batch output shapes.
 
 Keras flavour: written against `keras_flavor.keras_module()`; the file
@@ -661,40 +665,62 @@ def _loss_data(case, classes, r):
 
 
 def _curvatures(model, loss, x, y):
-  """(coeff * GGN of the registered loss, tape Hessian of N * Keras loss
-  w.r.t. the logits, the logits, report), as numpy, in one trace."""
+  """({average_over_outputs: coeff * GGN of the registered loss}, tape
+  Hessian of N * Keras loss w.r.t. the logits, the logits, report), as
+  numpy, in one trace."""
   keras_utils.watch(model)
   x = tf.constant(x)
   y = tf.constant(y)
   out = {}
 
-  @tf.function
-  def curvatures():
-    pred = model(x, training=True)
-    value = model.compute_loss(x=x, y=y, y_pred=pred)
-    lc, report = keras_utils.register_model(model, loss)
+  def registered_ggn(average):
+    lc, report = keras_utils.register_model(model, loss,
+                                            average_over_outputs=average)
     out["report"] = report
     registered = lc.losses_with_coeffs()
     assert len(registered) == 1, registered
     loss_fn, coeff = registered[0]
     z = loss_fn.inputs[0]
+    size = z.shape.num_elements()
+    ggn = []
+    for i in range(size):
+      basis = tf.reshape(tf.one_hot(i, size, dtype=z.dtype), z.shape)
+      ggn.append(tf.reshape(coeff * loss_fn.multiply_ggn(basis), [-1]))
     # mse / binary register a [N, size] reshape of the tensor on the path.
     on_path = z.op.inputs[0] if z.op.type == "Reshape" else z
-    size = z.shape.num_elements()
-    ggn, hess = [], []
+    return tf.stack(ggn, axis=1), on_path
+
+  @tf.function
+  def curvatures():
+    pred = model(x, training=True)
+    value = model.compute_loss(x=x, y=y, y_pred=pred)
+    ggn = {}
+    for average in (False, True):
+      ggn[average], on_path = registered_ggn(average)
+    size = on_path.shape.num_elements()
+    hess = []
     grad = tf.gradients(LN * value, on_path)[0]
     assert grad is not None, (
         "the registered logits %s are not what the Keras loss is computed "
         "from" % on_path.name)
     grad = tf.reshape(grad, [-1])
     for i in range(size):
-      basis = tf.reshape(tf.one_hot(i, size, dtype=z.dtype), z.shape)
-      ggn.append(tf.reshape(coeff * loss_fn.multiply_ggn(basis), [-1]))
       hess.append(tf.reshape(tf.gradients(grad[i], on_path)[0], [-1]))
-    return tf.stack(ggn, axis=1), tf.stack(hess), on_path
+    return ggn, tf.stack(hess), on_path
 
   ggn, hess, logits = curvatures()
-  return ggn.numpy(), hess.numpy(), logits.numpy(), out["report"]
+  return ({k: v.numpy() for k, v in ggn.items()}, hess.numpy(),
+          logits.numpy(), out["report"])
+
+
+def _outputs_averaged(case, classes):
+  """k: the outputs per example Keras averages the loss over (by hand):
+  every entry of an mse / binary output, every position of a categorical
+  one."""
+  positions = LT if case.rank3 else 1
+  if case.kind in ("mse", "binary_crossentropy"):
+    return positions * classes
+  return positions
 
 
 @pytest.mark.parametrize("case", LOSS_CASES, ids=[c.name for c in LOSS_CASES])
@@ -713,7 +739,7 @@ def test_registered_loss_curvature_is_keras_hessian(case):
   w, b = [v.numpy() for v in model.get_layer("out").trainable_weights]
   np.testing.assert_allclose(logits, x @ w + b, rtol=1e-12, atol=1e-12)
   size = logits.size
-  assert ggn.shape == hess.shape == (size, size)
+  assert ggn[True].shape == ggn[False].shape == hess.shape == (size, size)
   # Block diagonal over examples: nothing couples two examples.
   per = size // LN
   for n in range(LN):
@@ -722,8 +748,13 @@ def test_registered_loss_curvature_is_keras_hessian(case):
         assert not hess[n * per:(n + 1) * per, m * per:(m + 1) * per].any()
   scale = np.abs(hess).max()
   assert scale > 1e-3
-  err = np.abs(ggn - hess).max() / scale
+  k = _outputs_averaged(case, classes)
+  # The recipe's coefficient: the Keras loss per example.
+  err = np.abs(ggn[True] - hess).max() / scale
   assert err < LOSS_REL, (case.name, err)
+  # kfac 0.2.x's: the loss summed over the k outputs of an example.
+  err = np.abs(ggn[False] - k * hess).max() / (k * scale)
+  assert err < LOSS_REL, (case.name, k, err)
   behind = case.act is not None and case.kind != "mse"
   assert ("logits found behind" in report) == behind, report
 
@@ -817,16 +848,30 @@ def _trace_registration(model, loss, x=None, signature=None, **kwargs):
     (lambda: keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, ignore_class=0), r"ignore_class"),
     ("categorical_crossentropy",
-     r"from_logits=False needs predictions that come out of a softmax.*"
-     r"from a (BiasAdd|AddV2|Add|Identity) op"),
+     r"from_logits=False takes the model output .* as probabilities, but "
+     r"it comes from a (BiasAdd|AddV2|Add|Identity) op and can take values "
+     r"in \[-inf, inf\], outside \[0, 1\].*end the model with a softmax"),
     (lambda: keras.losses.BinaryCrossentropy(),
-     r"from_logits=False needs predictions that come out of a sigmoid"),
+     r"can take values in \[-inf, inf\], outside \[0, 1\].*"
+     r"from_logits=True.*sigmoid activation"),
 ])
 def test_unsupported_losses_raise_clear_errors(loss, match):
   if callable(loss):
     loss = loss()
   with pytest.raises(layer_registration.RegistrationError, match=match):
     _trace_registration(_dense_model(), loss)
+
+
+@pytest.mark.parametrize("act,loss,bounds", [
+    ("relu", "categorical_crossentropy", r"\[0, inf\]"),
+    ("tanh", "binary_crossentropy", r"\[-1, 1\]"),
+])
+def test_outputs_that_can_leave_the_unit_interval_are_not_probabilities(
+    act, loss, bounds):
+  with pytest.raises(layer_registration.RegistrationError,
+                     match=r"comes from a \w+ op and can take values in %s, "
+                     r"outside \[0, 1\]" % bounds):
+    _trace_registration(_dense_model(act=act), loss)
 
 
 def test_dynamic_non_batch_output_shape_raises():
@@ -848,14 +893,22 @@ def test_dynamic_non_batch_output_shape_raises():
 def test_fisher_approx_errors():
   model = _dense_model(name="dense")
   loss = keras.losses.MeanSquaredError()
-  # Keys naming no layer, when the optimizer is created.
-  for key in ("nope", keras.layers.Conv2D, "__class__:Conv2D"):
-    with pytest.raises(layer_registration.RegistrationError,
-                       match=r"fisher_approx key .* matches no layer of model "
-                       r".*\(layers: (.*, )?dense(, .*)?\)"):
-      kfac.keras.optimizers.Kfac(learning_rate=LR, damping=DAMPING,
-                                 model=model, loss=loss,
-                                 fisher_approx={key: "diagonal"})
+  # A name key naming no layer, when the optimizer is created.
+  with pytest.raises(layer_registration.RegistrationError,
+                     match=r"fisher_approx key 'nope' matches no layer of "
+                     r"model .*\(layers: (.*, )?dense(, .*)?\)"):
+    kfac.keras.optimizers.Kfac(learning_rate=LR, damping=DAMPING,
+                               model=model, loss=loss,
+                               fisher_approx={"nope": "diagonal"})
+  # Class keys need not match a layer (kfac 0.2.x): they are unused.
+  for key in (keras.layers.Conv2D, "__class__:Conv2D", "kfac_class_Conv2D"):
+    kfac.keras.optimizers.Kfac(learning_rate=LR, damping=DAMPING,
+                               model=model, loss=loss,
+                               fisher_approx={key: "diagonal"})
+    report = _trace_registration(model, loss,
+                                 fisher_approx={key: "kron_reduce"})
+    assert _report_blocks(report) == {"dense": "FullyConnectedKFACBasicFB"}, (
+        report)
   with pytest.raises(layer_registration.RegistrationError,
                      match=r"keys must be layer names or layer classes"):
     _trace_registration(model, loss, fisher_approx={3: "diagonal"})
