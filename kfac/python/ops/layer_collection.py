@@ -17,6 +17,7 @@ import threading
 import tensorflow as tf
 
 from kfac.python.ops import conv_registration
+from kfac.python.ops import curvature_options as options_lib
 from kfac.python.ops import embedding_registration
 from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import loss_functions as lf
@@ -25,6 +26,7 @@ from kfac.python.ops import scale_shift_registration
 from kfac.python.ops import registration_base
 from kfac.python.ops import utils
 from kfac.python.ops.ekfac import blocks as ekfac_blocks
+from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.ekfac import scalings as ekfac_scalings
 from kfac.python.ops.layer_params_dict import LayerParametersDict
 from kfac.python.ops.registration_base import RegistrationKeyError
@@ -138,9 +140,17 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                       scale_shift_registration.ScaleShiftRegistrationMixin):
   """Registry of layers (parameters and their approximations) and losses."""
 
-  def __init__(self, graph=None, name="LayerCollection"):
+  def __init__(self, graph=None, name="LayerCollection",
+               curvature_options=None):
+    """`curvature_options`: a CurvatureOptions (pi split, damping
+    normalisation, eigenvalue clipping, sub-sampling of conv statistics;
+    see curvature_options.py); default: the old library's values, as
+    changed by any set_global_constants call made before."""
     self._graph = graph
     self._name = name
+    self._curvature_options = options_lib.check(
+        legacy_constants.curvature_defaults() if curvature_options is None
+        else curvature_options)
     self._fisher_blocks = LayerParametersDict()  # params -> block
     self._uses = {}  # var.ref() -> registered uses (float: inf = any)
     self._factors = collections.OrderedDict()  # factor key -> factor
@@ -171,6 +181,11 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
   @property
   def name(self):
     return self._name
+
+  @property
+  def curvature_options(self):
+    """The CurvatureOptions of this collection's blocks and factors."""
+    return self._curvature_options
 
   @property
   def graph(self):
@@ -282,6 +297,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     if factor is None:
       factor = cls(*self._full_precision(args))
       factor.set_name(self._unique(name or cls.__name__, self._factor_names))
+      if hasattr(factor, "set_curvature_options"):
+        factor.set_curvature_options(self._curvature_options)
       self._factors[key] = factor
     return factor
 

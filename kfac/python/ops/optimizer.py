@@ -59,8 +59,8 @@ from kfac.python.ops.reliability import arguments
 from kfac.python.ops.reliability import nonfinite
 
 # kfac 0.2.x's module-level names: list algebra and set_global_constants
-# (include_damping_in_qmodel_change=False, the old default, is the only
-# behaviour here).
+# (include_damping_in_qmodel_change: the default of the constructor's
+# argument of that name for optimizers made afterwards).
 ip = list_algebra.ip
 ip_p = list_algebra.ip_p
 sprod = list_algebra.sprod
@@ -129,6 +129,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                skip_non_finite_steps=True,
                max_consecutive_skipped_steps=10,
                relative_min_damping=None,
+               include_damping_in_qmodel_change=None,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -155,6 +156,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     from the factors' traces: kfac.python.ops.recipe.curvature_scale) nor
     below min_damping. A floor that follows the curvature's scale, where
     min_damping is absolute (docs/recipe.md).
+
+    `include_damping_in_qmodel_change` (kfac 0.2.x's
+    optimizer.set_global_constants option; None: the value set there, else
+    False): whether qmodel_change, the predicted change the damping rule
+    compares with the actual one, includes the damping term (adaptive.py).
 
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,
