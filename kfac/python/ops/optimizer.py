@@ -83,6 +83,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   _train_batch = replicas.PerReplicaAttribute()
   _prev_train_batch = replicas.PerReplicaAttribute()
   _commit_active = replicas.PerReplicaAttribute()
+  _pre_update_op = replicas.PerReplicaAttribute()
 
   def __init__(self,
                learning_rate,
@@ -527,9 +528,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   # ------------------------------------------------------------ updates
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
-    """Applies one K-FAC step with the current factors/inverses."""
+    """Applies one K-FAC step with the current factors/inverses (after the
+    delayed damping rule, maybe_pre_update_adapt_damping, if any)."""
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
-    return self._checked_step(grads_and_vars, global_step, name)
+    with tf.control_dependencies(self._pre_update_ops()):
+      return self._checked_step(grads_and_vars, global_step, name)
 
   def _checked_step(self, grads_and_vars, global_step, name):
     """The step with the current inverses, skipped (and counted) when the
