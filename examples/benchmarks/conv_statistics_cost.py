@@ -108,8 +108,8 @@ def main(argv=None):
 
   factors = [
       ("A (kron), all patches", input_factor("a_full")),
-      ("A (kron), sub_sample_inputs=True (N/2 examples)",
-       input_factor("a_in", sub_sample_inputs=True)),
+      ("A (kron), sub_sample_inputs=%d (N/2 examples)" % -(-n // 2),
+       input_factor("a_in", sub_sample_inputs=-(-n // 2))),
       ("A (kron), sub_sample_inputs=16",
        input_factor("a_in16", sub_sample_inputs=16)),
       ("A (kron), sub_sample_patches=True (8 * 577 rows)",

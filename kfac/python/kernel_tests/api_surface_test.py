@@ -93,8 +93,6 @@ DELIBERATE = {
         "the second positional argument is still the old num_examples (the largest batch), now named max_batch_size; num_examples= is accepted",
     "kfac.python.ops.kfac_utils.periodic_inv_cov_update_kfac_opt.PeriodicInvCovUpdateKfacOpt.kfac_update_ops":
         "minimize / apply_gradients build the whole step",
-    "kfac.python.ops.optimizer.KfacOptimizer.maybe_pre_update_adapt_damping":
-        "damping adaptation is part of the step that minimize / apply_gradients build",
     "kfac.python.ops.placement.RoundRobinPlacementMixin.create_ops_and_vars_thunks":
         "the method lives on the estimator (FisherEstimator.create_ops_and_vars_thunks)",
     "kfac.python.ops.placement.ReplicaRoundRobinPlacementMixin.create_ops_and_vars_thunks":

@@ -219,37 +219,113 @@ def test_auto_registration_pattern_equals_manual():
     np.testing.assert_allclose(a, b, **TOL)
 
 
-def test_check_registration_counts_uses_when_asked():
-  """kfac 0.2.x's use count: a weight used at 3 time steps registered once
-  fails lc.check_registration(vars); registered with its 3 uses, or
-  generically, it passes. The optimizer does not run the count."""
+def _rnn_graph(register, steps=3):
+  """A tanh RNN h_t = tanh(x_t W + h_{t-1} U) over `steps` steps in a TF1
+  graph; register(lc, (w, u), xs, hs_in, pre_x, pre_h) registers it. The
+  loss is the last state's squared error."""
+  graph = tf.Graph()
+  with graph.as_default():
+    rng = np.random.RandomState(0)
+    w = tf.compat.v1.get_variable("w", initializer=rng.randn(2, 3))
+    u = tf.compat.v1.get_variable("u", initializer=rng.randn(3, 3) * 0.5)
+    xs = [tf.constant(rng.randn(4, 2)) for _ in range(steps)]
+    h = tf.zeros([4, 3], tf.float64)
+    hs_in, pre_x, pre_h = [], [], []
+    for x in xs:
+      hs_in.append(h)
+      pre_x.append(tf.matmul(x, w))
+      pre_h.append(tf.matmul(h, u))
+      h = tf.tanh(pre_x[-1] + pre_h[-1])
+    lc = kfac.LayerCollection()
+    register(lc, (w, u), xs, hs_in, pre_x, pre_h)
+    lc.register_squared_error_loss(h)
+    loss = tf.reduce_sum(tf.square(h))
+  return graph, lc, (w, u), loss
+
+
+def test_mis_registered_rnn_is_an_error_of_the_optimizer():
+  """kfac 0.2.x's use count runs when the optimizer sets up (TF1 graphs):
+  an RNN whose recurrent weight is registered at one step only is an error
+  naming the weight and both counts."""
   import pytest  # pylint: disable=g-import-not-at-top
 
-  def build(register):
-    graph = tf.Graph()
-    with graph.as_default():
-      w = tf.compat.v1.get_variable("w", [2, 2])
-      xs = [tf.constant(np.ones([4, 2], np.float32) * i) for i in (1, 2, 3)]
-      outs = [tf.matmul(x, w) for x in xs]
-      lc = kfac.LayerCollection()
-      register(lc, w, xs, outs)
-      lc.register_squared_error_loss(tf.add_n(outs))
-      return graph, lc, w
+  def once(lc, params, xs, hs_in, pre_x, pre_h):
+    w, u = params
+    lc.register_fully_connected_multi(w, xs, pre_x)
+    lc.register_fully_connected(u, hs_in[-1], pre_h[-1])  # 1 of 3 uses
 
-  graph, lc, w = build(lambda lc, w, xs, outs:
-                       lc.register_fully_connected(w, xs[0], outs[0]))
+  graph, lc, _, loss = _rnn_graph(once)
   with graph.as_default():
-    with pytest.raises(ValueError, match=r"w is registered with 1 use.*3 "):
-      lc.check_registration([w])
-    opt = kfac.KfacOptimizer(learning_rate=0.1, damping=0.1,
-                             layer_collection=lc)
-    opt.make_vars_and_create_op_thunks()  # no use count here
-  for register in (
-      lambda lc, w, xs, outs: lc.register_fully_connected_multi(w, xs, outs),
-      lambda lc, w, xs, outs: lc.register_generic(w, 4)):
-    graph, lc, w = build(register)
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=0.1, damping=0.1, layer_collection=lc)
+    with pytest.raises(ValueError,
+                       match=r"u is registered with 1 use\(s\) but the graph "
+                       r"of the registered losses uses it 3 time"):
+      opt.minimize(loss)
+  graph, lc, params, _ = _rnn_graph(once)
+  with graph.as_default():
+    with pytest.raises(ValueError, match="u is registered with 1 use"):
+      kfac.estimator.FisherEstimator(
+          variables=list(params), cov_ema_decay=0.9, damping=0.1,
+          layer_collection=lc).make_vars_and_create_op_thunks()
+
+
+def test_legitimate_registrations_pass_the_use_count():
+  """Every use registered (a list over uses, towers, a generic block), uses
+  folded into one op and split after it, and one lookup whose rows feed
+  several ops: the optimizer builds its step."""
+
+  def per_use(lc, params, xs, hs_in, pre_x, pre_h):
+    w, u = params
+    lc.register_fully_connected_multi(w, xs, pre_x)
+    lc.register_fully_connected_multi(u, hs_in, pre_h)
+
+  def towers_and_generic(lc, params, xs, hs_in, pre_x, pre_h):
+    w, u = params
+    for t, (x, z) in enumerate(zip(xs, pre_x)):
+      lc.register_fully_connected(w, x, z, reuse=t > 0)
+    lc.register_generic(u, 4)
+
+  for register in (per_use, towers_and_generic):
+    graph, lc, _, loss = _rnn_graph(register)
     with graph.as_default():
-      lc.check_registration([w])
+      kfac.PeriodicInvCovUpdateKfacOpt(
+          learning_rate=0.1, damping=0.1, layer_collection=lc).minimize(loss)
+
+  with tf.Graph().as_default():
+    rng = np.random.RandomState(1)
+    w = tf.compat.v1.get_variable("w", initializer=rng.randn(2, 3))
+    table = tf.compat.v1.get_variable("table", initializer=rng.randn(5, 3))
+    words = tf.compat.v1.get_variable("words", initializer=rng.randn(5, 3))
+    ids = tf.constant(rng.randint(0, 5, (4, 3)))
+    xs = [tf.constant(rng.randn(4, 2)) for _ in range(3)]
+    # One matmul on the stacked uses, split after it.
+    outs = tf.split(tf.matmul(tf.concat(xs, 0), w), 3)
+    # One lookup (one use), its rows read by three ops.
+    emb = tf.gather(table, ids[:, 0])                 # [4, 3]
+    centred = (emb - tf.reduce_mean(emb, 1, keepdims=True)) * tf.reduce_max(
+        emb)
+    # One lookup of three positions, split into the three uses.
+    per_position = tf.unstack(tf.gather(words, ids), axis=1)
+    lc = kfac.LayerCollection()
+    lc.register_fully_connected_multi(w, xs, outs)
+    lc.register_fully_connected(table, ids[:, 0], emb, dense_inputs=False)
+    lc.register_fully_connected_multi(
+        words, tf.unstack(ids, axis=1), per_position, dense_inputs=False)
+    prediction = tf.add_n(outs + per_position) + centred
+    lc.register_squared_error_loss(prediction)
+    loss = tf.reduce_sum(tf.square(prediction))
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        learning_rate=0.1, damping=0.1, layer_collection=lc)
+    train = opt.minimize(loss)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      before = sess.run([w, table, words])
+      for _ in range(3):
+        sess.run(train)
+      assert sess.run(opt.counter) == 3
+      for old, new in zip(before, sess.run([w, table, words])):
+        assert np.all(np.isfinite(new)) and np.any(old != new)
 
 
 def test_minimize_var_list_replaces_the_trainable_default():

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import kfac
+from kfac.python.ops import curvature_options
 from kfac.python.ops import data_reader
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import fisher_factors
@@ -457,8 +459,8 @@ def test_optimizer_module_helpers():
   assert [v for _, v in optimizer_lib.sprod_p(2., pairs_a)] == ["x", "y"]
   optimizer_lib.set_global_constants(include_damping_in_qmodel_change=False)
   optimizer_lib.set_global_constants()
-  with pytest.raises(ValueError, match="include_damping_in_qmodel_change"):
-    optimizer_lib.set_global_constants(include_damping_in_qmodel_change=True)
+  assert legacy_constants.optimizer_defaults() == {
+      "include_damping_in_qmodel_change": False}
   with pytest.raises(TypeError, match="unexpected keyword"):
     optimizer_lib.set_global_constants(other=1)
 
@@ -498,6 +500,13 @@ def test_depthwise_filter_conversion():
 
 
 def test_set_global_constants():
+  try:
+    _check_set_global_constants()
+  finally:
+    legacy_constants.restore_defaults()
+
+
+def _check_set_global_constants():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     # The old defaults (our behaviour) and placement-only values: silent.
@@ -507,6 +516,32 @@ def test_set_global_constants():
     fisher_blocks.set_global_constants(normalize_damping_power=1,
                                        pi_type="tracenorm")
     utils.set_global_constants(posdef_inv_method="cholesky")
+    assert legacy_constants.curvature_defaults() == (
+        curvature_options.CurvatureOptions())
+    # Settings of the curvature model: the defaults of new collections
+    # (curvature_options_test.py checks their math).
+    fisher_factors.set_global_constants(
+        eigenvalue_clipping_threshold=0.1, sub_sample_inputs=True,
+        inputs_to_extract_patches_factor=0.1,
+        eigenvalue_decomposition_threshold=10000)
+    fisher_blocks.set_global_constants(pi_type="off",
+                                       normalize_damping_power=0.5)
+    optimizer_lib.set_global_constants(include_damping_in_qmodel_change=True)
+  assert kfac.LayerCollection().curvature_options == (
+      curvature_options.CurvatureOptions(
+          pi_type="off", normalize_damping_power=0.5,
+          eigenvalue_clipping_threshold=0.1,
+          eigenvalue_decomposition_threshold=10000, sub_sample_inputs=True,
+          inputs_to_extract_patches_factor=0.1))
+  assert legacy_constants.optimizer_defaults() == {
+      "include_damping_in_qmodel_change": True}
+  # The old module-level helpers read the settings when called (0.2.x).
+  assert fisher_blocks.normalize_damping(1.0, 4) == 0.5  # 1 / 4**0.5
+  assert fisher_blocks.compute_pi_adjusted_damping(
+      tf.eye(2), 3.0 * tf.eye(2), 0.1) == (0.1, 0.1)
+  legacy_constants.restore_defaults()
+  assert kfac.LayerCollection().curvature_options == (
+      curvature_options.CurvatureOptions())
   for call in (lambda: fisher_factors.set_global_constants(zero_debias=False),
                lambda: fisher_factors.set_global_constants(
                    sub_sample_patches=True),
@@ -514,24 +549,27 @@ def test_set_global_constants():
     with pytest.warns(legacy_constants.LegacyConstantWarning,
                       match="is ignored"):
       call()
-  with pytest.raises(ValueError, match="eigenvalue_clipping_threshold=0.1.* "
-                     "add the amount to the damping"):
-    fisher_factors.set_global_constants(eigenvalue_clipping_threshold=0.1)
   with pytest.raises(ValueError, match="assume_zero_mean_activations"):
     fisher_factors.set_global_constants(assume_zero_mean_activations=True)
-  with pytest.raises(ValueError, match="pi_type='off'"):
-    fisher_blocks.set_global_constants(pi_type="off")
   with pytest.raises(ValueError, match="TF-Replicator"):
     utils.set_global_constants(tf_replicator=object())
   with pytest.raises(ValueError, match="zero_debias must be a bool"):
     fisher_factors.set_global_constants(zero_debias=0)
   with pytest.raises(ValueError, match="tower_strategy must be one of"):
     fisher_factors.set_global_constants(tower_strategy="mirror")
+  with pytest.raises(ValueError, match="pi_type must be one of"):
+    fisher_blocks.set_global_constants(pi_type="trace")
+  with pytest.raises(ValueError, match="include_damping_in_qmodel_change "
+                     "must be a bool"):
+    optimizer_lib.set_global_constants(include_damping_in_qmodel_change=1)
   with pytest.raises(TypeError):
     fisher_factors.set_global_constants(posdef_inv_method="cholesky")  # pylint: disable=unexpected-keyword-arg
-  # Nothing steers the math: the module constants keep their values.
+  # Nothing steers the math while ops are built: the module constants keep
+  # their values, and a rejected call changes no default.
   assert fisher_factors.ZERO_DEBIAS is True
   assert utils.POSDEF_INV_METHOD == "cholesky"
+  assert legacy_constants.curvature_defaults() == (
+      curvature_options.CurvatureOptions())
 
 
 # ----------------------------------------------------------------- OpQueue

@@ -256,8 +256,9 @@ def test_sub_sampled_statistic_equals_statistic_of_the_chosen_subset(world):
   np.testing.assert_allclose(
       cov, mean_outer(with_ones(patches.reshape(-1, 8)[rows])), **TOL)
 
-  cov, ex, rows = _subsampled(world, x, True, 11)  # ceil(5/2) = 3 examples
-  assert len(ex) == 3 and len(rows) == 11
+  # True: kfac 0.2.x's rule, ceil(0.2 * 5) = 1 example.
+  cov, ex, rows = _subsampled(world, x, True, 11)
+  assert len(ex) == 1 and len(rows) == 11
   kept = patches[ex].reshape(-1, 8)
   np.testing.assert_allclose(cov, mean_outer(with_ones(kept[rows])), **TOL)
 

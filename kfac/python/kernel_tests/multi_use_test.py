@@ -562,8 +562,9 @@ def test_series_blocks_are_inverse_only():
     lc = kfac.LayerCollection()
     block = lc.register_fully_connected_multi((w, b), xs, zs,
                                               approx="kron_series_2")
-    lc.register_squared_error_loss(zs[-1], targets=tf.zeros((4, 2),
-                                                           tf.float64))
+    # Every registered use leads to the loss (the estimator checks it).
+    lc.register_squared_error_loss(tf.add_n(zs), targets=tf.zeros(
+        (4, 2), tf.float64))
     est = kfac.estimator.FisherEstimator(
         variables=[w, b], cov_ema_decay=0.9, damping=0.1,
         layer_collection=lc, exps=(-1,), estimation_mode="empirical")

@@ -26,19 +26,27 @@ batch_size when the loss you minimise is not the mean over those rows.
 The recorded `learning_rate` is -alpha * s, `momentum` mu * s.
 
 The predicted change used by the damping rule, `qmodel_change`, is the
-model of the update actually applied, without the damping term:
+model of the update actually applied, by default without the damping term
+(`include_damping_in_qmodel_change=True`, kfac 0.2.x's
+`optimizer.set_global_constants` option, adds it; its default, None, takes
+the value set there, else False):
 
 * qmodel / qmodel_fixedmu: with the exact curvature, C + l2_reg I (as in
   Martens & Grosse 2015, sec. 6.5, and kfac-jax's default); it comes with
-  the solve at no extra cost.
-* regular / adam (with adapt_damping or calibrate_damping): by default with
-  the K-FAC matrix B itself (the damped preconditioner, whose damping
-  includes l2_reg): 1/2 delta^T B delta + g^T delta, as the old TF library
-  and kfac-jax's default do. It is computed only on the steps that use it.
+  the solve at no extra cost. With the damping term: C + (damping +
+  l2_reg) I, the matrix of the solve.
+* regular / adam (with adapt_damping or calibrate_damping): with the K-FAC
+  matrix B itself (the damped preconditioner, whose damping includes
+  l2_reg): 1/2 delta^T B delta + g^T delta, whatever
+  include_damping_in_qmodel_change says (B's factored damping cannot be
+  taken out of it exactly; kfac 0.2.x's default subtracted
+  (damping - l2_reg) |delta|^2 / 2, an approximation it called "not quite
+  right"). It is computed only on the steps that use it.
   `always_use_exact_qmodel_for_damping_adjustment=True` uses the exact
-  1/2 delta^T (C + l2_reg I) delta + g^T delta instead; a gradient cannot be
-  taken inside a tf.cond branch, so that costs one exact curvature product
-  (about two backward passes) on every step.
+  1/2 delta^T (C + l2_reg I) delta + g^T delta instead (C + (damping +
+  l2_reg) I with the damping term); a gradient cannot be taken inside a
+  tf.cond branch, so that costs one exact curvature product (about two
+  backward passes) on every step.
 """
 
 import warnings
@@ -49,6 +57,7 @@ from kfac.python.ops import adaptive_damping
 from kfac.python.ops import damping_adaptation
 from kfac.python.ops import quadratic_model
 from kfac.python.ops import utils
+from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.distribute import collective
 
 # Values an optimizer keeps readable after each step, with their initial
@@ -95,7 +104,8 @@ ARGUMENTS = (
     "damping_increase_rho_threshold", "precon_damping_mult",
     "use_passed_loss", "train_batch", "print_logs", "use_weight_decay",
     "norm_constraint", "damping_schedule",
-    "always_use_exact_qmodel_for_damping_adjustment", "relative_min_damping")
+    "always_use_exact_qmodel_for_damping_adjustment", "relative_min_damping",
+    "include_damping_in_qmodel_change")
 
 
 class _StoredDamping:
@@ -197,6 +207,14 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
               "here: pass adapt_damping=True (or calibrate_damping=True to "
               "PeriodicInvCovUpdateKfacOpt), or drop it." % arg,
               IgnoredArgumentWarning, stacklevel=4)
+    include = args["include_damping_in_qmodel_change"]
+    if include is None:
+      include = legacy_constants.optimizer_defaults()[
+          "include_damping_in_qmodel_change"]
+    if not isinstance(include, bool):
+      raise ValueError("include_damping_in_qmodel_change must be a bool or "
+                       "None, got %r." % (include,))
+    self._include_damping_in_qmodel_change = include
     self._qmodel_update_rescale = qmodel_update_rescale
     self._adapt_damping = bool(adapt_damping)
     self._exact_damping_model = bool(
@@ -399,7 +417,9 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     if self._qmodel_update_rescale is not None:
       scale = utils.cast(self._read(self._qmodel_update_rescale), tf.float64)
       alpha, mu = alpha * scale, mu * scale
-    model_m = model(l2_reg)
+    # The predicted change: without the damping term unless asked for.
+    model_m = (solve_m if self._include_damping_in_qmodel_change else
+               model(l2_reg))
     update.model_change = quadratic_model.model_value(
         alpha, mu, model_m[0][0], model_m[0][1], model_m[1][1], c1, c2)
     for p, d, var, velocity in zip(precon, prev, variables, velocities):
@@ -423,7 +443,10 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
       deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
       curvature = self._curvature_gram(variables, [deltas])[0][0]
       sq = sum_inner64(deltas, deltas)
-      update.model_change = (0.5 * (curvature + float(self._l2_reg) * sq) +
+      diagonal = tf.constant(float(self._l2_reg), tf.float64)
+      if self._include_damping_in_qmodel_change:
+        diagonal += utils.cast(self._read(self._damping), tf.float64)
+      update.model_change = (0.5 * (curvature + diagonal * sq) +
                              sum_inner64(grads, deltas))
       return
 

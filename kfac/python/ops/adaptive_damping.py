@@ -16,9 +16,17 @@ counter is a multiple of it).
   loss_fn(train_batch) evaluated after the update, in the same step: one
   extra forward pass on adaptation steps only.
 * update_damping_immediately=False: on such a step the loss before and the
-  predicted change are kept; on the next step loss_fn(prev_train_batch)
-  (the previous step's batch, e.g. `CachedDataReader.cached_batch`) is
-  evaluated at the current parameters before that step's update.
+  predicted change are kept; at the start of the next step
+  loss_fn(prev_train_batch) (the previous step's batch, e.g.
+  `CachedDataReader.cached_batch`) is evaluated at the current parameters
+  and the damping adapted, before anything of that step reads the damping
+  (PeriodicInvCovUpdateKfacOpt: before its inverse updates, so they use the
+  new damping, as in kfac 0.2.x). That op is kfac 0.2.x's
+  `maybe_pre_update_adapt_damping()`: a script that runs it before the
+  step as 0.2.x told (in the same session.run with a control dependency,
+  or a session.run of its own) gets the same op the step depends on, and
+  it adapts the damping once per adaptation (it runs only while an
+  evaluation is pending, and clears it).
 
 Calibration, on each burn-in step (the parameters do not move then): the
 step's update delta is tried on the step's batch (the variables are set to
@@ -180,6 +188,7 @@ class AdaptiveDampingMixin:
 
   def _adaptation_before_update(self, update):
     """Ops to run before the variables change (see the module docstring)."""
+    del update  # the ops only need to run before the variables change
     if not (self._adapt_damping and self._is_chief):
       return []
     ops = []
@@ -188,25 +197,67 @@ class AdaptiveDampingMixin:
       keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
       ops.append(self._cond_with_loss(adapt_now, self._train_batch,
                                       "train_batch", keep.assign))
-    if not self._update_damping_immediately:
-      pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
-      prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
-                                            tf.float64)
-      prev_change = self._store.get_or_create("adaptive/prev_change", [],
-                                              tf.float64)
-      counter = tf.convert_to_tensor(self.counter)
-
-      def evaluate_previous(after, counter):
-        with tf.control_dependencies([self._apply_rule(
-            tf.convert_to_tensor(prev_loss), after,
-            tf.convert_to_tensor(prev_change), counter)]):
-          return pending.assign(0)
-
-      ops.append(self._cond_with_loss(
-          tf.greater(tf.convert_to_tensor(pending), 0),
-          self._prev_train_batch, "prev_train_batch", evaluate_previous,
-          (counter,)))
     return ops
+
+  # ------------------------------------------------------ delayed rule
+  def maybe_pre_update_adapt_damping(self):
+    """kfac 0.2.x's op that adapts the damping at the start of a step.
+
+    With adapt_damping=True and update_damping_immediately=False (on the
+    chief), on the step after a damping adaptation step it evaluates
+    loss_fn(prev_train_batch) at the current parameters and moves the
+    damping (module docstring). The training step built by minimize /
+    apply_gradients runs this same op first, so a script need not run it;
+    one that does, as kfac 0.2.x told (every session.run, before the
+    inverse updates), adapts the damping once, not twice. Otherwise (and
+    on workers that are not the chief) it returns tf.no_op(), as kfac
+    0.2.x did. In a TF1 graph or inside a tf.function (one op per graph).
+    """
+    ops = self._pre_update_ops()
+    return ops[0] if ops else tf.no_op()
+
+  def _pre_update_ops(self):
+    """[the delayed rule's op of the current graph] (made once per graph
+    and replica), or [] when there is no delayed rule."""
+    if not (self._adapt_damping and self._is_chief and
+            not self._update_damping_immediately):
+      return []
+    self._check_graph_mode("maybe_pre_update_adapt_damping")
+    if (collective.is_distributed() and
+        tf.distribute.in_cross_replica_context()):
+      raise ValueError(
+          "maybe_pre_update_adapt_damping() under a tf.distribute strategy "
+          "must be called inside the replica function (strategy.run), like "
+          "minimize; the training step runs it anyway.")
+    graph = tf.compat.v1.get_default_graph()
+    cached = self._pre_update_op
+    if cached is not None and cached.graph is graph:
+      return [cached]
+    with tf.name_scope(self.get_name() + "_pre_update_adapt_damping"):
+      op = tf.group(self._delayed_rule_op())
+    self._pre_update_op = op
+    return [op]
+
+  def _delayed_rule_op(self):
+    """When an evaluation is pending: loss_fn(prev_train_batch) now, the
+    rule against the kept loss and predicted change, pending cleared."""
+    pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
+    prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
+                                          tf.float64)
+    prev_change = self._store.get_or_create("adaptive/prev_change", [],
+                                            tf.float64)
+    counter = tf.convert_to_tensor(self.counter)
+
+    def evaluate_previous(after, counter):
+      with tf.control_dependencies([self._apply_rule(
+          tf.convert_to_tensor(prev_loss), after,
+          tf.convert_to_tensor(prev_change), counter)]):
+        return pending.assign(0)
+
+    return self._cond_with_loss(
+        tf.greater(tf.convert_to_tensor(pending), 0),
+        self._prev_train_batch, "prev_train_batch", evaluate_previous,
+        (counter,))
 
   def _adaptation_after_update(self, update, step_op):
     """Runs after `step_op` (the variables have changed)."""

@@ -16,6 +16,7 @@ import abc
 
 import tensorflow as tf
 
+from kfac.python.ops import curvature_options as options_lib
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import linalg
 from kfac.python.ops import utils
@@ -115,6 +116,12 @@ class FisherBlock(abc.ABC):
   def full_fisher_block(self):
     """The undamped block as a dense matrix over the flattened parameters."""
 
+  @property
+  def curvature_options(self):
+    """The CurvatureOptions of the block's LayerCollection."""
+    return getattr(self._layer_collection, "curvature_options",
+                   None) or _DEFAULT_OPTIONS
+
   def _make_factor(self, cls, args, role):
     name = "%s/%s" % (self.name, role)
     return self._layer_collection.make_or_get_factor(cls, args, name=name)
@@ -124,6 +131,37 @@ class FisherBlock(abc.ABC):
       raise ValueError("Block %s has no factors yet: it is instantiated by a "
                        "FisherEstimator (or KfacOptimizer) built on its "
                        "LayerCollection." % self.name)
+
+
+_DEFAULT_OPTIONS = options_lib.CurvatureOptions()
+
+
+def normalized_damping_func(damping_func, coeff, options):
+  """damping / coeff^p (p: options.normalize_damping_power), the damping a
+  block shared over `coeff` positions splits between its factors;
+  `damping_func` itself when that is 1."""
+  power = options.normalize_damping_power
+  if power == 0 or (utils.is_python_number(coeff) and coeff == 1):
+    return damping_func
+  if power == 1:
+    normalizer = coeff
+  else:
+    normalizer = options.damping_normalizer(coeff)
+  if utils.is_python_number(normalizer):
+    inv = 1.0 / float(normalizer)
+  else:
+    inv = 1.0 / tf.cast(normalizer, tf.float64)
+  return damping_lib.scaled_damping_func(damping_func, inv)
+
+
+def kronecker_damping_funcs(options, input_factor, output_factor,
+                            damping_func, coeff, per_channel_split=None):
+  """The (input, output) DampingFuncs of a Kronecker block c * (A (x) G):
+  damping / c^p split with the pi rule of `options` (per_channel_split:
+  conv_factors.per_channel_pi_damping_funcs for batched factors)."""
+  normalized = normalized_damping_func(damping_func, coeff, options)
+  split = per_channel_split or damping_lib.pi_adjusted_damping_funcs
+  return split(input_factor, output_factor, normalized, options.pi_type)
 
 
 class InputsOutputsTowersMixin:
@@ -221,7 +259,9 @@ class KroneckerProductFB(TwoFactorKroneckerMixin, FisherBlock):
   both factors are averages over all positions, so c restores the sum over
   positions of the per-example Fisher (KFAC-expand). Damping is factored
   with the pi rule on the normalised value damping / c, so that the damped
-  block is c * (A (x) G + damping / c) = c A (x) G + damping.
+  block is c * (A (x) G + damping / c) = c A (x) G + damping (with the
+  collection's CurvatureOptions: damping / c^p split by the pi rule or
+  with pi = 1, see curvature_options.py).
 
   Subclasses set `_input_factor`, `_output_factor` and call
   `_setup_damping(damping)` in `instantiate_factors`, and provide
@@ -233,17 +273,9 @@ class KroneckerProductFB(TwoFactorKroneckerMixin, FisherBlock):
 
   def _setup_damping(self, damping):
     self._damping_func = damping_lib.as_damping_func(damping)
-    coeff = self._renorm_coeff
-    normalized = self._damping_func
-    if not (utils.is_python_number(coeff) and coeff == 1):
-      if utils.is_python_number(coeff):
-        inv = 1.0 / float(coeff)
-      else:
-        inv = 1.0 / tf.cast(coeff, tf.float64)
-      normalized = damping_lib.scaled_damping_func(self._damping_func, inv)
-    self._in_damping, self._out_damping = (
-        damping_lib.pi_adjusted_damping_funcs(
-            self._input_factor, self._output_factor, normalized))
+    self._in_damping, self._out_damping = kronecker_damping_funcs(
+        self.curvature_options, self._input_factor, self._output_factor,
+        self._damping_func, self._renorm_coeff)
 
   def full_fisher_block(self):
     self._check_instantiated()

@@ -27,6 +27,7 @@ output locations per example.
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops import block_base
 from kfac.python.ops import conv_factors
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import patches as patches_lib
@@ -107,6 +108,15 @@ class _ConvLayerBlock(InputsOutputsTowersMixin, FisherBlock):
     return tuple(tuple(g) for g in grads_list)
 
 
+def _diagonal_damping_func(block, damping):
+  damping_func = damping_lib.as_damping_func(damping)
+  options = block.curvature_options
+  if options.normalize_damping_power == 1:
+    return damping_func
+  scale = options.diagonal_damping_scale(block.num_locations)
+  return damping_lib.scaled_damping_func(damping_func, scale)
+
+
 class ConvKFCBasicFB(_ConvLayerBlock, KroneckerProductFB):
   """KFC block of a convolution: L * (A (x) G) (see the module docstring)."""
 
@@ -140,11 +150,16 @@ class ConvKFCBasicFB(_ConvLayerBlock, KroneckerProductFB):
           (inputs, self._filter_shape, self._has_bias, self._data_format,
            self._sub_sample_inputs), "A_sua")
     else:
+      # The collection's CurvatureOptions give the default of sub-sampling
+      # (kfac 0.2.x's set_global_constants(sub_sample_inputs=...)).
+      sub_inputs = self._sub_sample_inputs
+      if sub_inputs is None and self.curvature_options.sub_sample_inputs:
+        sub_inputs = True
       filter_shape, padding, strides, dilations, fmt = self._conv_args()
       self._input_factor = self._make_factor(
           conv_factors.ConvInputKroneckerFactor,
           (inputs, filter_shape, padding, strides, dilations, fmt, None,
-           self._has_bias, self._sub_sample_inputs, self._sub_sample_patches,
+           self._has_bias, sub_inputs, self._sub_sample_patches,
            self._patch_mask), "A")
     weights = None if weights is None else tuple(weights)
     self._output_factor = self._make_factor(
@@ -198,7 +213,13 @@ class ConvDiagonalFB(ElementwiseDiagonalBlockMixin, _ConvLayerBlock):
         (tuple(self._inputs), self._grads_tuple(grads_list), filter_shape,
          strides, padding, fmt, dilations, self._has_bias, weights,
          self._patch_mask), "diag")
-    self._damping_func = damping_lib.as_damping_func(damping)
+    self._damping_func = self.damping_func_for(damping)
+
+  def damping_func_for(self, damping):
+    """The damping added to the diagonal: damping * L^(1-p) (L locations,
+    p the collection's normalize_damping_power; damping itself for p = 1,
+    the default), kfac 0.2.x's ConvDiagonalFB."""
+    return _diagonal_damping_func(self, damping)
 
   def _to_view(self, vector):
     return self._to_mat(vector)
@@ -319,7 +340,11 @@ class DepthwiseConvDiagonalFB(ElementwiseDiagonalBlockMixin,
          self._filter_shape, self._spec.strides, self._spec.padding,
          self._spec.dilations, self._data_format, self._has_bias, weights),
         "diag")
-    self._damping_func = damping_lib.as_damping_func(damping)
+    self._damping_func = self.damping_func_for(damping)
+
+  def damping_func_for(self, damping):
+    """See ConvDiagonalFB.damping_func_for."""
+    return _diagonal_damping_func(self, damping)
 
   def _to_view(self, vector):
     return self._to_kcm(vector)
@@ -363,13 +388,10 @@ class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
         (tuple(tuple(g) for g in grads_list), self._channels, self._mult,
          self._data_format, weights), "G")
     self._damping_func = damping_lib.as_damping_func(damping)
-    locs = self.num_locations
-    inv = (1.0 / locs if utils.is_python_number(locs) else
-           1.0 / tf.cast(locs, tf.float64))
-    normalized = damping_lib.scaled_damping_func(self._damping_func, inv)
-    self._in_damping, self._out_damping = (
-        conv_factors.per_channel_pi_damping_funcs(
-            self._input_factor, self._output_factor, normalized))
+    self._in_damping, self._out_damping = block_base.kronecker_damping_funcs(
+        self.curvature_options, self._input_factor, self._output_factor,
+        self._damping_func, self.num_locations,
+        conv_factors.per_channel_pi_damping_funcs)
 
   def _to_mat(self, vector):
     """[C, K(+1), M] view: one [K(+1), M] matrix per input channel."""

@@ -28,10 +28,12 @@ estimator's gradients of the summed loss, so g_{n,t} = d loss_n / d s_{n,t}).
   and `DepthwiseConvOutputKroneckerFactor` ([C, M, M]).
 
 Sub-sampling (`ConvInputKroneckerFactor`, also accepted by the SUA and
-reduce input factors for examples):
+reduce input factors for examples), with the factor's CurvatureOptions
+(curvature_options.py; kfac 0.2.x's rules):
 * sub_sample_inputs: None/False: all examples. True: a uniformly random
-  subset (without replacement) of ceil(N/2) examples. An int m: a random
-  subset of min(m, N) examples.
+  subset (without replacement) of ceil(f * N) examples, f =
+  inputs_to_extract_patches_factor (0.2). An int m: a random subset of
+  min(m, N) examples.
 * sub_sample_patches: None/False: all N*L patches (of the kept examples).
   True: at most DEFAULT_PATCH_ROWS_PER_DIM * dim(A) random patch rows
   (without replacement); an int R: at most R rows. The rows are gathered
@@ -71,7 +73,8 @@ __all__ = [
 ]
 
 # sub_sample_patches=True keeps at most this many patch rows per dimension
-# of the input factor.
+# of the input factor (kfac 0.2.x: 3, set_global_constants(
+# max_num_patches_per_dimension=...), which is ignored here).
 DEFAULT_PATCH_ROWS_PER_DIM = 8
 
 
@@ -105,13 +108,19 @@ def _check_sub_sample(value, what):
                      (what, value))
 
 
-def _sample_examples(x, sub_sample_inputs):
+def _sample_examples(x, sub_sample_inputs, options):
   """(x restricted to a random subset of examples, indices or None)."""
   if sub_sample_inputs is None or sub_sample_inputs is False:
     return x, None
   n = tf.shape(x, out_type=tf.int64)[0]
-  if sub_sample_inputs is True:
-    m = (n + 1) // 2
+  static_n = tf.compat.dimension_value(x.shape[0])
+  if sub_sample_inputs is True and static_n is not None:
+    m = tf.constant(options.num_sampled_inputs(static_n), tf.int64)
+  elif sub_sample_inputs is True:
+    # ceil(f * N) in float64, as options.num_sampled_inputs computes it.
+    m = tf.cast(tf.math.ceil(
+        tf.cast(n, tf.float64) *
+        float(options.inputs_to_extract_patches_factor)), tf.int64)
   else:
     m = tf.minimum(tf.constant(int(sub_sample_inputs), tf.int64), n)
   idx = tf.random.shuffle(tf.range(n))[:m]
@@ -196,7 +205,8 @@ class ConvInputKroneckerFactor(DenseSquareFactor):
     [n_kept * L, K*C] patch matrix of the kept examples (row r is kept
     example r // L at output location r % L)."""
     x = _concat_channels_last(self._inputs, self._spec.channels_first)
-    x, example_idx = _sample_examples(x, self._sub_sample_inputs)
+    x, example_idx = _sample_examples(x, self._sub_sample_inputs,
+                                      self.curvature_options)
     row_idx = None
     budget = self.max_patch_rows()
     if budget is None:
@@ -291,7 +301,8 @@ class ConvInputReduceKroneckerFactor(DenseSquareFactor):
 
   def _compute_new_cov(self):
     x = _concat_channels_last(self._inputs, self._spec.channels_first)
-    x, _ = _sample_examples(x, self._sub_sample_inputs)
+    x, _ = _sample_examples(x, self._sub_sample_inputs,
+                            self.curvature_options)
     if x.shape[1:-1].is_fully_defined():
       sums = patches_lib.patch_location_sums(x, self._spec)
       num_locs = patches_lib.num_locations(x, self._spec)
@@ -397,7 +408,8 @@ class ConvInputSUAKroneckerFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
 
   def _compute_new_cov(self):
     x = _concat_channels_last(self._inputs, self._channels_first)
-    x, _ = _sample_examples(x, self._sub_sample_inputs)
+    x, _ = _sample_examples(x, self._sub_sample_inputs,
+                            self.curvature_options)
     return _mean_outer_with_ones(tf.reshape(x, [-1, self._channels]))
 
   # ----------------------------------------------------------- pieces
@@ -750,10 +762,14 @@ class DepthwiseConvOutputKroneckerFactor(_OutputGradsMixin,
     return weighted_sum(terms, self._weights)
 
 
-def per_channel_pi_damping_funcs(input_factor, output_factor, damping_func):
+def per_channel_pi_damping_funcs(input_factor, output_factor, damping_func,
+                                 pi_type="tracenorm"):
   """Per-channel pi-adjusted damping for a batch of Kronecker products
   A_c (x) G_c: like damping.pi_adjusted_damping_funcs, with one pi per
-  channel (scales are [C] vectors)."""
+  channel (scales are [C] vectors); pi_type "off": pi = 1."""
+  if pi_type != "tracenorm":
+    return damping_lib.pi_adjusted_damping_funcs(
+        input_factor, output_factor, damping_func, pi_type)
   key = ("pi_per_channel", input_factor.name, output_factor.name,
          damping_func.key)
 

@@ -271,9 +271,12 @@ class ConvRegistrationMixin:
       approx: "kron" (KFC; default: the collection's conv2d default),
         "diagonal", "kron_sua", "kron_reduce", "ekfac" or "ekfac_reduce".
       reuse: True adds a tower to an existing registration of `params`.
-      sub_sample_inputs: (kron, kron_sua, kron_reduce) None, True (half the
-        batch) or an int m: the input statistic uses a random subset of at
-        most m examples.
+      sub_sample_inputs: (kron, kron_sua, kron_reduce) None, True or an
+        int m: the input statistic uses a random subset of at most m
+        examples; True: ceil(f * N) of the N examples, f the collection's
+        curvature_options.inputs_to_extract_patches_factor (0.2, kfac
+        0.2.x's rule). None: for kron, the collection's
+        curvature_options.sub_sample_inputs (False unless changed).
       sub_sample_patches: (kron) None, True (at most 8 * dim(A) rows) or an
         int R: the input statistic uses a random subset of at most R patches.
       patch_mask: (kron, diagonal, kron_reduce) K*in values (shape

@@ -72,8 +72,12 @@ def compute_pi_adjusted_damping(left_trace_ratio, right_trace_ratio, damping):
   return tf.cast(pi * root, dtype), tf.cast(root / pi, dtype)
 
 
-def pi_adjusted_damping_funcs(left_factor, right_factor, damping_func):
+def pi_adjusted_damping_funcs(left_factor, right_factor, damping_func,
+                              pi_type="tracenorm"):
   """DampingFuncs for the two factors of a Kronecker block (pi-adjusted).
+
+  pi_type "off" (kfac 0.2.x's option) gives both factors sqrt(damping),
+  pi = 1; "tracenorm" (the default) splits it as follows.
 
   The damped block is (A + pi s I) (x) (G + s/pi I) with s = sqrt(damping).
   Since the Kronecker product of c X and Y / c is X (x) Y, it equals
@@ -84,14 +88,20 @@ def pi_adjusted_damping_funcs(left_factor, right_factor, damping_func):
   tends to zero and its inverse overflows float32 long before the product
   of the two inverses (about 1/damping) does.
   """
+  def root():
+    return tf.sqrt(utils.cast(damping_func(), tf.float64))
+
+  if pi_type == "off":
+    key = ("pi_off", damping_func.key)  # the same for both factors
+    return DampingFunc(root, key), DampingFunc(root, key)
+  if pi_type != "tracenorm":
+    raise ValueError("pi_type must be 'tracenorm' or 'off', got %r." %
+                     (pi_type,))
   key = ("pi_adjusted", left_factor.name, right_factor.name, damping_func.key)
 
   def pi():
     return compute_pi(left_factor.normalized_trace(),
                       right_factor.normalized_trace())
-
-  def root():
-    return tf.sqrt(utils.cast(damping_func(), tf.float64))
 
   return (DampingFunc(root, key + ("left",), scale_fn=lambda: 1.0 / pi()),
           DampingFunc(root, key + ("right",), scale_fn=pi))

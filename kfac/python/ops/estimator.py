@@ -141,10 +141,9 @@ class FisherEstimator:
       return
     if not self._layers.is_finalized:
       self._layers.finalize()
-    # The use count (check_uses) is a heuristic over the graph's ops that
-    # misreads legitimate registrations (uses folded into one gather or
-    # matmul, split outputs): only an explicit check_registration runs it.
-    self._layers.check_registration(self.variables, check_uses=False)
+    # As kfac 0.2.x: each variable registered as often as the losses' graph
+    # uses it (TF1 graphs; layer_collection._use_problems).
+    self._layers.check_registration(self.variables)
     self._setup()
     self._finalized = True
 

@@ -18,6 +18,7 @@ import abc
 
 import tensorflow as tf
 
+from kfac.python.ops import curvature_options as options_lib
 from kfac.python.ops import linalg
 from kfac.python.ops import state
 from kfac.python.ops import utils
@@ -61,6 +62,9 @@ def weighted_sum(terms, weights):
 class FisherFactor(abc.ABC):
   """Base class: a moving-averaged statistic kept in a variable."""
 
+  # Set by the LayerCollection that makes the factor (curvature_options.py).
+  curvature_options = options_lib.CurvatureOptions()
+
   def __init__(self, name=None):
     self._name = name or type(self).__name__
     self._store = None
@@ -73,6 +77,9 @@ class FisherFactor(abc.ABC):
 
   def set_name(self, name):
     self._name = name
+
+  def set_curvature_options(self, options):
+    self.curvature_options = options_lib.check(options)
 
   def attach_state_store(self, store):
     """Uses `store` for this factor's variables (the optimizer's store, so
@@ -333,24 +340,46 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
           (kind, exp, damping_func.key, self.name))
     return self._vars[key]
 
+  def _inverses_use_eigh(self):
+    """kfac 0.2.x's rule, in force with eigenvalue clipping: inverses come
+    from the eigendecomposition (and are clipped) when the factor also has
+    other powers or at least eigenvalue_decomposition_threshold inverses.
+    Without clipping both ways give the same matrix: Cholesky then."""
+    options = self.curvature_options
+    if not (self._psd and options.eigenvalue_clipping_threshold > 0):
+      return False
+    inverses = sum(1 for exp, _ in self._matpowers if exp == -1)
+    return (inverses < len(self._matpowers) or
+            inverses >= options.eigenvalue_decomposition_threshold)
+
+  def _clipped(self, evals):
+    """Eigenvalues of a psd factor raised to the clipping threshold
+    (curvature_options.py); the matrix powers also clip them at 0."""
+    threshold = self.curvature_options.eigenvalue_clipping_threshold
+    if not (self._psd and threshold > 0):
+      return evals
+    return tf.maximum(evals, utils.cast(threshold, evals.dtype))
+
   def inverse_values(self):
     self.instantiate_inv_variables()
     raw_cov = tf.convert_to_tensor(self.get_cov_var())
     ops = []
     eig = None
+    eigh_inverses = self._inverses_use_eigh()
     for kind, exp, dfunc, _ in self._registrations():
       var = self._vars[(kind, exp, dfunc.key)]
       damping = utils.cast(dfunc(), self._dtype)
       cov = dfunc.scale(raw_cov)
       if kind == "matpow":
-        if exp == -1 and self._psd:
+        if exp == -1 and self._psd and not eigh_inverses:
           value = linalg.damped_inverse(cov, damping)
         else:
           if eig is None:
             eig = linalg.eigh(raw_cov)
           scale = dfunc.scale(tf.ones([], self._dtype))
           value = linalg.matpower_from_eigh(
-              eig[0] * scale, eig[1], exp, damping, clip_negative=self._psd)
+              self._clipped(eig[0]) * scale, eig[1], exp, damping,
+              clip_negative=self._psd)
       elif kind == "chol":
         value = linalg.damped_cholesky(cov, damping)
       else:

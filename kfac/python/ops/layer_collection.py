@@ -17,6 +17,7 @@ import threading
 import tensorflow as tf
 
 from kfac.python.ops import conv_registration
+from kfac.python.ops import curvature_options as options_lib
 from kfac.python.ops import embedding_registration
 from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import loss_functions as lf
@@ -25,6 +26,7 @@ from kfac.python.ops import scale_shift_registration
 from kfac.python.ops import registration_base
 from kfac.python.ops import utils
 from kfac.python.ops.ekfac import blocks as ekfac_blocks
+from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.ekfac import scalings as ekfac_scalings
 from kfac.python.ops.layer_params_dict import LayerParametersDict
 from kfac.python.ops.registration_base import RegistrationKeyError
@@ -138,9 +140,17 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                       scale_shift_registration.ScaleShiftRegistrationMixin):
   """Registry of layers (parameters and their approximations) and losses."""
 
-  def __init__(self, graph=None, name="LayerCollection"):
+  def __init__(self, graph=None, name="LayerCollection",
+               curvature_options=None):
+    """`curvature_options`: a CurvatureOptions (pi split, damping
+    normalisation, eigenvalue clipping, sub-sampling of conv statistics;
+    see curvature_options.py); default: the old library's values, as
+    changed by any set_global_constants call made before."""
     self._graph = graph
     self._name = name
+    self._curvature_options = options_lib.check(
+        legacy_constants.curvature_defaults() if curvature_options is None
+        else curvature_options)
     self._fisher_blocks = LayerParametersDict()  # params -> block
     self._uses = {}  # var.ref() -> registered uses (float: inf = any)
     self._factors = collections.OrderedDict()  # factor key -> factor
@@ -171,6 +181,11 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
   @property
   def name(self):
     return self._name
+
+  @property
+  def curvature_options(self):
+    """The CurvatureOptions of this collection's blocks and factors."""
+    return self._curvature_options
 
   @property
   def graph(self):
@@ -282,6 +297,8 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     if factor is None:
       factor = cls(*self._full_precision(args))
       factor.set_name(self._unique(name or cls.__name__, self._factor_names))
+      if hasattr(factor, "set_curvature_options"):
+        factor.set_curvature_options(self._curvature_options)
       self._factors[key] = factor
     return factor
 
@@ -538,8 +555,12 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
     """kfac 0.2.x's check that each variable is registered as many times as
     the losses' graph uses it (an RNN cell used at 3 time steps needs 3
     uses: register_fully_connected_multi, or 3 towers); generic
-    registrations cover any number. Only in TF1 graphs: in a tf.function
-    trace (and under several replicas) how a variable is read differs, and
+    registrations cover any number. A use is an op of the losses' graph
+    that reads the variable (a gather counts as one use however many ops
+    consume the rows it gathered). More registered uses than ops are fine
+    when every registered output leads to the losses: the uses were folded
+    into one op and split after it. Only in TF1 graphs: in a tf.function
+    trace (and under several replicas) variables are read differently, and
     graph search registers the uses it finds."""
     if not _in_tf1_graph() or tf.distribute.has_strategy():
       return []
@@ -556,24 +577,43 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       if not registered:
         continue  # reported as not registered
       found = subgraph.variable_uses(var)
-      if registered != found:
-        problems.append(
-            "%s is registered with %d use(s) but the graph of the registered "
-            "losses uses it %d time(s) (register every use: towers with "
-            "reuse=True, or register_*_multi for a layer used several times; "
-            "or register it with register_generic)" %
-            (utils.variable_name(var), registered, found))
+      if registered == found:
+        continue
+      stray = self._outputs_off_the_losses(var, subgraph)
+      if registered > found and found and not stray:
+        continue  # uses folded into fewer ops, outputs split after them
+      problem = ("%s is registered with %d use(s) but the graph of the "
+                 "registered losses uses it %d time(s)" %
+                 (utils.variable_name(var), registered, found))
+      if stray:
+        problem += (", and its registered output(s) %s do not lead to the "
+                    "losses" % ", ".join(stray))
+      problems.append(
+          problem + " (register every use: towers with reuse=True, or "
+          "register_*_multi for a layer used several times; or register it "
+          "with register_generic)")
     return problems
+
+  def _outputs_off_the_losses(self, var, subgraph):
+    """Names of the registered outputs of var's layer that the registered
+    losses do not depend on."""
+    key = self._fisher_blocks.owner_of(var)
+    block = None if key is None else self._fisher_blocks.get(key)
+    if block is None or not hasattr(block, "tensors_to_compute_grads"):
+      return []
+    stray = []
+    for tensor in tf.nest.flatten(block.tensors_to_compute_grads()):
+      if hasattr(tensor, "op") and not subgraph.is_member(tensor):
+        stray.append(tensor.name)
+    return stray
 
   def check_registration(self, variables, check_uses=True):
     """Raises ValueError unless `variables` and the registered variables are
     the same set, naming the ones that differ; with check_uses, also
     unless each variable is registered as many times as the losses' graph
     uses it (kfac 0.2.x's check, TF1 graphs only, see _use_problems). The
-    count reads ops, so uses folded into one op (a gather of all positions)
-    or outputs split after one op count differently from their
-    registration: the optimizer and estimator do not run it, only this
-    explicit call does."""
+    estimator (and so the optimizers) runs it, with check_uses, when it
+    sets up its blocks, as kfac 0.2.x did."""
     wanted = collections.OrderedDict(
         (v.ref(), v) for v in utils.ensure_sequence(variables))
     registered = collections.OrderedDict(

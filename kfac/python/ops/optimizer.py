@@ -59,8 +59,8 @@ from kfac.python.ops.reliability import arguments
 from kfac.python.ops.reliability import nonfinite
 
 # kfac 0.2.x's module-level names: list algebra and set_global_constants
-# (include_damping_in_qmodel_change=False, the old default, is the only
-# behaviour here).
+# (include_damping_in_qmodel_change: the default of the constructor's
+# argument of that name for optimizers made afterwards).
 ip = list_algebra.ip
 ip_p = list_algebra.ip_p
 sprod = list_algebra.sprod
@@ -83,6 +83,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   _train_batch = replicas.PerReplicaAttribute()
   _prev_train_batch = replicas.PerReplicaAttribute()
   _commit_active = replicas.PerReplicaAttribute()
+  _pre_update_op = replicas.PerReplicaAttribute()
 
   def __init__(self,
                learning_rate,
@@ -129,6 +130,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
                skip_non_finite_steps=True,
                max_consecutive_skipped_steps=10,
                relative_min_damping=None,
+               include_damping_in_qmodel_change=None,
                **placement_kwargs):
     """Creates the optimizer; see the module docstring for the update rule.
 
@@ -155,6 +157,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     from the factors' traces: kfac.python.ops.recipe.curvature_scale) nor
     below min_damping. A floor that follows the curvature's scale, where
     min_damping is absolute (docs/recipe.md).
+
+    `include_damping_in_qmodel_change` (kfac 0.2.x's
+    optimizer.set_global_constants option; None: the value set there, else
+    False): whether qmodel_change, the predicted change the damping rule
+    compares with the actual one, includes the damping term (adaptive.py).
 
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,
@@ -521,9 +528,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
   # ------------------------------------------------------------ updates
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
-    """Applies one K-FAC step with the current factors/inverses."""
+    """Applies one K-FAC step with the current factors/inverses (after the
+    delayed damping rule, maybe_pre_update_adapt_damping, if any)."""
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
-    return self._checked_step(grads_and_vars, global_step, name)
+    with tf.control_dependencies(self._pre_update_ops()):
+      return self._checked_step(grads_and_vars, global_step, name)
 
   def _checked_step(self, grads_and_vars, global_step, name):
     """The step with the current inverses, skipped (and counted) when the

@@ -89,6 +89,12 @@ class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
   def apply_gradients(self, grads_and_vars, global_step=None, name=None,
                       layer_collection=None):
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
+    # The delayed damping rule (maybe_pre_update_adapt_damping) first: the
+    # inverses of this step use the damping it sets, as in kfac 0.2.x.
+    with tf.control_dependencies(self._pre_update_ops()):
+      return self._periodic_step(grads_and_vars, global_step, name)
+
+  def _periodic_step(self, grads_and_vars, global_step, name):
     est = self._require_estimator()
     est.instantiate_variables()
     (_, _, _, inv_thunks) = est.create_ops_and_vars_thunks(

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import utils
+from kfac.python.ops.compat_utils import legacy_constants
 
 PI_OFF_NAME = "off"
 PI_TRACENORM_NAME = "tracenorm"
@@ -43,16 +44,23 @@ def compute_pi_adjusted_damping(left_cov, right_cov, damping):
   """(damping * pi, damping / pi) with pi = compute_pi_tracenorm: the
   per-factor dampings whose Kronecker product has the given `damping`
   squared (pass the square root of the block's damping, as the old
-  library's blocks did)."""
+  library's blocks did). (damping, damping) when the default pi_type is
+  "off" (set_global_constants, read when called, as kfac 0.2.x did)."""
+  if legacy_constants.curvature_defaults().pi_type == PI_OFF_NAME:
+    return damping, damping
   pi = compute_pi_tracenorm(left_cov, right_cov)
   damping = utils.cast(damping, pi.dtype)
   return damping * pi, damping / pi
 
 
 def normalize_damping(damping, num_replications):
-  """damping / num_replications: the damping per use of a layer used
-  num_replications times (the old NORMALIZE_DAMPING_POWER = 1)."""
-  return damping / num_replications
+  """damping / num_replications^p: the damping per use of a layer used
+  num_replications times, p the default normalize_damping_power (1 unless
+  set_global_constants changed it; read when called, as kfac 0.2.x did)."""
+  power = legacy_constants.curvature_defaults().normalize_damping_power
+  if not power:
+    return damping
+  return damping / (num_replications ** power)
 
 
 class PackagedFunc(object):

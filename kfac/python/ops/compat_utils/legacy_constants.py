@@ -1,11 +1,19 @@
 """`set_global_constants` of the old fisher_factors, fisher_blocks, utils and
-optimizer modules, mapped onto this package's fixed, explicit behaviour.
+optimizer modules, mapped onto this package's explicit configuration.
 
 The old library steered its factors through module-level knobs read while
-ops were built. This package has none: each setting is either the one fixed
-behaviour (the old default), or an explicit argument of the registration or
-function it affects. The old calls still work:
+ops were built. This package has none: each setting is either explicit
+configuration, the one fixed behaviour (the old default), or an explicit
+argument of the registration or function it affects. The old calls still
+work:
 
+* a setting of the curvature model (pi_type, normalize_damping_power,
+  eigenvalue clipping, sub-sampling of conv inputs) changes the default
+  `CurvatureOptions` (curvature_options.py) that a `LayerCollection` made
+  afterwards picks up; `include_damping_in_qmodel_change` changes the
+  default of `KfacOptimizer(include_damping_in_qmodel_change=None)` for
+  optimizers made afterwards. Objects that exist keep their configuration:
+  nothing is read from here while ops are built;
 * a value equal to our behaviour (the old default), or one that changed
   only where ops were placed (tower_strategy), is accepted silently;
 * a value that only tuned speed, naming or placement, or had no effect in
@@ -16,11 +24,15 @@ function it affects. The old calls still work:
 * an unknown setting raises TypeError (as a wrong keyword argument would).
 
 `LEGACY_SETTINGS` documents every old setting: its old default and what
-happens to other values.
+happens to other values. `curvature_defaults()` / `optimizer_defaults()`
+read the current defaults; `restore_defaults()` puts back the old library's.
 """
 
+import dataclasses
 import numbers
 import warnings
+
+from kfac.python.ops import curvature_options
 
 
 class LegacyConstantWarning(UserWarning):
@@ -55,8 +67,12 @@ def _number(module, name, value, minimum=None):
   return value
 
 
-# (setting, old default, what a non-default value does: "warn" or "error",
-#  the explanation). Checked by `apply`.
+# setting -> (old default, what a value does, the values it takes, the
+# explanation). What a value does: "curvature" sets that field of the
+# default CurvatureOptions, "optimizer" the default of KfacOptimizer's
+# argument of that name (any value, the old default included); otherwise a
+# value other than the old default is accepted ("accept"), warned about
+# ("warn") or rejected ("error"). Applied by `apply`.
 _FACTORS = "kfac.fisher_factors"
 _BLOCKS = "kfac.fisher_blocks"
 _UTILS = "kfac.utils"
@@ -65,10 +81,10 @@ _OPTIMIZER = "kfac.optimizer"
 LEGACY_SETTINGS = {
     _OPTIMIZER: {
         "include_damping_in_qmodel_change": (
-            False, "error", "bool",
-            "the quadratic model's predicted change (qmodel_change, used by "
-            "the damping rule) leaves the damping term out, as the old "
-            "default did"),
+            False, "optimizer", "bool",
+            "the default of KfacOptimizer(include_damping_in_qmodel_change="
+            "...): whether the predicted change of the loss used by the "
+            "damping rule (qmodel_change) includes the damping term"),
     },
     _FACTORS: {
         "init_covariances_at_zero": (
@@ -86,14 +102,14 @@ LEGACY_SETTINGS = {
             "(read at import time in the old library; no effect there "
             "either)"),
         "eigenvalue_decomposition_threshold": (
-            4, "warn", "positive",
-            "it only chose between eigendecomposition and repeated solves "
-            "for speed; factors use Cholesky for inverses and an "
-            "eigendecomposition for other powers"),
+            4, "curvature", "positive",
+            "CurvatureOptions.eigenvalue_decomposition_threshold: how many "
+            "inverses of a factor make them use its eigendecomposition (and "
+            "so the eigenvalue clipping)"),
         "eigenvalue_clipping_threshold": (
-            0.0, "error", "nonnegative",
-            "eigenvalues are clipped at 0 only; add the amount to the "
-            "damping instead"),
+            0.0, "curvature", "nonnegative",
+            "CurvatureOptions.eigenvalue_clipping_threshold: eigenvalues of "
+            "a factor's eigendecomposition are raised to at least this"),
         "assume_zero_mean_activations": (
             False, "error", "bool",
             "the SUA conv input factor always estimates the activations' "
@@ -103,18 +119,18 @@ LEGACY_SETTINGS = {
             "the SUA conv input factor always separates the mean from the "
             "covariance"),
         "sub_sample_inputs": (
-            False, "warn", "bool",
-            "sub-sampling is chosen per layer: pass sub_sample_inputs=True "
-            "(or a number of examples) to register_conv2d / "
-            "register_convolution; statistics use all examples"),
+            False, "curvature", "bool",
+            "CurvatureOptions.sub_sample_inputs: the default of "
+            "register_conv2d(sub_sample_inputs=...) for kron layers"),
         "inputs_to_extract_patches_factor": (
-            0.2, "warn", "positive",
-            "pass sub_sample_inputs=<number of examples> to register_conv2d"),
+            0.2, "curvature", "positive",
+            "CurvatureOptions.inputs_to_extract_patches_factor: the fraction "
+            "of the examples that sub_sample_inputs=True keeps"),
         "sub_sample_patches": (
             False, "warn", "bool",
-            "sub-sampling is chosen per layer: pass sub_sample_patches=True "
-            "(or a number of patches) to register_conv2d; statistics use "
-            "all patches"),
+            "sub-sampling of patches is chosen per layer: pass "
+            "sub_sample_patches=True (or a number of patches) to "
+            "register_conv2d; statistics use all patches"),
         "max_num_patches": (
             10000000, "warn", "positive",
             "pass sub_sample_patches=<number of patches> to register_conv2d"),
@@ -134,13 +150,13 @@ LEGACY_SETTINGS = {
     },
     _BLOCKS: {
         "normalize_damping_power": (
-            1.0, "error", "nonnegative",
-            "multi-use blocks divide the damping by the number of uses "
-            "(power 1)"),
+            1.0, "curvature", "nonnegative",
+            "CurvatureOptions.normalize_damping_power: blocks shared over c "
+            "positions split damping / c^power"),
         "pi_type": (
-            "tracenorm", "error", ("tracenorm", "off"),
-            "Kronecker blocks always split the damping with the trace-norm "
-            "pi rule"),
+            "tracenorm", "curvature", ("tracenorm", "off"),
+            "CurvatureOptions.pi_type: how Kronecker blocks split the "
+            "damping between their factors"),
     },
     _UTILS: {
         "posdef_inv_method": (
@@ -188,12 +204,19 @@ def apply(module, settings):
     raise TypeError("%s.set_global_constants() got unexpected keyword "
                     "argument(s) %s; known: %s." %
                     (module, ", ".join(unknown), ", ".join(sorted(table))))
+  curvature, optimizer = {}, {}
   for name in table:  # a stable order for the messages
     value = settings.get(name)
     if value is None:
       continue
     default, action, kind, why = table[name]
     _validate(module, name, value, kind)
+    if action == "curvature":
+      curvature[name] = value
+      continue
+    if action == "optimizer":
+      optimizer[name] = value
+      continue
     if default is not None and value == default and (
         type(value) is type(default) or isinstance(default, float)):
       continue
@@ -203,6 +226,37 @@ def apply(module, settings):
       _warn(module, name, value, why)
     else:
       _error(module, name, value, why)
+  global _curvature_defaults
+  if curvature:
+    try:
+      _curvature_defaults = dataclasses.replace(_curvature_defaults,
+                                                **curvature)
+    except ValueError as e:
+      raise ValueError("%s.set_global_constants: %s" % (module, e)) from None
+  _optimizer_defaults.update(optimizer)
+
+
+# The defaults that objects made from now on pick up (see the module doc).
+_curvature_defaults = curvature_options.CurvatureOptions()
+_optimizer_defaults = {"include_damping_in_qmodel_change": False}
+
+
+def curvature_defaults():
+  """The CurvatureOptions a LayerCollection made now gets by default."""
+  return _curvature_defaults
+
+
+def optimizer_defaults():
+  """{"include_damping_in_qmodel_change": ...}: the defaults a KfacOptimizer
+  made now gets for its arguments left at None."""
+  return dict(_optimizer_defaults)
+
+
+def restore_defaults():
+  """Undoes every set_global_constants call: the old library's defaults."""
+  global _curvature_defaults
+  _curvature_defaults = curvature_options.CurvatureOptions()
+  _optimizer_defaults["include_damping_in_qmodel_change"] = False
 
 
 def set_fisher_factors_constants(init_covariances_at_zero=None,

@@ -3,9 +3,10 @@
 import tensorflow as tf
 
 # Ops that pass a variable's value on unchanged: a use of their output is a
-# use of the variable.
-_RELAY_OP_TYPES = frozenset(
-    ["Identity", "ReadVariableOp", "Enter", "ResourceGather"])
+# use of the variable. (kfac 0.2.x also relayed ResourceGather, so a lookup
+# whose rows fed three ops counted three uses; a gather is one use here, as
+# the GatherV2 of a reference variable was there.)
+_RELAY_OP_TYPES = frozenset(["Identity", "ReadVariableOp", "Enter"])
 
 
 def _is_resource_variable(var):

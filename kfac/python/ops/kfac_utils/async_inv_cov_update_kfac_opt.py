@@ -112,7 +112,8 @@ class AsyncInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
           scope=self.get_name())
       with tf.name_scope(self.get_name() + "_async"):
         self._cov_inv_ops = [thunk() for thunk in cov_thunks + inv_thunks]
-    return self._checked_step(grads_and_vars, global_step, name)
+    with tf.control_dependencies(self._pre_update_ops()):
+      return self._checked_step(grads_and_vars, global_step, name)
 
   def _check_distributable(self):
     raise NotImplementedError(

@@ -40,6 +40,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops import block_base
 from kfac.python.ops import conv_factors
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import dense_blocks
@@ -221,20 +222,12 @@ def _kronecker_damping(block, damping):
   # pylint: disable=protected-access
   if damping is None:
     return block._in_damping, block._out_damping
-  base = damping_lib.as_damping_func(damping)
-  coeff = block._renorm_coeff
   in_f, out_f = block._input_factor, block._output_factor
   per_channel = hasattr(in_f, "normalized_traces")
-  if utils.is_python_number(coeff):
-    inv = 1.0 / float(coeff)
-  else:
-    inv = 1.0 / tf.cast(coeff, tf.float64)
-  normalized = base
-  if per_channel or not (utils.is_python_number(coeff) and coeff == 1):
-    normalized = damping_lib.scaled_damping_func(base, inv)
-  if per_channel:
-    return conv_factors.per_channel_pi_damping_funcs(in_f, out_f, normalized)
-  return damping_lib.pi_adjusted_damping_funcs(in_f, out_f, normalized)
+  return block_base.kronecker_damping_funcs(
+      block.curvature_options, in_f, out_f,
+      damping_lib.as_damping_func(damping), block._renorm_coeff,
+      conv_factors.per_channel_pi_damping_funcs if per_channel else None)
 
 
 def _kronecker_view(block, damped, damping):
@@ -257,6 +250,8 @@ def _kronecker_view(block, damped, damping):
 def _damping_func_of(block, damping):
   if damping is None:
     return block._damping_func  # pylint: disable=protected-access
+  if hasattr(block, "damping_func_for"):  # conv diagonals (positions)
+    return block.damping_func_for(damping)
   return damping_lib.as_damping_func(damping)
 
 
