@@ -11,7 +11,11 @@ program of its own), and for each CASE ("model:optimizer[:uneven]") trains
 the model for STEPS steps once without a strategy on the global batch and
 once under MirroredStrategy over R devices, each replica on its shard, in
 WORLD "tf1" (Session, call_for_each_replica) or "tf2" (tf.function,
-strategy.run). Prints one JSON line per case:
+strategy.run). The "tf1" strategy is made eagerly before the graphs, and
+TensorFlow then reduces with collective ops; in WORLD "tf1_graph" it is
+made in each case's graph, and in "tf1_legacy" after
+tf.compat.v1.disable_v2_behavior(): TensorFlow then reduces with
+ReductionToOneDevice (merge_call). Prints one JSON line per case:
 
   weights_rel: max |W_R - W_1| / max |W_1| over the model's variables;
   state_rel:   the same over the K-FAC state (statistics, inverses,
@@ -240,6 +244,8 @@ def run_tf1(kfac, strategy, case, optname, replicas, uneven, steps=STEPS,
   (tf.compat.v1.train.Saver over the graph's global variables)."""
   names = MODEL_VARS[case]
   with tf.Graph().as_default():
+    if callable(strategy):  # made in the graph: ReductionToOneDevice
+      strategy = strategy()
     scope = strategy.scope() if strategy else contextlib.nullcontext()
     with scope:
       # get_variable: a Saver then saves a mirrored variable once (a V2
@@ -317,17 +323,23 @@ def _rel(copy, ref):
   return float(np.max(diff, initial=0.0) / max(scale, 1e-6))
 
 
-def compare(single, many, case):
+def compare(single, many, case=None, names=None, init=None):
+  """The comparison of the R-replica run `many` with the one-replica run
+  `single`, each ({name: copies} of the weights, {key: copies} of the
+  state); the model's variable `names` and their initial values `init`
+  (default: the case's, of this program)."""
   (w1, s1), (wr, sr) = single, many
+  names = MODEL_VARS[case] if names is None else names
+  init = INIT if init is None else init
   out = {"weights_rel": 0.0, "state_rel": 0.0, "records_rel": 0.0,
          "basis_rel": 0.0, "identical": True, "moved": 0.0, "differ": []}
-  for name in MODEL_VARS[case]:
+  for name in names:
     out["moved"] = max(out["moved"],
-                       float(np.max(np.abs(w1[name][0] - INIT[name]))))
+                       float(np.max(np.abs(w1[name][0] - init[name]))))
   # The R-replica weights, bit for bit (to compare placement strategies).
   out["digest"] = hashlib.sha1(b"".join(
       np.ascontiguousarray(wr[name][0]).tobytes()
-      for name in MODEL_VARS[case])).hexdigest()
+      for name in names)).hexdigest()
   if FLAGS["lazy_statistics_sync"]:
     sr = {k: v for k, v in sr.items() if _LAZY_LOCAL not in k}
     s1 = {k: v for k, v in s1.items() if not k.endswith(_LAZY_STALE)}
@@ -407,18 +419,28 @@ def main(argv):
     main_multiworker(argv)
     return
   replicas, world = int(argv[1]), argv[2]
+  if world == "tf1_legacy":
+    tf.compat.v1.disable_v2_behavior()
   cpus = tf.config.list_physical_devices("CPU")
   tf.config.set_logical_device_configuration(
       cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
   import kfac  # pylint: disable=g-import-not-at-top
   # One strategy for the whole program: a second MirroredStrategy over the
   # same devices reuses the collective keys of the first.
-  strategy = tf.distribute.MirroredStrategy(
-      ["/cpu:%d" % i for i in range(replicas)])
+  devices = ["/cpu:%d" % i for i in range(replicas)]
+  if world == "tf1_graph":
+    # Made in each case's graph, as a Session program makes it: TensorFlow
+    # then reduces with ReductionToOneDevice, not collective ops (so does
+    # a strategy made under disable_v2_behavior, world "tf1_legacy").
+    strategy = lambda: tf.distribute.MirroredStrategy(devices)
+  else:
+    strategy = tf.distribute.MirroredStrategy(devices)
   if world == "tf1_checkpoint":
     main_checkpoint(kfac, strategy, replicas, argv[3:])
     return
-  run = run_tf1 if world == "tf1" else run_tf2
+  if world not in ("tf1", "tf1_graph", "tf1_legacy", "tf2"):
+    raise ValueError("unknown world %r" % world)
+  run = run_tf2 if world == "tf2" else run_tf1
   for spec in argv[3:]:
     parts = spec.split(":")
     case, optname, uneven = parts[0], parts[1], "uneven" in parts[2:]

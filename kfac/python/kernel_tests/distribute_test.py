@@ -22,7 +22,10 @@ loss_fn, uneven shards, the Estimator's loss scaling in TF1, inverses
 placed by replica_round_robin, which must give bit-identical weights to
 replicated inverses, the lazy statistics sync, whose weights and inverses
 must equal the eager sync's, EKFAC on every layer kind) is slow, as is the MultiWorkerMirroredStrategy run:
-two localhost worker processes against one process.
+two localhost worker processes against one process. So are TF1 runs with
+the strategy made in the graph or under disable_v2_behavior, where
+TensorFlow reduces with ReductionToOneDevice instead of collective ops
+(the user's way of writing such a Session step: distribute_session_test).
 """
 
 import json
@@ -152,6 +155,27 @@ def test_replicas_equal_one(world, replicas):
   digests = {r["case"]: r["digest"] for r in results}
   for case in placed:
     assert digests[case + ":replica_round_robin"] == digests[case], case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["tf1_graph", "tf1_legacy"])
+def test_replicas_equal_one_reduction_to_one_device(world):
+  """The strategy made in each case's graph (TF2 behaviour), or under
+  disable_v2_behavior: TensorFlow reduces with ReductionToOneDevice (one
+  merge_call whose outputs depend on every replica's input) instead of
+  collective ops. One case per path: the statistics conditional
+  (cross_replica_cond), KfacOptimizer's explicit ops, the quadratic model,
+  the damping rule (uneven shards; delayed, with the lazy sync), the
+  Estimator's loss scaling, the placement's broadcasts, EKFAC."""
+  cases = ["dense:periodic", "conv:regular", "dense:qmodel",
+           "dense:adaptive:uneven",
+           "dense:adaptive_delayed:lazy_statistics_sync",
+           "multi_use:periodic:lazy_statistics_sync:replica_round_robin",
+           "conv:adaptive:estimator", "embedding:periodic:ekfac",
+           "conv:regular:replica_round_robin"]
+  results = run_program(2, world, cases)
+  check(results)
+  assert results[-1]["digest"] == results[1]["digest"]
 
 
 def run_workers(program, cases, environ, parse, workers=2, timeout=900):

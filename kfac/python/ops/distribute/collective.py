@@ -115,7 +115,8 @@ def all_reduce(tensors, op=MEAN, symmetric=None, weight=None):
       the result is sum_r weight_r x_r / sum_r weight_r.
 
   Returns:
-    The reduced tensors, in order (the inputs when not distributed).
+    The reduced tensors, in order (the inputs when not distributed). Under
+    several replicas no gradient flows back through the reduction.
   """
   ctx = replica_context()
   tensors = list(tensors)
@@ -138,7 +139,16 @@ def all_reduce(tensors, op=MEAN, symmetric=None, weight=None):
       w = tf.cast(weight, dtype)
       parts = [p * w for p in parts] + [tf.reshape(w, [1])]
     vector = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-    reduced = ctx.all_reduce(reduce_op, vector)
+    # K-FAC never differentiates a reduction. TensorFlow wraps a replica
+    # context's all_reduce in tf.custom_gradient, whose graph-mode check
+    # walks back from the result to find the variables it depends on;
+    # under ReductionToOneDevice (a MirroredStrategy made in a TF1 graph or
+    # under disable_v2_behavior) each replica's result depends on every
+    # replica's input, so the walk entered the other replicas' gradient
+    # graphs and failed on their variables ("grad_fn must accept keyword
+    # argument 'variables'", or "Unsuccessful at finding variable
+    # w/replica_1"). A StopGradient input ends the walk there.
+    reduced = ctx.all_reduce(reduce_op, tf.stop_gradient(vector))
     if weight is not None:
       reduced = reduced[:-1] / reduced[-1]
     sizes = [_size(tensors[i].shape.as_list(), symmetric[i])
