@@ -32,6 +32,9 @@ CASE is PARAMS:STEP:
           "thunks": KfacOptimizer with its explicit statistics and inverse
           update thunks, then apply_gradients().
 
+CASE "utils_all_reduce": kfac.utils.all_sum / all_average of a gradient
+in the replica function instead (see run_utils_all_reduce).
+
 Prints one "RESULT {json}" line per case (see distribute_program.compare:
 weights_rel, state_rel, identical, moved, ...; and reduction: the class of
 the strategy's cross-device reductions).
@@ -171,6 +174,40 @@ def run(kfac, strategy, case, info=None):
   return weights, state
 
 
+def run_utils_all_reduce(kfac, strategy):
+  """kfac.utils.all_sum / all_average (kfac 0.2.x helpers) in a replica
+  function: replica r reduces x_r = (r + 1) * w (w a mirrored variable of 3
+  ones) and differentiates loss_r = sum(reduced * (r + 1)) with respect to
+  w. Returns, per helper, each replica's reduced value and gradient."""
+  out = {}
+  with tf.Graph().as_default():
+    if callable(strategy):
+      strategy = strategy()
+    with strategy.scope():
+      w = tf.Variable(np.ones(3, np.float32))
+
+    def step(helper):
+      rid = tf.cast(tf.distribute.get_replica_context()
+                    .replica_id_in_sync_group, tf.float32)
+      reduced = helper(tf.convert_to_tensor(w) * (rid + 1.0))
+      loss = tf.reduce_sum(reduced * (rid + 1.0))
+      return reduced, tf.gradients(loss, [w])[0]
+
+    fetches = {}
+    for name in ("all_sum", "all_average"):
+      helper = getattr(kfac.utils, name)
+      values, grads = strategy.extended.call_for_each_replica(
+          step, args=(helper,))
+      fetches[name] = (list(strategy.experimental_local_results(values)),
+                       list(strategy.experimental_local_results(grads)))
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for name, (values, grads) in fetches.items():
+        out[name] = dict(values=[v.tolist() for v in sess.run(values)],
+                         grads=[g.tolist() for g in sess.run(grads)])
+  return out
+
+
 def main(argv):
   world = argv[1]
   if world == "legacy":
@@ -188,6 +225,11 @@ def main(argv):
   else:
     raise ValueError(world)
   for case in argv[2:]:
+    if case == "utils_all_reduce":
+      print("RESULT " + json.dumps(dict(
+          case=case, world=world, **run_utils_all_reduce(kfac, strategy))),
+            flush=True)
+      continue
     info = {}
     single = run(kfac, None, case)
     many = run(kfac, strategy, case, info)

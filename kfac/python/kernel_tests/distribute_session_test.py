@@ -25,9 +25,11 @@ function, every replica's optimizer's copy) bit-identical, and the weights
 moved (> 0.05).
 """
 
+import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kfac.python.kernel_tests import distribute_test
@@ -77,3 +79,27 @@ def test_tf1_session_steps_equal_one_replica(world):
   disable_v2_behavior; "eager": the strategy made eagerly (collective ops),
   as a control."""
   check(run_program(world, _CASES), world)
+
+
+@pytest.mark.parametrize("world", ["graph", "legacy", "eager"])
+def test_utils_all_reduce_values_and_gradients(world):
+  """kfac.utils.all_sum / all_average (kfac 0.2.x helpers) hit the same
+  TensorFlow check; they must stay differentiable. Replica r reduces
+  x_r = (r + 1) w with w = ones(3) and differentiates
+  loss_r = sum(reduced * (r + 1)): the sum is 3 w with gradient
+  (sum of upstream 1 + 2) * (r + 1) = 3 (r + 1), the average 1.5 w with
+  gradient 1.5 (r + 1) (the reduction of the replicas' upstream gradients,
+  TensorFlow's own all_reduce gradient, which "eager" uses)."""
+  proc = subprocess.run(_PROGRAM + [world, "utils_all_reduce"],
+                        env=distribute_test.env(), capture_output=True,
+                        text=True, timeout=900, check=False,
+                        cwd=distribute_test._ROOT)  # pylint: disable=protected-access
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-4000:]
+  result = json.loads(lines[0][len("RESULT "):])
+  for name, total in (("all_sum", 3.0), ("all_average", 1.5)):
+    for r in range(2):
+      np.testing.assert_allclose(result[name]["values"][r], [total] * 3,
+                                 rtol=1e-6)
+      np.testing.assert_allclose(result[name]["grads"][r],
+                                 [total * (r + 1)] * 3, rtol=1e-6)

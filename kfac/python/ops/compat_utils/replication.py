@@ -62,13 +62,52 @@ def generate_random_signs(shape, dtype=tf.float32):
   return 2 * tf.cast(ints, dtype) - 1
 
 
+def _all_reduce(op, structure):
+  """`structure` reduced over the replicas, differentiable: the gradient of
+  each replica's input is the same reduction of the replicas' gradients of
+  the output (as TensorFlow's own all_reduce gradient).
+
+  TensorFlow wraps a replica context's all_reduce in a tf.custom_gradient
+  whose graph-mode check walks back from the result to the variables it
+  depends on. Where it reduces by ReductionToOneDevice (a MirroredStrategy
+  made in a tf.Graph, or after disable_v2_behavior) every replica's result
+  depends on every replica's input, and that walk failed on the other
+  replicas' variables ("grad_fn must accept keyword argument 'variables'").
+  Here the reductions take StopGradient inputs, and the gradient is our own.
+  """
+  ctx = _replica_context()
+  flat = tf.nest.flatten(structure)
+  floating = [i for i, t in enumerate(flat)
+              if tf.as_dtype(t.dtype).is_floating]
+  out = list(flat)
+  others = [i for i in range(len(flat)) if i not in floating]
+  if others:
+    reduced = ctx.all_reduce(op, [tf.stop_gradient(flat[i]) for i in others])
+    for i, value in zip(others, reduced):
+      out[i] = value
+
+  @tf.custom_gradient
+  def reduce_floating(*tensors):
+    def grad(*upstream):
+      return ctx.all_reduce(op, [
+          tf.zeros_like(t) if g is None else tf.stop_gradient(g)
+          for t, g in zip(tensors, upstream)])
+    return ctx.all_reduce(op, [tf.stop_gradient(t) for t in tensors]), grad
+
+  if floating:
+    reduced = reduce_floating(*[flat[i] for i in floating])
+    for i, value in zip(floating, tf.nest.flatten(reduced)):
+      out[i] = value
+  return tf.nest.pack_sequence_as(structure, out)
+
+
 def all_sum(structure, name=None):
   """Sums a nested structure of tensors over the replicas (identity when
   not replicated)."""
   del name
   if not is_replicated():
     return structure
-  return _replica_context().all_reduce(tf.distribute.ReduceOp.SUM, structure)
+  return _all_reduce(tf.distribute.ReduceOp.SUM, structure)
 
 
 def all_average(structure, name=None):
@@ -77,7 +116,7 @@ def all_average(structure, name=None):
   del name
   if not is_replicated():
     return structure
-  return _replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, structure)
+  return _all_reduce(tf.distribute.ReduceOp.MEAN, structure)
 
 
 def map_gather(thunks, name=None):
