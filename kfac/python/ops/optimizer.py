@@ -561,8 +561,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     # A dense weight gradient x^T d that its block may precondition
     # through x and d is checked through them, so that the product is not
     # computed for the check alone (factored_grads/match.py): finite x and
-    # d give a finite product unless it overflows, and an update that
-    # overflows is caught by the update's own check.
+    # d give a finite product unless its sums overflow; such a step is
+    # then judged by its update's own check.
     operands = (self._require_estimator().gradient_operands(grads_and_vars)
                 if self._gradients_read_once() else {})
     for grad, var in grads_and_vars:
