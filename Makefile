@@ -10,7 +10,7 @@
 #   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
 #                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
 #                  (about 6 minutes; plots in adaptive_autoencoder_results/)
-#   make bench     the benchmark suite into bench_results/ (about 90 minutes): time and
+#   make bench     the benchmark suite into bench_results/ (about 95 minutes): time and
 #                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
@@ -18,8 +18,8 @@
 #                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam
 #   make bench-step  only the step time against the old kfac 0.2.4 and SGD
 #                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
-#                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; about
-#                  25 minutes on a quiet 2-core machine); BENCH_STEP_FLAGS adds flags,
+#                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
+#                  minutes on the loaded 2-core dev machine); BENCH_STEP_FLAGS adds flags,
 #                  e.g. BENCH_STEP_FLAGS=--threads=1 for CPU times on a loaded machine
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #   make data      best-effort offline Fashion-MNIST for Keras
