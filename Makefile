@@ -10,12 +10,17 @@
 #   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
 #                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
 #                  (about 6 minutes; plots in adaptive_autoencoder_results/)
-#   make bench     the benchmark suite into bench_results/ (about 65 minutes): time and
+#   make bench     the benchmark suite into bench_results/ (about 95 minutes): time and
 #                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
 #                  ms/step vs the old kfac 0.2.4; ms/step and loss vs kfac-jax
 #                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam
+#   make bench-step  only the step time against the old kfac 0.2.4 and SGD
+#                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
+#                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
+#                  minutes on the loaded 2-core dev machine); BENCH_STEP_FLAGS adds flags,
+#                  e.g. BENCH_STEP_FLAGS=--threads=1 for CPU times on a loaded machine
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make test-tf215  the Estimator / TPUEstimator tests and a core subset under
@@ -40,7 +45,7 @@ FMNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
 export TF_CPP_MIN_LOG_LEVEL := 2
 
 .PHONY: all venv venv-tf215 test-tf215 data test test-slow test-all demo demo-autoencoder \
-        demo-convnet demo-rnn demo-keras demo-adaptive bench bench-tune clean \
+        demo-convnet demo-rnn demo-keras demo-adaptive bench bench-step bench-tune clean \
         distclean
 
 all: test
@@ -182,6 +187,12 @@ bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
+
+BENCH_STEP_FLAGS :=
+
+bench-step: venv data $(OLD_KFAC_STAMP)
+	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
+	  --output_dir=$(BENCH_OUT) $(BENCH_STEP_FLAGS)
 
 bench-tune: venv data
 	$(VPY) examples/benchmarks/time_to_target.py --tune --output_dir=$(BENCH_OUT)

@@ -293,7 +293,8 @@ class TFRunner(object):
 
   def step(self, i):
     if self.session is not None:
-      self.session.run(self.train_op,
+      # The loss fetched with the step, as Session training loops do.
+      self.session.run([self.train_op, self.loss],
                        {self.x: self.feeds[i % self.num_batches]})
     else:
       self.last = self.train_step(self.batches[i % self.num_batches])

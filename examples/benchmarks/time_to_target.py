@@ -25,7 +25,9 @@ runs (sgd, adam) at the end of the budget; the table gives for every run
 the training seconds and steps until its evaluation loss first reached it,
 its ms/step and the ratio to SGD's. Losses are evaluated on a fixed subset
 of the training set every --eval_every steps; evaluation time is not
-training time.
+training time. Every training step also returns its loss, as training loops
+do (Session: session.run([train_op, loss]); tf.function: the step returns
+the loss and the loop reads it).
 
 Hyperparameters: DEFAULTS below, chosen with --tune, which runs every point
 of GRIDS alone for --tune_seconds and keeps the lowest final loss (written to
@@ -208,7 +210,10 @@ class SessionBackend(_Backend):
     self.sess.run(init)
 
   def train(self, batch):
-    self.sess.run(self.train_op, {self.x: batch[0], self.y: batch[1]})
+    # The loss fetched with the step, as training loops do.
+    _, loss = self.sess.run([self.train_op, self.loss],
+                            {self.x: batch[0], self.y: batch[1]})
+    return float(loss)
 
   def evaluate(self):
     return float(self.sess.run(self.loss, {self.x: self.eval_batch[0],
@@ -236,8 +241,9 @@ class FunctionBackend(_Backend):
       lc = kfac.LayerCollection()  # a new collection on every trace
       logits = workload.forward(x, variables, lc)
       workload.register_loss(lc, logits, y)
-      opt.minimize(workload.loss(y, logits, variables), var_list=var_list,
-                   layer_collection=lc)
+      loss = workload.loss(y, logits, variables)
+      opt.minimize(loss, var_list=var_list, layer_collection=lc)
+      return loss
 
     @tf.function(autograph=False)
     def loss(x, y):
@@ -252,7 +258,7 @@ class FunctionBackend(_Backend):
                                      tf.TensorSpec(y.shape, y.dtype))
 
   def train(self, batch):
-    self._train_step(*batch)
+    return float(self._train_step(*batch))  # the loss read every step
 
   def evaluate(self):
     return float(self._loss(*self.eval_batch))

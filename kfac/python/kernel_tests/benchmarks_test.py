@@ -21,6 +21,12 @@ fast anything is.
   strategies agree, "auto" picks the smaller memory; tables and plots.
 * side_by_side with a fake backend (~10 s): a step that raises
   InvalidArgumentError ends that run with a NaN loss, the others go on.
+* autoencoder_step_time.py at batch 16 with blocks of 2 steps, SGD and this
+  kfac in TF2 behaviour and in legacy mode (~2 min): both ways of running
+  a step (train_op only, train_op + loss) are timed for every
+  configuration, ratios are taken within a behaviour, the old library's
+  configurations are skipped with a note when it is not installed, and
+  the table, JSON and plot are written.
 """
 
 import json
@@ -303,3 +309,33 @@ def test_ekfac_bench_quick(tmp_path):
                   "against positions", "3x3 convolution"):
     assert heading in text and heading in stdout
   assert "total wall time" in stdout
+
+
+def test_autoencoder_step_time_small(tmp_path):
+  stdout = _run("autoencoder_step_time.py", [
+      "--batch_sizes=16", "--invert_every=2", "--rounds=1",
+      "--blocks_per_round=2", "--warmup_blocks=1",
+      "--old_kfac_path=%s" % (tmp_path / "no_old_kfac"),
+      "--configs=sgd_momentum,kfac_old_session,kfac_session,"
+      "sgd_momentum_legacy,kfac_session_legacy"], tmp_path)
+  with open(tmp_path / "autoencoder_step_time.json") as f:
+    results = json.load(f)
+  assert results["skipped"] == ["kfac_old_session"]
+  assert "note: kfac_old_session skipped" in stdout
+  rows = {r["config"]: r for r in results["rows"]}
+  assert sorted(rows) == ["kfac_session", "kfac_session_legacy",
+                          "sgd_momentum", "sgd_momentum_legacy"]
+  for name, row in rows.items():
+    assert row["behaviour"] == ("legacy" if "legacy" in name else "TF2")
+    for way in ("train_op", "train_op+loss"):
+      timing = row[way]
+      assert 0 < timing["q25_ms"] <= timing["median_ms"] <= timing["q75_ms"]
+      assert timing["cpu_ms"] > 0 and timing["ratio_to_old"] is None
+      sgd = "sgd_momentum_legacy" if "legacy" in name else "sgd_momentum"
+      assert timing["ratio_to_sgd"] == pytest.approx(
+          timing["median_ms"] / rows[sgd][way]["median_ms"])
+    assert min(row["first_run_s"].values()) > 0 and math.isfinite(row["loss"])
+  text = (tmp_path / "autoencoder_step_time.md").read_text()
+  assert "| train_op + loss ms/step |" in text
+  assert "| kfac_session_legacy | legacy |" in text
+  _png(tmp_path / "autoencoder_step_time_b16.png")

@@ -2,13 +2,17 @@
 (factored_grads): which graphs match, which form is chosen, and that
 training takes the same values as the plain product (float64, rtol 1e-12)
 in a TF1 Session and in a tf.function, with fixed and with adaptive K-FAC,
-static and run-time batch sizes on both sides of the cost limit."""
+static and run-time batch sizes on both sides of the cost limit. Where
+nothing else reads a gradient, its product x^T d is computed only when
+the plain form is taken (the guard checks x and d), and a non-finite d
+still skips the step."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kfac
+from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.ops import factored_grads
 from kfac.python.ops import recipe
 
@@ -234,10 +238,115 @@ def test_block_uses_the_factored_form(monkeypatch):
   calls = []
   real = factored_grads.prefer_factored
 
-  def spy(x, d, factored, plain):
+  def spy(x, d, factored, plain, plain_in_branch=None):
     calls.append((x, d))
-    return real(x, d, factored, plain)
+    return real(x, d, factored, plain, plain_in_branch)
 
   monkeypatch.setattr(factored_grads, "prefer_factored", spy)
   _train_tf1(False, static_batch=False)
   assert len(calls) >= len(SIZES) - 1
+
+
+# ------------------------------------------------------------ unread products
+def test_rebuilt_only_inside_the_context_and_when_unread():
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+    w = tf.Variable(np.ones([4, 3], np.float32))
+    loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)))
+    grad = tf.gradients(loss, [w])[0]
+    assert factored_grads.rebuilt(grad, False) is grad  # no context
+    with factored_grads.gradients_read_only_here():
+      again = factored_grads.rebuilt(grad, False)
+      assert again is not grad and again.op.type == "MatMul"
+      assert factored_grads.product_operands(again) == (
+          factored_grads.product_operands(grad))
+      read = tf.identity(grad)  # now something reads the gradient
+      assert factored_grads.rebuilt(grad, False) is grad
+    fresh = tf.gradients(loss, [w])[0]
+    with factored_grads.gradients_read_only_here(False):
+      assert factored_grads.rebuilt(fresh, False) is fresh
+    del read
+
+
+def _matmul_count(meta):
+  return sum(1 for dev in meta.step_stats.dev_stats
+             for node in dev.node_stats
+             if " = " in node.timeline_label and "MatMul" in
+             node.timeline_label.split(" = ")[1].split("(")[0])
+
+
+def _step_matmuls(read_once, batch, nan_layer=None):
+  """MatMul ops run by the second training step (not an inverse or
+  statistics step) of the SIZES model with a run-time batch, the
+  parameters after it, and the guard's skipped_steps."""
+  rng = np.random.RandomState(0)
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float64, [None, SIZES[0]])
+    variables = _variables(rng)
+    flat = [v for pair in variables for v in pair]
+    lc = kfac.LayerCollection()
+    h = x
+    for i, (w, b) in enumerate(variables):
+      pre = tf.matmul(h, w) + b
+      lc.register_fully_connected((w, b), h, pre)
+      if i == nan_layer:  # a finite value whose gradient is NaN
+        pre = _nan_gradient(pre)
+      h = tf.tanh(pre) if i < len(variables) - 1 else pre
+    lc.register_normal_predictive_distribution(h, var=1.0)
+    opt = kfac.PeriodicInvCovUpdateKfacOpt(
+        layer_collection=lc, invert_every=10, cov_update_every=2,
+        learning_rate=0.1, damping=0.1, momentum=0.9,
+        momentum_type="regular", dtype="float64")
+    if not read_once:
+      opt._gradients_read_once = lambda: False  # pylint: disable=protected-access
+    train = opt.minimize(_loss(x, h), var_list=flat)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      data = rng.randn(batch, SIZES[0])
+      sess.run(train, {x: data})
+      before = sess.run(flat)
+      meta = tf.compat.v1.RunMetadata()
+      sess.run(train, {x: data}, run_metadata=meta,
+               options=tf.compat.v1.RunOptions(
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+      return (_matmul_count(meta), before, sess.run(flat),
+              (sess.run(opt.skipped_steps), variables[2][0].name.split(":")[0]))
+
+
+@tf.custom_gradient
+def _nan_gradient(t):
+  return tf.identity(t), lambda dy: dy * np.nan
+
+
+@pytest.mark.parametrize("control_flow", ["v2", "v1"])
+def test_factored_step_does_not_compute_the_products(control_flow):
+  """At 3 rows every layer takes the factored form: the four weight
+  gradients x^T d are not computed (the guard reads x and d), and the
+  values are those of the step that computes them. With control flow v2
+  and v1 (legacy graphs)."""
+  with util.control_flow(control_flow):
+    count, _, after, _ = _step_matmuls(True, 3)
+    want_count, _, want, _ = _step_matmuls(False, 3)
+  assert count == want_count - (len(SIZES) - 1), (count, want_count)
+  for a, b in zip(after, want):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+  # At 100 rows (plain form) the products are computed once either way.
+  with util.control_flow(control_flow):
+    count, _, after, _ = _step_matmuls(True, 100)
+    want_count, _, want, _ = _step_matmuls(False, 100)
+  assert count == want_count, (count, want_count)
+  for a, b in zip(after, want):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("batch", [3, 100])
+def test_guard_skips_a_step_whose_d_is_not_finite(batch, capfd):
+  """A NaN in a layer's output gradient d (the loss stays finite) makes
+  its weight gradient non-finite: the step is skipped, and the warning
+  names that gradient, whether the guard read the product (plain form)
+  or its operands (factored form)."""
+  _, before, after, (skipped, name) = _step_matmuls(True, batch, nan_layer=2)
+  assert skipped == 2  # both steps
+  for a, b in zip(after, before):
+    np.testing.assert_array_equal(a, b)
+  assert "gradient of %s," % name in capfd.readouterr().err

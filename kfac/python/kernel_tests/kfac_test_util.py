@@ -1,5 +1,7 @@
 """Tiny models registered with kfac, shared by the tests."""
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -58,3 +60,20 @@ def estimator_stages(store, lc, variables, mode, damping=1e-2, exps=(-1,),
       state_store=store, **kwargs)
   (_, cov_op, _, inv_op, _, _) = est.make_vars_and_create_ops()
   return est, [cov_op, inv_op]
+
+
+@contextlib.contextmanager
+def control_flow(version):
+  """Builds tf.cond / tf.while_loop with control flow "v1" (as graphs built
+  after tf.compat.v1.disable_v2_behavior() do) or "v2" (the default) inside
+  the block; the process-wide toggle is restored after it."""
+  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
+  if version == "v1":
+    tf.compat.v1.disable_control_flow_v2()
+  elif version != "v2":
+    raise ValueError("control flow 'v1' or 'v2', got %r" % (version,))
+  try:
+    yield version
+  finally:
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved

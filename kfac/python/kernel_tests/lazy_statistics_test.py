@@ -1,6 +1,9 @@
 """The statistics' backward pass runs only on the steps that update them
 (lazy.recompute_in_branch, FisherEstimator with cov_update_every > 1), and
-the results equal those of the pass built outside the conditional."""
+the results equal those of the pass built outside the conditional. Also
+with TF1's control flow v1 (the tf.cond of graphs built after
+tf.compat.v1.disable_v2_behavior(); switched here with the process-wide
+toggle, restored after each test)."""
 
 import contextlib
 
@@ -31,8 +34,15 @@ def _executed_types(graph, meta):
   return types
 
 
+@pytest.fixture(params=["v2", "v1"])
+def control_flow(request):
+  """Runs a test with control flow v2 (the default) and v1."""
+  with util.control_flow(request.param) as version:
+    yield version
+
+
 # ------------------------------------------------------------ the context
-def test_recompute_in_branch_tf1_runs_only_when_taken():
+def test_recompute_in_branch_tf1_runs_only_when_taken(control_flow):
   with tf.Graph().as_default() as g:
     x = tf.compat.v1.placeholder(tf.float64, [None])
     pred = tf.compat.v1.placeholder(tf.bool, [])
@@ -46,6 +56,7 @@ def test_recompute_in_branch_tf1_runs_only_when_taken():
 
     out = tf.cond(pred, branch, lambda: tf.zeros_like(x))
     assert built == [1]  # built once, in the branch
+    assert (out.op.type == "Merge") == (control_flow == "v1")
     xv = np.array([0.3, -1.2])
     with tf.compat.v1.Session() as sess:
       for taken in (True, False):
@@ -81,10 +92,13 @@ def test_recompute_in_branch_function_and_no_op_outside_a_branch():
   np.testing.assert_array_equal(run(tf.constant(False))[0].numpy(), [0, 0])
 
 
-def test_recompute_in_branch_first_read_in_a_nested_conditional():
+def test_recompute_in_branch_first_read_in_a_nested_conditional(
+    control_flow):
   """The first read comes through a conditional inside the branch: the
-  values are right either way it is captured."""
-  with tf.Graph().as_default():
+  values are right either way it is captured, and (v1) the outer tensor
+  is not computed."""
+  del control_flow
+  with tf.Graph().as_default() as g:
     x = tf.compat.v1.placeholder(tf.float64, [None])
     pred = tf.compat.v1.placeholder(tf.bool, [])
     outer = tf.tanh(x) * 3.0
@@ -97,10 +111,14 @@ def test_recompute_in_branch_first_read_in_a_nested_conditional():
     out = tf.cond(pred, branch, lambda: tf.zeros_like(x))
     xv = np.array([0.3, -1.2])
     with tf.compat.v1.Session() as sess:
-      np.testing.assert_allclose(sess.run(out, {x: xv, pred: True}),
-                                 np.tanh(xv) * 6 + 1, rtol=1e-15)
-      np.testing.assert_array_equal(sess.run(out, {x: xv, pred: False}),
-                                    [0, 0])
+      for taken in (True, False):
+        meta = tf.compat.v1.RunMetadata()
+        value = sess.run(out, {x: xv, pred: taken}, run_metadata=meta,
+                         options=tf.compat.v1.RunOptions(
+                             trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+        np.testing.assert_allclose(value, np.tanh(xv) * 6 + 1 if taken else 0,
+                                   rtol=1e-15)
+        assert _executed_types(g, meta).count("Tanh") == (1 if taken else 0)
 
 
 # ------------------------------------------------------------ K-FAC
@@ -155,7 +173,8 @@ def _tf1_run(mode, lazy_on, x, labels):
 
 
 @pytest.mark.parametrize("mode", ["gradients", "empirical", "exact"])
-def test_tf1_statistics_backward_only_on_update_steps(mode):
+def test_tf1_statistics_backward_only_on_update_steps(mode, control_flow):
+  del control_flow
   x, labels = util.data(16)
   params, covs, counts = _tf1_run(mode, True, x, labels)
   ref_params, ref_covs, ref_counts = _tf1_run(mode, False, x, labels)

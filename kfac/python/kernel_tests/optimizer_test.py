@@ -395,6 +395,85 @@ def test_scripts_with_v2_behavior_disabled_train_the_same():
   np.testing.assert_allclose(losses["v1"], losses["v2"], rtol=1e-5)
 
 
+_V1_STEP_SCRIPT = r"""
+import collections, numpy as np, sys
+import tensorflow as tf
+if sys.argv[1] == "v1":
+  tf.compat.v1.disable_v2_behavior()
+import kfac
+rng = np.random.RandomState(0)
+sizes = (20, 30, 12, 30, 20)
+with tf.Graph().as_default():
+  tf.compat.v1.set_random_seed(0)
+  x = tf.compat.v1.placeholder(tf.float32, [None, sizes[0]])
+  lc = kfac.LayerCollection()
+  h = x
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    w = tf.compat.v1.get_variable("w%d" % i, initializer=(
+        rng.randn(a, b) / np.sqrt(a)).astype(np.float32))
+    bias = tf.compat.v1.get_variable("b%d" % i, initializer=np.zeros(
+        b, np.float32))
+    pre = tf.matmul(h, w) + bias
+    lc.register_fully_connected((w, bias), h, pre)
+    h = tf.tanh(pre) if i < len(sizes) - 2 else pre
+  lc.register_normal_predictive_distribution(h, var=1.0)
+  loss = 0.5 * tf.reduce_mean(tf.reduce_sum(tf.square(h - x), 1))
+  opt = kfac.PeriodicInvCovUpdateKfacOpt(
+      layer_collection=lc, invert_every=3, cov_update_every=2,
+      learning_rate=0.05, damping=0.1, momentum=0.9, momentum_type="regular")
+  train = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+  data = rng.randn(4, sizes[0]).astype(np.float32)
+  with tf.compat.v1.Session() as sess:
+    sess.run(tf.compat.v1.global_variables_initializer())
+    losses, products = [], []
+    for step in range(6):
+      meta = tf.compat.v1.RunMetadata()
+      value = sess.run([train, loss], {x: data}, run_metadata=meta,
+                       options=tf.compat.v1.RunOptions(
+                           trace_level=tf.compat.v1.RunOptions.FULL_TRACE))[1]
+      losses.append("%.7f" % value)
+      products.append(str(sum(
+          1 for d in meta.step_stats.dev_stats for n in d.node_stats
+          if " = " in n.timeline_label and
+          "MatMul" in n.timeline_label.split(" = ")[1].split("(")[0])))
+    print(" ".join(losses))
+    print(" ".join(products))
+"""
+
+
+@pytest.mark.slow  # subprocesses with v2 behaviour disabled
+def test_v2_behavior_disabled_step_runs_the_same_products():
+  """Under disable_v2_behavior() (control flow v1, reference variables, v1
+  shapes) a step with a run-time batch computes what it computes with TF2
+  behaviour: the same losses, and the same matrix products per step (the
+  statistics' backward pass only on update steps, no weight-gradient
+  product where the factored form runs)."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(__import__("pathlib").Path(kfac.__file__).parents[1])] +
+      [p for p in [env.get("PYTHONPATH")] if p])
+  out = {}
+  for mode in ("v1", "v2"):
+    proc = subprocess.run([sys.executable, "-c", _V1_STEP_SCRIPT, mode],
+                          env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()[-2:]
+    out[mode] = ([float(v) for v in lines[0].split()],
+                 [int(v) for v in lines[1].split()])
+  (losses_v1, products_v1), (losses_v2, products_v2) = out["v1"], out["v2"]
+  assert losses_v1[-1] < losses_v1[0]
+  np.testing.assert_allclose(losses_v1, losses_v2, rtol=1e-5)
+  assert products_v1 == products_v2, (products_v1, products_v2)
+  # Steps 0, 2, 4 update the statistics (and 0, 3 the inverses); 1 and 5
+  # run neither: forward 4, backward 3 + 0 weight products (factored), the
+  # factored preconditioning 3 per layer.
+  assert products_v1[1] == products_v1[5] == 4 + 3 + 3 * 4, products_v1
+
+
 @pytest.mark.parametrize("cls", [kfac.LayerCollection, kfac.KfacOptimizer,
                                  kfac.PeriodicInvCovUpdateKfacOpt,
                                  kfac.estimator.FisherEstimator])

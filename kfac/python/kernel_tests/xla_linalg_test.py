@@ -7,7 +7,8 @@
   (a spy on xla_linalg), and keep the float64 fallback there; without XLA,
   damped_inverse builds it (blocks of linalg.CPU_BLOCK_SIZE) for static
   matrices wider than linalg.CPU_BLOCKED_MIN, eagerly, in a tf.function and
-  in a TF1 graph, with numpy's values (float64 1e-10, float32 1e-5);
+  in a TF1 graph, with numpy's values (float64 1e-10, float32 1e-5); its
+  float64 fallback there is cholesky_solve, as accurate;
 * a TF2 K-FAC step whose factors exceed the base size takes the same steps
   with jit_compile=True as without (rtol 1e-5, float32), through the
   blocked path (distribute_options_test.py compares small factors);
@@ -169,9 +170,9 @@ def test_wide_damped_inverse_is_blocked_without_xla(dtype, monkeypatch):
     out = linalg.damped_inverse(tf.constant(_spd(n).astype(dtype)), damping)
     with tf.compat.v1.Session() as sess:
       _close(sess.run(out), want, tol)
-  # float64: one build per call; float32 graphs also build the float64
-  # fallback copy (eagerly only the branch taken runs): 1 + 2 + 2.
-  assert spy.calls == (3 if dtype == np.float64 else 5), spy.calls
+  # One blocked build per call: float32 graphs build their float64
+  # fallback with cholesky_solve (fewer graph nodes), see below.
+  assert spy.calls == 3, spy.calls
   # At the limit and with a run-time shape: the library kernels.
   before = spy.calls
   linalg.damped_inverse(tf.constant(_spd(linalg.CPU_BLOCKED_MIN)), damping)
@@ -179,6 +180,31 @@ def test_wide_damped_inverse_is_blocked_without_xla(dtype, monkeypatch):
               input_signature=[tf.TensorSpec([None, None], tf.float64)]
              ).get_concrete_function()
   assert spy.calls == before
+
+
+def test_wide_float32_fallback_without_xla_is_cholesky_solve(monkeypatch):
+  """Without XLA an ill-conditioned wide float32 factor is inverted in
+  float64 by cholesky_solve (the blocked recursion is built for the float32
+  attempt only), keeping float32 accuracy; in a TF1 graph too."""
+  n = linalg.CPU_BLOCKED_MIN + 7
+  rng = np.random.RandomState(22)
+  q, _ = np.linalg.qr(rng.randn(n, n))
+  m32 = ((q * np.logspace(6, 0, n)) @ q.T).astype(np.float32)
+  damping = 1e-6
+  assert linalg._float32_is_unsafe(tf.constant(m32), damping).numpy()
+  want = np.linalg.inv(m32.astype(np.float64) + damping * np.eye(n))
+  spy = _Spy(monkeypatch)
+  inv = tf.function(lambda m: linalg.damped_inverse(m, damping))(
+      tf.constant(m32))
+  with tf.Graph().as_default():
+    out = linalg.damped_inverse(tf.constant(m32), damping)
+    with tf.compat.v1.Session() as sess:
+      inv_tf1 = sess.run(out)
+  assert spy.calls == 2, spy.calls  # the float32 attempt of each graph
+  for got in (inv.numpy(), inv_tf1):
+    assert got.dtype == np.float32
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 1e-6, err
 
 
 def test_use_xla_blocked_decision():

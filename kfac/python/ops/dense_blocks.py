@@ -114,14 +114,32 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
                                                           self._out_damping)
       return tf.matmul(left, right, transpose_a=True)
 
-    def plain():
+    def plain(vec=vector):
       mat = self._input_factor.left_multiply_matpower(
-          self._to_mat(vector), exp, self._in_damping)
+          self._to_mat(vec), exp, self._in_damping)
       return self._output_factor.right_multiply_matpower(mat, exp,
                                                          self._out_damping)
 
-    mat = factored_grads.prefer_factored(x, d, factored, plain)
+    def plain_in_branch():
+      # x^T d again here where nothing else reads the gradient (match.py).
+      return plain(factored_grads.rebuilt(vector, self._has_bias))
+
+    mat = factored_grads.prefer_factored(x, d, factored, plain,
+                                         plain_in_branch)
     return self._from_mat(self._scaled(mat, exp), vector)
+
+  def gradient_operands(self, vector):
+    """(x, d) of the product x^T d that formed the weight gradient in
+    `vector` (W, or (W, b)), when multiply_matpower may precondition it
+    through them without reading the product (a run-time choice or the
+    factored form); else None (the product is read)."""
+    if self._diag_in or self._diag_out:
+      return None
+    pair = factored_grads.gradient_factors(vector, self._has_bias)
+    if pair is None or factored_grads.static_choice(*pair) == "plain":
+      return None
+    return factored_grads.product_operands(
+        vector[0] if self._has_bias else vector)
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     self._make_kronecker_factors(tuple(self._inputs),

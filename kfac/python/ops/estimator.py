@@ -314,6 +314,25 @@ class FisherEstimator:
                        ", ".join(unknown))
     return [(results[var.ref()], var) for _, var in vecs_and_vars]
 
+  def gradient_operands(self, vecs_and_vars):
+    """{weight variable ref: (x, d)} for the dense weight gradients x^T d
+    that their blocks may precondition through x and d without reading
+    the product (FullyConnectedKFACBasicFB.gradient_operands)."""
+    self._finalize()
+    by_ref = {var.ref(): vec for vec, var in vecs_and_vars}
+    found = {}
+    for params, block in self._layers.blocks_and_params():
+      seq = utils.ensure_sequence(params)
+      vec = tuple(by_ref.get(v.ref()) for v in seq)
+      if (not hasattr(block, "gradient_operands") or
+          not all(tf.is_tensor(v) and v.dtype not in _HALF for v in vec)):
+        continue
+      pair = block.gradient_operands(
+          vec if isinstance(params, (list, tuple)) else vec[0])
+      if pair is not None:
+        found[seq[0].ref()] = pair
+    return found
+
   def multiply_inverse(self, vecs_and_vars):
     return self._apply(lambda b, v: b.multiply_inverse(v), vecs_and_vars)
 

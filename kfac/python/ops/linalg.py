@@ -20,7 +20,8 @@ cholesky_solve, which XLA compiles into slow loops (`use_xla_blocked`); the
 float64 fallback is the same. Without XLA, on CPU, damped inverses wider than
 CPU_BLOCKED_MIN rows use the same recursion with blocks of up to
 CPU_BLOCK_SIZE rows (`use_cpu_blocked`): TensorFlow's CPU triangular solves
-(two per cholesky_solve) run far below its matrix products.
+(two per cholesky_solve) run far below its matrix products. Their rare
+float64 fallback there is cholesky_solve (fewer graph nodes).
 """
 
 import tensorflow as tf
@@ -63,12 +64,14 @@ def _float32_is_unsafe(mat, damping):
 
 
 def _with_float64_fallback(fn, mat, damping):
-  """Runs fn(mat, damping) in mat's dtype, or in float64 when that is unsafe."""
+  """Runs fn(mat, damping) in mat's dtype, or in float64 when that is unsafe
+  (then as fn(mat, damping, fallback=True))."""
   if mat.dtype == tf.float64:
     return fn(mat, utils.cast(damping, tf.float64))
 
   def in_float64():
-    out = fn(tf.cast(mat, tf.float64), utils.cast(damping, tf.float64))
+    out = fn(tf.cast(mat, tf.float64), utils.cast(damping, tf.float64),
+             fallback=True)
     return tf.cast(out, mat.dtype)
 
   # float32 when the bound passes, float64 otherwise, and also when the
@@ -104,6 +107,9 @@ def use_xla_blocked(mat):
 # n = 251: 1.4 / 1.3 ms, 501: 9.9 / 5.5, 785: 21.4 / 12.8, 1001: 41.2 /
 # 21.2 (blocks of 128: 1.1-1.6x slower from n = 785; of 32, thousands of
 # small ops, slowed a whole training step).
+# The CPU path's lower_gram (A^-1 = M^T M) takes blocks of CPU_BLOCK_SIZE
+# too: as fast as 128 (1 thread: 25.3 / 25.9 ms at n = 1000, 13.1 / 13.0 at
+# 785, 4.1 / 4.3 at 500) with fewer graph nodes.
 CPU_BLOCKED_MIN = 256
 CPU_BLOCK_SIZE = 256
 
@@ -119,7 +125,8 @@ def use_cpu_blocked(mat):
 
 def damped_cholesky(mat, damping):
   """Lower Cholesky factor L of (mat + damping*I): L L^T = mat + damping*I."""
-  def fn(m, d):
+  def fn(m, d, fallback=False):
+    del fallback
     damped = add_to_diagonal(symmetrize(m), d)
     if use_xla_blocked(damped):
       return xla_linalg.cholesky(damped)
@@ -129,12 +136,16 @@ def damped_cholesky(mat, damping):
 
 def damped_inverse(mat, damping):
   """(mat + damping*I)^-1 through a Cholesky factorization."""
-  def fn(m, d):
+  def fn(m, d, fallback=False):
     damped = add_to_diagonal(symmetrize(m), d)
     if use_xla_blocked(damped):
       return symmetrize(xla_linalg.spd_inverse(damped))
-    if use_cpu_blocked(damped):
-      return symmetrize(xla_linalg.spd_inverse(damped, CPU_BLOCK_SIZE))
+    # The rare float64 fallback takes the few ops of cholesky_solve: the
+    # blocked recursion is some 300 graph nodes per factor, which
+    # TensorFlow prepares (grappler) on the first run of every fetch set.
+    if use_cpu_blocked(damped) and not fallback:
+      return symmetrize(xla_linalg.spd_inverse(damped, CPU_BLOCK_SIZE,
+                                               CPU_BLOCK_SIZE))
     chol = tf.linalg.cholesky(damped)
     eye = tf.eye(tf.shape(m)[-1], dtype=m.dtype)
     return symmetrize(tf.linalg.cholesky_solve(chol, eye))
@@ -143,7 +154,8 @@ def damped_inverse(mat, damping):
 
 def damped_cholesky_inverse(mat, damping):
   """L^-1 where L is the lower Cholesky factor of (mat + damping*I)."""
-  def fn(m, d):
+  def fn(m, d, fallback=False):
+    del fallback
     damped = add_to_diagonal(symmetrize(m), d)
     if use_xla_blocked(damped):
       return xla_linalg.cholesky_inverse(damped)

@@ -49,6 +49,7 @@ from kfac.python.ops import adaptive
 from kfac.python.ops import damping as damping_lib
 from kfac.python.ops import estimation_modes
 from kfac.python.ops import estimator as est_lib
+from kfac.python.ops import factored_grads
 from kfac.python.ops import state
 from kfac.python.ops import utils
 from kfac.python.ops.compat_utils import legacy_constants
@@ -566,9 +567,30 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     loss = self._passed_loss
     if loss is not None and not collective.is_distributed():
       checks.add("loss", [loss])
+    # A dense weight gradient x^T d that its block may precondition
+    # through x and d is checked through them, so that the product is not
+    # computed for the check alone (factored_grads/match.py): finite x and
+    # d give a finite product unless its sums overflow; such a step is
+    # then judged by its update's own check.
+    operands = (self._require_estimator().gradient_operands(grads_and_vars)
+                if self._gradients_read_once() else {})
     for grad, var in grads_and_vars:
-      checks.add("gradient of " + utils.variable_name(var), [grad])
+      pair = operands.get(var.ref())
+      checks.add("gradient of " + utils.variable_name(var),
+                 [grad] if pair is None else list(pair))
     return checks
+
+  def _gradients_read_once(self):
+    """Whether nothing in the step but the preconditioning reads the
+    gradients (momentum "regular" without the norm constraint, norm
+    statistics, damping model or cross-replica sums): then the dense
+    blocks need not compute a weight gradient that they can precondition
+    through the operands of its product (factored_grads/match.py)."""
+    return (self._momentum_type == "regular" and
+            self._norm_constraint is None and
+            not self._compute_norm_stats and
+            not self._uses_damping_model and
+            not collective.is_distributed())
 
   def _prepare(self, grads_and_vars, layer_collection=None):
     """Checks the graph mode and the variables; densifies the gradients
@@ -641,7 +663,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     est = self._require_estimator()
     update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
     if self._momentum_type == "regular":
-      precon = est.multiply_inverse(grads_and_vars)
+      with factored_grads.gradients_read_only_here(
+          self._gradients_read_once()):
+        precon = est.multiply_inverse(grads_and_vars)
       if self._norm_constraint is not None:
         precon = self._clip_updates(grads_and_vars, precon)
       steps = self._new_velocities(precon, self._momentum, update)

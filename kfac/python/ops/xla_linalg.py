@@ -59,30 +59,34 @@ def _blocks(m11, m21, m22, upper_right=None):
                     tf.concat([m21, m22], 1)], 0)
 
 
-def _chol_and_inverse(mat, base_size):
+def _chol_and_inverse(mat, base_size, want_chol=True):
+  """(L, L^-1); L is None unless `want_chol` (not assembled: fewer graph
+  nodes where only L^-1 is used)."""
   n = _rows(mat)
   if n <= base_size:
     chol = tf.linalg.cholesky(mat)
     eye = tf.eye(n, dtype=mat.dtype)
     return chol, tf.linalg.triangular_solve(chol, eye, lower=True)
   k = n // 2
-  l11, m11 = _chol_and_inverse(mat[:k, :k], base_size)
+  l11, m11 = _chol_and_inverse(mat[:k, :k], base_size, want_chol)
   l21 = tf.matmul(mat[k:, :k], m11, transpose_b=True)
   schur = mat[k:, k:] - tf.matmul(l21, l21, transpose_b=True)
-  l22, m22 = _chol_and_inverse(schur, base_size)
+  l22, m22 = _chol_and_inverse(schur, base_size, want_chol)
   m21 = -tf.matmul(m22, tf.matmul(l21, m11))
-  return _blocks(l11, l21, l22), _blocks(m11, m21, m22)
+  chol = _blocks(l11, l21, l22) if want_chol else None
+  return chol, _blocks(m11, m21, m22)
 
 
-def cholesky_and_inverse(mat, base_size=BASE_SIZE):
+def cholesky_and_inverse(mat, base_size=BASE_SIZE, want_chol=True):
   """(L, L^-1) with L the lower Cholesky factor of the SPD matrix `mat`
-  (only its lower triangle is read). A matrix that is not positive definite
-  gives non-finite values, as tf.linalg.cholesky does on CPU."""
+  (only its lower triangle is read); (None, L^-1) with want_chol=False. A
+  matrix that is not positive definite gives non-finite values, as
+  tf.linalg.cholesky does on CPU."""
   mat = tf.convert_to_tensor(mat)
   _static_order(mat, "cholesky_and_inverse")
   if int(base_size) < 1:
     raise ValueError("base_size must be at least 1, got %r." % (base_size,))
-  return _chol_and_inverse(mat, int(base_size))
+  return _chol_and_inverse(mat, int(base_size), want_chol)
 
 
 def cholesky(mat, base_size=BASE_SIZE):
@@ -92,7 +96,7 @@ def cholesky(mat, base_size=BASE_SIZE):
 
 def cholesky_inverse(mat, base_size=BASE_SIZE):
   """L^-1 for the lower Cholesky factor L of the SPD matrix `mat`."""
-  return cholesky_and_inverse(mat, base_size)[1]
+  return cholesky_and_inverse(mat, base_size, want_chol=False)[1]
 
 
 def _gram(m, base_size):
@@ -117,6 +121,6 @@ def lower_gram(m, base_size=GRAM_BASE_SIZE):
   return _gram(tf.linalg.band_part(m, -1, 0), int(base_size))
 
 
-def spd_inverse(mat, base_size=BASE_SIZE):
+def spd_inverse(mat, base_size=BASE_SIZE, gram_base_size=GRAM_BASE_SIZE):
   """mat^-1 = L^-T L^-1 of the SPD matrix `mat` (lower triangle read)."""
-  return lower_gram(cholesky_inverse(mat, base_size))
+  return lower_gram(cholesky_inverse(mat, base_size), gram_base_size)

@@ -15,9 +15,16 @@ conditional that updates them. `build()` must compute the same values as
 the outer tensors (for K-FAC: `tf.gradients` of the same sampled losses,
 whose random draws stay outside the branch, so that they are the same).
 
-Outside a function graph (eager, a TF1 graph with TF1 control flow) the
-context does nothing and the outer tensors are read as usual: correct, just
-not lazy.
+In a branch of a TF1 (control flow v1) `tf.cond` (a graph built after
+`tf.compat.v1.disable_v2_behavior()`) the same happens through the branch's
+`CondContext`: an op in the branch reads an outer tensor through
+`CondContext.AddValue` (which would insert a Switch); for `tensors`, the
+branch's counterpart from `build()` is returned instead, built once in the
+branch's context, also when the first read comes from a conditional nested
+in it.
+
+Elsewhere (eager, a graph outside any conditional) the context does
+nothing and the outer tensors are read as usual: correct, just not lazy.
 """
 
 import contextlib
@@ -44,6 +51,10 @@ def recompute_in_branch(tensors, build):
   """
   graph = tf.compat.v1.get_default_graph()
   index = {t.ref(): i for i, t in enumerate(tensors)}
+  if index and not isinstance(graph, _func_graph_class()):
+    with _in_v1_cond_branch(graph, index, build):
+      yield
+    return
   if (not index or not isinstance(graph, _func_graph_class()) or
       getattr(graph, "_kfac_recompute_hook", False) or
       all(t.graph is graph for t in tensors)):
@@ -74,3 +85,45 @@ def recompute_in_branch(tensors, build):
   finally:
     del graph.capture
     del graph._kfac_recompute_hook  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def _in_v1_cond_branch(graph, index, build):
+  """recompute_in_branch for a branch of a control flow v1 tf.cond (see the
+  module docstring); does nothing elsewhere."""
+  # pylint: disable=protected-access
+  context = graph._get_control_flow_context()
+  if (context is None or not context.IsCondContext() or
+      "AddValue" in vars(context)):  # not in a branch, or hooked already
+    yield
+    return
+  original = context.AddValue
+  built = []
+
+  def add_value(val):
+    i = index.get(val.ref()) if hasattr(val, "ref") else None
+    if i is not None:
+      if not built:
+        built.append(None)  # re-entrant reads during build() pass by
+        current = graph._get_control_flow_context()
+        # In this branch's context (also when the first read comes from a
+        # conditional nested in it), without the control inputs of the op
+        # being built (they may live in a nested branch).
+        with tf.control_dependencies(None):
+          graph._set_control_flow_context(context)
+          try:
+            built[0] = list(build())
+          finally:
+            graph._set_control_flow_context(current)
+      replacement = built[0][i] if built[0] is not None else None
+      if replacement is not None:
+        return replacement
+    return original(val)
+
+  # An attribute of this context object only (the class is untouched).
+  context.AddValue = add_value
+  try:
+    yield
+  finally:
+    del context.AddValue
+  # pylint: enable=protected-access
