@@ -19,7 +19,12 @@ import sys
 def read_logs(paths):
   seen = collections.defaultdict(set)
   for path in paths:
-    with open(path, encoding="utf-8") as f:
+    try:
+      f = open(path, encoding="utf-8")
+    except FileNotFoundError:
+      raise SystemExit("check_all_ran: FAILED: no run log %s (its tier did "
+                       "not run)" % path) from None
+    with f:
       for number, line in enumerate(f, 1):
         line = line.rstrip("\n")
         if not line:

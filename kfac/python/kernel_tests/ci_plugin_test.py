@@ -196,6 +196,8 @@ def test_check_all_ran_fails_on_a_test_that_did_not_pass(tmp_path):
   assert checker.check([str(log)], io.StringIO()) == 1
   log.write_text("collected a.py::t1\npassed a.py::t1\n")
   assert checker.check([str(log)], io.StringIO()) == 0
+  with pytest.raises(SystemExit, match="no run log .*did not run"):
+    checker.check([str(log), str(tmp_path / "missing.txt")], io.StringIO())
   log.write_text("ran a.py::t1\n")
   with pytest.raises(SystemExit, match="not a run log line"):
     checker.check([str(log)], io.StringIO())
