@@ -28,6 +28,7 @@ and each tier's passed tests, and .ci/check_all_ran.py fails unless every
 collected test passed in one of the tiers.
 """
 
+import gc
 import importlib.util
 import time
 
@@ -62,6 +63,19 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   if not hasattr(config, "workerinput"):  # not in a pytest-xdist worker
     config.pluginmanager.register(_Recorder(config), "kfac_ci_recorder")
+
+
+# ------------------------------------------------------------ speed
+def pytest_collection_finish(session):
+  """What the collection imported (TensorFlow, Keras, the tests) is frozen
+  out of the garbage collector's sweeps, and the youngest generation is
+  swept less often: building TF graphs makes many short-lived objects, and
+  the sweeps took about 8% of the tests' CPU time (measured 12.9 s of 161
+  s on two test files; 6.3 s after this). Nothing here changes a test."""
+  del session
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(20000, 20, 20)
 
 
 # ------------------------------------------------------------- no skips
