@@ -325,6 +325,7 @@ def test_tf2_minimize_loss_tensor_equals_apply_gradients():
     opt_a.minimize(tf.constant(1.0), a.trainable_variables)
 
 
+@pytest.mark.slow  # the Keras 3 test's mixin code, traced by tf_keras
 def test_tf2_tf_keras_minimize_loss_tensor():
   # The same mixin code as Keras 3 above; one trace (tf_keras traces slowly).
   cls = optimizers.kfac_class(legacy=True)
@@ -410,6 +411,7 @@ def test_graph_model_fit_and_session_loop():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # end to end: HDF5 save / load
 def test_graph_hdf5_save_and_load_continue_alike(tmp_path):
   from kfac.python.keras import saving_utils  # pylint: disable=g-import-not-at-top
   path = str(tmp_path / "model.h5")
