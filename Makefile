@@ -1,6 +1,10 @@
 # Developer entry points for kfac.
 #   make test      create .venv (first time only) and run the fast test tier
-#   make test-slow the slow tier only; make test-all: both tiers
+#                  (under 8 minutes on 2 cores; prints the 25 slowest tests)
+#   make test-slow the slow tier only (TEST_WORKERS pytest-xdist workers, each
+#                  test on the next free worker); make test-all: both tiers
+#   .ci/run        what CI runs: both tiers, the TF 2.15 tests, and a check
+#                  that every collected test passed (docs/testing.md)
 #   make demo      adaptive K-FAC vs Adam on the K-FAC paper's deep autoencoder
 #                  (about 2 minutes; plots in demo_results/)
 #   make demo-autoencoder  fixed-damping K-FAC vs Adam on a smaller autoencoder
@@ -100,9 +104,12 @@ data:
 	fi; \
 	exit 0
 
-# pytest exits 5 when it collected no tests: that is a failure too.
+# pytest exits 5 when it collected no tests: that is a failure too. A
+# skipped, xfailed or xpassed test fails the run (pytest.ini: fail_on_skip).
+# PYTEST_ARGS: more pytest arguments (.ci/run passes --run_log=FILE).
+PYTEST_ARGS ?=
 define run_pytest
-	@rc=0; $(VPY) -m pytest kfac -q $(1) || rc=$$?; \
+	@rc=0; $(VPY) -m pytest kfac -q $(1) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc = 5 ]; then echo "error: pytest collected no tests" >&2; fi; \
 	exit $$rc
 endef
@@ -113,15 +120,18 @@ endef
 TEST_WORKERS ?= 2
 
 test: venv data
-	$(call run_pytest,-m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15)
+	$(call run_pytest,-m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=25)
 
 # The slow tier alone: subprocess runs (tf_keras flavour, examples,
-# benchmark smoke runs, install into a fresh venv) and long end-to-end checks.
+# benchmark smoke runs, install into a fresh venv, the distributed matrix)
+# and long end-to-end checks, in TEST_WORKERS processes that each take the
+# next test (worksteal: a worker that is done takes tests queued for the
+# other). The tests are safe side by side: free ports, their own temporary
+# folders, one process tree each.
 test-slow: venv data
-	$(call run_pytest,-m slow --durations=15)
+	$(call run_pytest,-m slow -n $(TEST_WORKERS) --dist worksteal --durations=25)
 
-test-all: venv data
-	$(call run_pytest,--durations=25)
+test-all: test test-slow
 
 # The K-FAC paper's autoencoder: adaptive K-FAC vs tuned Adam, equal time.
 demo: venv data

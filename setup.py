@@ -41,9 +41,14 @@ EXTRAS = {
                   "numpy<2"],
     "estimator-cpu": ["tensorflow-cpu==2.15.*",
                       "tensorflow-estimator==2.15.*", "numpy<2"],
-    # TensorFlow Probability: curvature_operator_test checks that its
-    # distributions take kfac.linear_operator operators.
-    "tests": ["pytest", "pytest-xdist", "scikit-learn",
+    # Everything a test imports is required: a missing one fails the test
+    # run (pytest.ini: fail_on_skip), never skips it. TensorFlow
+    # Probability: curvature_operator_test checks that its distributions
+    # take kfac.linear_operator operators; scipy: the block-diagonal
+    # references of curvature_matrix_vector_products_test; h5py: the HDF5
+    # save / load tests. tf-keras is installed by `make venv` (it requires
+    # the full `tensorflow` wheel, so it cannot be listed here).
+    "tests": ["pytest", "pytest-xdist>=3.2", "scikit-learn", "scipy", "h5py",
               "tensorflow-probability>=0.24"],
     "examples": ["scikit-learn", "matplotlib"],
 }

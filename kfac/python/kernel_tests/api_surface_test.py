@@ -4,12 +4,17 @@ The old package is installed into a throwaway folder
 (`pip install --no-deps --target`, cached under the system's temporary
 folder; KFAC_OLD_PACKAGE_DIR names an unpacked copy instead) and read
 statically by api_surface.py: it is never imported. Each deliberate
-difference is listed in DELIBERATE below with its reason and must have a
-migration note in docs/migration.md naming it; a listed difference that no
-longer exists fails the test too, so the list stays true.
+difference is a row of the table under "### Names and signatures" in
+docs/migration.md, which this test reads: every name in a row's first
+column, `kfac.python.` + the module column + `.` + the name, exempts the
+problems reported for exactly that key. A listed class exempts only the
+class missing as a whole (the key of the class itself), never its methods:
+each member that differs is named. A listed difference that no longer
+exists fails the test too, so the table stays true.
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,87 +26,55 @@ from kfac.python.kernel_tests import api_surface
 OLD_VERSION = "0.2.4"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
+MIGRATION = os.path.join(ROOT, "docs", "migration.md")
+_SECTION = "### Names and signatures"
+_HEADER = "| old name | module | what we do instead |"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_MODULE = re.compile(r"^(keras|ops)(\.[a-z_][a-z0-9_]*)*$")
 
-# key (module or module.name[.method]) -> why we differ. The key's last two
-# dotted parts (e.g. fisher_factors.FullFactor) appear in docs/migration.md.
-DELIBERATE = {
-    "kfac.python.keras.optimizers.Kfac.__init__":
-        "the old first parameter _sentinel made every argument keyword-only, so positions were never usable; name defaults to 'Kfac'",
-    "kfac.python.keras.optimizers.Kfac.apply_gradients":
-        "Keras 3's apply_gradients has no name argument (the tf_keras class keeps it)",
-    "kfac.python.keras.optimizers.Kfac.get_updates":
-        "the graph-mode Kfac (tf_keras in a TF1 graph) has it; the TF2 classes fit through apply_gradients",
-    "kfac.python.keras.optimizers.Kfac.layers":
-        "the graph-mode Kfac has it; in TF2 the collection is rebuilt per trace: registration_report and kfac_optimizer show it",
-    "kfac.python.keras.optimizers.Kfac.name":
-        "an instance attribute set by Keras (opt.name works)",
-    "kfac.python.keras.optimizers.Kfac.register_train_batch":
-        "the graph-mode Kfac has it; in TF2 call set_train_batch(batch) in the step (model.fit needs none)",
-    "kfac.python.keras.optimizers.getfullargspec":
-        "a module import of the old file, not API",
-    "kfac.python.keras.utils.K":
-        "a module import of the old file (keras.backend), not API",
-    "kfac.python.keras.utils.activations":
-        "a module import of the old file, not API",
-    "kfac.python.keras.utils.layers":
-        "a module import of the old file, not API",
-    "kfac.python.keras.utils.losses":
-        "a module import of the old file, not API",
-    "kfac.python.ops.fisher_blocks.InputOutputMultiTower":
-        "internal mixin of the old blocks; towers live in every block here",
-    "kfac.python.ops.fisher_blocks.InputOutputMultiTowerMultiUse":
-        "internal mixin of the old multi-use blocks",
-    "kfac.python.ops.fisher_blocks.KroneckerProductFB":
-        "block internals: factors via block.factors, damping is the optimizer's",
-    "kfac.python.ops.fisher_blocks.ScaleAndShiftDiagonalFB":
-        "block constructors: broadcast dims and has_shift come from the registered params",
-    "kfac.python.ops.fisher_blocks.ScaleAndShiftFullFB":
-        "block constructors: broadcast dims and has_shift come from the registered params",
-    "kfac.python.ops.fisher_factors.ConvDiagonalFactor":
-        "factor constructors are internal (made by registration)",
-    "kfac.python.ops.fisher_factors.ConvInputMultiKF":
-        "multi-use conv factors: register_conv2d_multi builds its own factors",
-    "kfac.python.ops.fisher_factors.ConvOutputMultiKF":
-        "multi-use conv factors: register_conv2d_multi builds its own factors",
-    "kfac.python.ops.fisher_factors.ConvInputSUAKroneckerFactor":
-        "factor internals: inverses and powers are computed by the factor base class",
-    "kfac.python.ops.fisher_factors.DenseSquareMatrixFactor":
-        "factor internals: inverses and powers are computed by the factor base class",
-    "kfac.python.ops.fisher_factors.DiagonalFactor":
-        "factor internals: inverses and powers are computed by the factor base class",
-    "kfac.python.ops.fisher_factors.DiagonalKroneckerFactor":
-        "factor constructors are internal; the dtype follows the inputs",
-    "kfac.python.ops.fisher_factors.DiagonalMultiKF":
-        "multi-use diagonal factors are built by register_*_multi",
-    "kfac.python.ops.fisher_factors.FisherFactor":
-        "factor internals: inverses and powers are computed by the factor base class",
-    "kfac.python.ops.fisher_factors.FullyConnectedMultiKF":
-        "factor internals; num_uses is required (it sets the statistics' normalisation)",
-    "kfac.python.ops.fisher_factors.ScaleAndShiftDiagonalFactor":
-        "factor constructors: shapes and broadcast dims come from the registered params",
-    "kfac.python.ops.fisher_factors.ScaleAndShiftFullFactor":
-        "factor constructors: shapes and broadcast dims come from the registered params",
-    "kfac.python.ops.fisher_factors.ScaleAndShiftFactor":
-        "the old base class of both scale-and-shift factors",
-    "kfac.python.ops.fisher_factors.graph_func_to_id":
-        "factors are keyed by their inputs here, not by graph functions",
-    "kfac.python.ops.fisher_factors.graph_func_to_string":
-        "factors are keyed by their inputs here, not by graph functions",
-    "kfac.python.ops.kfac_utils.data_reader_alt.CachedDataReader.__init__":
-        "the second positional argument is still the old num_examples (the largest batch), now named max_batch_size; num_examples= is accepted",
-    "kfac.python.ops.kfac_utils.data_reader_alt.VariableBatchReader.__init__":
-        "the second positional argument is still the old num_examples (the largest batch), now named max_batch_size; num_examples= is accepted",
-    "kfac.python.ops.kfac_utils.periodic_inv_cov_update_kfac_opt.PeriodicInvCovUpdateKfacOpt.kfac_update_ops":
-        "minimize / apply_gradients build the whole step",
-    "kfac.python.ops.placement.RoundRobinPlacementMixin.create_ops_and_vars_thunks":
-        "the method lives on the estimator (FisherEstimator.create_ops_and_vars_thunks)",
-    "kfac.python.ops.placement.ReplicaRoundRobinPlacementMixin.create_ops_and_vars_thunks":
-        "the method lives on the estimator (FisherEstimator.create_ops_and_vars_thunks)",
-    "kfac.python.ops.utils.DistributedVarOp":
-        "TF-Replicator / TF1 distribution internals; tf.distribute is used instead",
-    "kfac.python.ops.utils.MirroredVariableWrapper":
-        "TF-Replicator / TF1 distribution internals; tf.distribute is used instead",
-}
+
+def parse_exemptions(text):
+  """{key: reason} from the table of docs/migration.md's section "Names and
+  signatures"; ValueError naming the row for a row it cannot read."""
+  if _SECTION not in text:
+    raise ValueError("docs/migration.md has no section %r" % _SECTION)
+  lines = text[text.index(_SECTION):].splitlines()
+  try:
+    first = lines.index(_HEADER)
+  except ValueError:
+    raise ValueError("docs/migration.md, %s: no table with the header %r" %
+                     (_SECTION, _HEADER)) from None
+  exemptions = {}
+  for row in lines[first + 2:]:
+    if not row.startswith("|"):
+      break
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    if len(cells) != 3 or not all(cells):
+      raise ValueError("docs/migration.md: a row without 3 filled cells: "
+                       "%r" % row)
+    names, module, reason = cells
+    module = module.strip("`")
+    names = [n.strip() for n in names.split(",")]
+    if not _MODULE.match(module) or not all(
+        n.startswith("`") and n.endswith("`") and _NAME.match(n[1:-1])
+        for n in names):
+      raise ValueError(
+          "docs/migration.md: row %r: the first column must list `Name` or "
+          "`Class.member` names, comma separated, and the module column a "
+          "module under kfac.python (e.g. `ops.fisher_factors`)" % row)
+    for n in names:
+      key = "kfac.python.%s.%s" % (module, n[1:-1])
+      if key in exemptions:
+        raise ValueError("docs/migration.md: %s is listed twice" % key)
+      exemptions[key] = reason
+  if not exemptions:
+    raise ValueError("docs/migration.md: the table of %s is empty" % _SECTION)
+  return exemptions
+
+
+def _exemptions():
+  with open(MIGRATION, encoding="utf-8") as f:
+    return parse_exemptions(f.read())
 
 
 def _old_package():
@@ -111,9 +84,13 @@ def _old_package():
   target = os.path.join(tempfile.gettempdir(), "kfac-%s-api" % OLD_VERSION)
   if os.path.exists(os.path.join(target, "kfac", "__init__.py")):
     return target
+  # Installed beside the target and renamed into place: runs at the same
+  # time (other checkouts, other workers) never see a half-written copy.
+  staging = tempfile.mkdtemp(prefix="kfac-%s-api." % OLD_VERSION,
+                             dir=tempfile.gettempdir())
   result = subprocess.run(
       [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-       "--disable-pip-version-check", "--target", target,
+       "--disable-pip-version-check", "--target", staging,
        "kfac==%s" % OLD_VERSION],
       capture_output=True, text=True, timeout=300, check=False)
   if result.returncode != 0:
@@ -121,6 +98,12 @@ def _old_package():
                 "(offline? set KFAC_OLD_PACKAGE_DIR to an unpacked copy), so "
                 "the API surface cannot be compared: %s" %
                 (OLD_VERSION, result.stderr.strip()[-300:]))
+  try:
+    os.rename(staging, target)
+  except OSError:  # another run put its copy there first
+    if not os.path.exists(os.path.join(target, "kfac", "__init__.py")):
+      raise
+    return staging
   return target
 
 
@@ -130,21 +113,52 @@ def problems():
 
 
 def test_every_old_public_name_and_signature_exists(problems):
-  unexpected = ["%s: %s" % (k, p) for k, p in problems
-                if not any(k == d or k.startswith(d + ".")
-                           for d in DELIBERATE)]
+  exempt = _exemptions()
+  unexpected = ["%s: %s" % (k, p) for k, p in problems if k not in exempt]
   assert not unexpected, "\n".join(unexpected)
 
 
-def test_deliberate_differences_are_real_and_documented(problems):
-  with open(os.path.join(ROOT, "docs", "migration.md")) as f:
-    migration = f.read()
-  keys = [k for k, _ in problems]
-  stale = [d for d in DELIBERATE
-           if not any(k == d or k.startswith(d + ".") for k in keys)]
-  assert not stale, "listed as different but compatible now: %s" % stale
-  undocumented = [d for d in DELIBERATE
-                  if ".".join(d.split(".")[-2:]) not in migration]
-  assert not undocumented, (
-      "deliberate differences without a note in docs/migration.md: %s" %
-      undocumented)
+def test_every_exemption_is_a_real_difference(problems):
+  keys = {k for k, _ in problems}
+  stale = sorted(set(_exemptions()) - keys)
+  assert not stale, (
+      "listed in docs/migration.md as different, but compatible now (or not "
+      "a member that the comparison reports): %s" % stale)
+
+
+def test_a_listed_class_does_not_exempt_its_members():
+  """Exemptions match keys exactly: a class's row covers the class key
+  only, and a member's row that member only."""
+  exempt = parse_exemptions(
+      "### Names and signatures\n\n" + _HEADER + "\n| --- | --- | --- |\n"
+      "| `FisherFactor`, `Kfac.layers` | `ops.fisher_factors` | why |\n")
+  assert set(exempt) == {"kfac.python.ops.fisher_factors.FisherFactor",
+                         "kfac.python.ops.fisher_factors.Kfac.layers"}
+  problems = [("kfac.python.ops.fisher_factors.FisherFactor", "missing"),
+              ("kfac.python.ops.fisher_factors.FisherFactor.get_cov_vars",
+               "missing"),
+              ("kfac.python.ops.fisher_factors.Kfac.layers_extra", "missing")]
+  assert [k for k, _ in problems if k not in exempt] == [
+      problems[1][0], problems[2][0]]
+
+
+@pytest.mark.parametrize("row, message", [
+    ("| `FisherFactor` | `ops.fisher_factors` |  |", "3 filled cells"),
+    ("| FisherFactor | `ops.fisher_factors` | why |", "first column"),
+    ("| `FisherFactor` | `fisher_factors` | why |", "module column"),
+    ("| `a.b.c` | `ops.utils` | why |", "first column"),
+])
+def test_an_unreadable_row_is_an_error_naming_it(row, message):
+  text = ("### Names and signatures\n\n" + _HEADER +
+          "\n| --- | --- | --- |\n" + row + "\n")
+  with pytest.raises(ValueError, match=re.escape(message)):
+    parse_exemptions(text)
+
+
+def test_the_table_has_one_row_per_difference_and_no_duplicates():
+  exempt = _exemptions()
+  assert len(exempt) >= 40, sorted(exempt)
+  with pytest.raises(ValueError, match="listed twice"):
+    parse_exemptions(
+        "### Names and signatures\n\n" + _HEADER + "\n| --- | --- | --- "
+        "|\n| `K` | `keras.utils` | a |\n| `K` | `keras.utils` | b |\n")

@@ -256,7 +256,8 @@ def _sym_power(mat, p):
 
 
 # ------------------------------------------------------------------ tests
-@pytest.mark.parametrize("world", ["eager", "graph"])
+@pytest.mark.parametrize("world", [  # eager: the same math, slow tier
+    pytest.param("eager", marks=pytest.mark.slow), "graph"])
 @pytest.mark.parametrize("model", ["zoo", "variants"])
 def test_every_method_equals_the_dense_reference(world_factory, world, model):
   w = world_factory(world, model)
@@ -764,6 +765,7 @@ def test_exact_operator_errors():
     ExactCurvatureOperator(_mlp_model_fn(vs), batch, curvature="gnn")
 
 
+@pytest.mark.slow  # imports TensorFlow Probability
 def test_tensorflow_probability_accepts_the_operator(world_factory):
   # The "tests" extra installs TensorFlow Probability: no skip.
   import tensorflow_probability as tfp  # pylint: disable=g-import-not-at-top

@@ -144,6 +144,7 @@ def _xla_run(jit, approx_conv):
   return losses, [k.numpy(), w.numpy()]
 
 
+@pytest.mark.slow  # XLA compiles the step (xla_linalg_test: its routines)
 @pytest.mark.parametrize("approx_conv", ["kron", "diagonal"])
 def test_step_compiles_with_xla(approx_conv):
   """The TF2 step (statistics, Cholesky-based damped inverses in their

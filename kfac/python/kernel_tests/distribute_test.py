@@ -13,19 +13,21 @@ and momentum) to 1e-4 (measured 1.1e-5: a 2x2 solve amplifies rounding),
 EKFAC's eigenvectors to 1e-4 (measured <= 2e-5: rounding moves an
 eigenvector by about rounding / eigen-gap), every replica's copy of every
 variable is bit-identical, and the run moved
-the weights (> 0.05). Some TF2 cases (one with EKFAC) are in
-the fast tier; the full matrix (R in {2, 4}, dense / conv / embedding /
+the weights (> 0.05). Every test here is in the slow tier (subprocesses
+with logical CPUs): some TF2 cases (one with EKFAC) in a short run, and the
+full matrix (R in {2, 4}, dense / conv / embedding /
 multi-use layers, burn-in with invert_every = cov_update_every = 2,
 momentum, qmodel, KfacOptimizer with explicit update ops, the
 Levenberg-Marquardt damping rule with qmodel and with the delayed rule on
 loss_fn, uneven shards, the Estimator's loss scaling in TF1, inverses
 placed by replica_round_robin, which must give bit-identical weights to
 replicated inverses, the lazy statistics sync, whose weights and inverses
-must equal the eager sync's, EKFAC on every layer kind) is slow, as is the MultiWorkerMirroredStrategy run:
-two localhost worker processes against one process. So are TF1 runs with
-the strategy made in the graph or under disable_v2_behavior, where
-TensorFlow reduces with ReductionToOneDevice instead of collective ops
-(the user's way of writing such a Session step: distribute_session_test).
+must equal the eager sync's, EKFAC on every layer kind), the
+MultiWorkerMirroredStrategy run (two localhost worker processes against
+one process), and TF1 runs with the strategy made in the graph or under
+disable_v2_behavior, where TensorFlow reduces with ReductionToOneDevice
+instead of collective ops (the user's way of writing such a Session step:
+distribute_session_test).
 """
 
 import json
@@ -100,6 +102,7 @@ def check(results):
     assert r["identical"], r
 
 
+@pytest.mark.slow  # a 2-logical-CPU subprocess, about a minute
 def test_two_replicas_equal_one_tf2():
   results = run_program(2, "tf2", ["dense:periodic", "dense:adaptive",
                                    "dense:periodic:replica_round_robin",

@@ -27,11 +27,22 @@ _FMNIST = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
            "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 
+# Snippets that took 2 s or more of CPU each (measured on 2 shared cores)
+# run in the slow tier (make test-slow; CI runs both tiers), the others in
+# the fast tier. test_slow_snippets_exist keeps every name here a snippet.
+SLOW_SNIPPETS = ("adaptive-0", "adaptive-1", "convolutions-0", "distributed-1",
+                 "ekfac-0", "graph_search-1", "keras-0", "keras-2", "keras-3",
+                 "keras-4", "normalization_layers-0", "recipe-0", "recipe-1",
+                 "tf2-0")
+
+
 def _blocks(pages):
   out = []
   for page in pages:
     for i, code in enumerate(_BLOCK.findall(page.read_text())):
-      out.append(pytest.param(code, id="%s-%d" % (page.stem, i)))
+      name = "%s-%d" % (page.stem, i)
+      out.append(pytest.param(code, id=name, marks=(
+          [pytest.mark.slow] if name in SLOW_SNIPPETS else [])))
   return out
 
 
@@ -42,6 +53,11 @@ def _run(code):
 
 def test_docs_have_snippets():
   assert len(_blocks(sorted(DOCS.glob("*.md")))) >= 7
+
+
+def test_slow_snippets_exist():
+  names = {p.id for p in _blocks(sorted(DOCS.glob("*.md")))}
+  assert set(SLOW_SNIPPETS) <= names, sorted(set(SLOW_SNIPPETS) - names)
 
 
 @pytest.mark.parametrize("code", _blocks(sorted(DOCS.glob("*.md"))))
@@ -65,6 +81,7 @@ def _require_fashion_mnist():
       "the tests." % (folder, ", ".join(missing)))
 
 
+@pytest.mark.slow  # complete training programs on Fashion-MNIST
 @pytest.mark.parametrize("code", _blocks([README]))
 def test_readme_snippet_trains(code):
   if "fashion_mnist" in code:

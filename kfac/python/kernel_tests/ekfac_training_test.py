@@ -89,6 +89,7 @@ def test_periodic_optimizer_refreshes_scalings_and_basis_on_schedule():
   assert changed == [2, 4, 6, 8], weights
 
 
+@pytest.mark.slow  # end to end: 12 sampled-mode steps train
 def test_sampled_mode_trains_in_tf_function():
   inits = ref.mlp_inits((5, 8, 6, 3), seed=94, dtype=np.float32)
   batches = _batches(1, seed=95, n=64) * 12

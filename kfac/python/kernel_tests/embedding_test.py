@@ -93,7 +93,7 @@ def _vectors(seed):
 
 
 # ---------------------------------------------------------------- blocks
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("kind", ["onehot", "bag", "seq"])
 def test_embedding_equals_dense_one_hot_registration(world, kind):
   ids, labels = _ids(kind, 5, seed=2), _labels(5, seed=3)
@@ -332,7 +332,7 @@ _TRAIN_INITS = [_table(20), 0.5 * np.random.RandomState(21).randn(DIM, CLASSES),
                 np.zeros(CLASSES)]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("config", [
     dict(momentum_type="regular", momentum=0.0, norm_constraint=0.02),
     dict(momentum_type="adam", momentum=0.5),

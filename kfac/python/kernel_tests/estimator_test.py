@@ -31,7 +31,7 @@ def _xent(labels):
   return loss_fn
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_empirical_mode_uses_the_data_targets(world):
   inits = ref.mlp_inits(util.SIZES, seed=20)
   x, labels = util.data(6, seed=21)

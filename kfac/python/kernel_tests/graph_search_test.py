@@ -8,9 +8,10 @@ for the same parameters, the same Fisher blocks (`full_fisher_block()`,
 i.e. the same factor statistics) and the same losses and parameters over
 5 K-FAC steps, to float64 rounding (rtol 1e-9). The K-FAC steps use
 estimation_mode="exact" so that no random sampling depends on the order in
-which ops were created. The tf.function runs of the convolution and the
-embedding models are in the slow tier (their TF1 runs and every other
-model's two runs are fast).
+which ops were created. The tf.function runs of the convolution, RNN,
+shared-weight, embedding and partly hand-registered models are in the slow
+tier (their TF1 runs, and both runs of the dense model and of the error
+and fallback tests, are fast).
 """
 
 import re
@@ -250,7 +251,7 @@ RNN_INITS = [_rand(40, 2, 4), _rand(41, 4), _rand(42, 4, 4), _rand(43, 4, 3),
              _rand(44, 3)]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_rnn_multi_use_equals_manual_registration(world):
   _assert_same_training(world, RNN_INITS, _rnn, expected=[
       ("FullyConnectedMultiIndepFB", ("v0", "v1")),
@@ -281,7 +282,7 @@ def _tied(vs, lc, auto):
 TIED_INITS = [_rand(53, 3, 4), _rand(54, 4), _rand(55, 4), _rand(56, 4, 2)]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_shared_weights_equal_manual_registration(world):
   with pytest.warns(gs.GraphSearchWarning) as caught:
     _assert_same_training(world, TIED_INITS, _tied, batch_size=N, expected=[
@@ -337,7 +338,7 @@ def _partly_manual(vs, lc, auto):
   return _ce(lc, logits, _labels(2, N, 3))
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_user_registered_subset_is_left_alone(world):
   _assert_same_training(world, MLP_INITS, _partly_manual, expected=[
       ("FullyConnectedDiagonalFB", ("v0", "v1")),

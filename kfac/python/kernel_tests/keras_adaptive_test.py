@@ -119,6 +119,7 @@ def test_adaptive_fit_equals_tf1_graph_steps(calibrate):
              zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
 
 
+@pytest.mark.slow  # the recipe's defaults (2 fits, as above)
 def test_default_recipe_without_damping():
   """Kfac(adaptive=True) without damping is the default recipe: the same
   steps as the core optimizer with recipe.adaptive_kwargs() (initial damping
@@ -230,6 +231,7 @@ def _state(model):
           if "moving" in v.name or "seed" in v.name]
 
 
+@pytest.mark.slow  # end to end: 2 runs of 2 fits, BatchNorm and dropout
 def test_loss_evaluations_leave_the_model_state_as_one_step():
   """BatchNorm statistics after the first step (same weights before its
   forward pass) and the dropout seed state after 3 steps equal those of a

@@ -26,7 +26,8 @@ from kfac.python.keras import callbacks
 from kfac.python.keras import optimizers
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
 
-tf_keras = pytest.importorskip("tf_keras")
+# tf_keras is required (make venv installs it): missing, collection fails.
+import tf_keras  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import tf_keras.src.backend  # pylint: disable=g-import-not-at-top,g-bad-import-order  (get_session)
 
 RNG = np.random.RandomState(0)
@@ -324,6 +325,7 @@ def test_tf2_minimize_loss_tensor_equals_apply_gradients():
     opt_a.minimize(tf.constant(1.0), a.trainable_variables)
 
 
+@pytest.mark.slow  # the Keras 3 test's mixin code, traced by tf_keras
 def test_tf2_tf_keras_minimize_loss_tensor():
   # The same mixin code as Keras 3 above; one trace (tf_keras traces slowly).
   cls = optimizers.kfac_class(legacy=True)
@@ -409,8 +411,8 @@ def test_graph_model_fit_and_session_loop():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # end to end: HDF5 save / load
 def test_graph_hdf5_save_and_load_continue_alike(tmp_path):
-  pytest.importorskip("h5py")
   from kfac.python.keras import saving_utils  # pylint: disable=g-import-not-at-top
   path = str(tmp_path / "model.h5")
   with _graph():

@@ -33,8 +33,10 @@ from kfac.python.ops import fisher_blocks
 from kfac.python.ops import loss_functions
 from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
 
-keras = pytest.importorskip("keras")
-tf_keras = pytest.importorskip("tf_keras")
+# keras and tf_keras are required (make venv installs tf_keras): missing,
+# collection fails.
+import keras  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import tf_keras  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import tf_keras.src.backend  # pylint: disable=g-import-not-at-top,g-bad-import-order  (get_session)
 
 L = tf_keras.layers

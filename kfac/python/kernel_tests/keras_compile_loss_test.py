@@ -58,6 +58,7 @@ def test_loss_from_compile_takes_the_steps_of_the_loss_given_to_kfac():
   _assert_differ(start, from_compile)  # it trained
 
 
+@pytest.mark.slow  # two more fits of the first test
 def test_other_spellings_of_the_same_loss_agree():
   got = _train(_one_output(), dict(
       loss=keras.losses.SparseCategoricalCrossentropy()),

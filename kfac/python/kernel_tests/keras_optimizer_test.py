@@ -190,8 +190,10 @@ def test_fit_equals_tf1_graph_steps(mode):
              zip(expected, _weights())) > 0.05
 
 
-@pytest.mark.parametrize("make", [functional_model, subclassed_model,
-                                  nested_model])
+@pytest.mark.parametrize("make", [
+    functional_model,
+    pytest.param(subclassed_model, marks=pytest.mark.slow),  # more styles:
+    pytest.param(nested_model, marks=pytest.mark.slow)])  # end to end
 def test_model_styles_take_the_same_steps(make):
   reference, _ = _compile(sequential_model())
   _fit(reference, 0, 2)
@@ -204,6 +206,7 @@ def test_model_styles_take_the_same_steps(make):
   assert "categorical on logits" in report, report
 
 
+@pytest.mark.slow  # end to end: custom loops, with XLA
 def test_custom_loop_takes_the_same_steps_as_fit():
   reference, _ = _compile(sequential_model())
   _fit(reference, 0, 3)
@@ -270,6 +273,7 @@ def test_core_optimizer_with_keras_registration(how):
   _assert_weights(model.get_weights(), reference.get_weights(), rtol=1e-5)
 
 
+@pytest.mark.slow  # end to end: XLA compile of the fit step
 def test_xla_gives_the_same_steps():
   plain, _ = _compile(sequential_model(), jit_compile=False)
   _fit(plain, 0, 3)
@@ -278,6 +282,7 @@ def test_xla_gives_the_same_steps():
   _assert_weights(xla.get_weights(), plain.get_weights(), rtol=1e-5)
 
 
+@pytest.mark.slow  # end to end: save / load round trip
 def test_save_load_resumes_exactly(tmp_path):
   full, _ = _compile(functional_model())
   full_losses = _fit(full, 0, 3)
@@ -323,6 +328,7 @@ def _unnamed_model():
                            keras.layers.Dense(D_OUT, activation="softmax")])
 
 
+@pytest.mark.slow  # end to end: resume
 def test_checkpoint_resumes_into_a_rebuilt_model_with_other_names(tmp_path):
   """K-FAC state is keyed by layer position, so a model rebuilt in the same
   process (other automatic layer names) gets all of it back."""
@@ -341,6 +347,7 @@ def test_checkpoint_resumes_into_a_rebuilt_model_with_other_names(tmp_path):
   assert sorted(saved) == sorted(opt2.state_store.numpy_state())
 
 
+@pytest.mark.slow  # end to end: rebuilt from its config, trained again
 def test_config_round_trip():
   model, opt = _compile(sequential_model(), cov_ema_decay=0.9,
                         norm_constraint=1.0,
@@ -475,6 +482,7 @@ def test_tf_keras():
       "or without_model")
 
 
+@pytest.mark.slow  # end to end: save, load
 def test_restored_state_that_matches_nothing_is_reported():
   model, opt = _compile(sequential_model())
   _fit(model, 0, 1)

@@ -79,7 +79,7 @@ def _train(world, dtype):
   return [v.numpy().astype(np.float32) for v in variables], stat_dtypes
 
 
-@pytest.mark.parametrize("world", ["graph", "function"])
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_steps_equal_float32_steps(world, dtype):
   expected, f32_stats = _train(world, tf.float32)
@@ -146,7 +146,9 @@ def _keras_run(policy, steps=3, **kfac_args):
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("policy", [
+    pytest.param("mixed_bfloat16", marks=pytest.mark.slow),  # the cast path
+    "mixed_float16"])  # of float16 plus the loss scaling's conditional
 def test_keras_mixed_precision_fit_equals_float32(policy):
   """mixed_float16 wraps Kfac in Keras's LossScaleOptimizer, which applies
   it inside a conditional branch: K-FAC builds its statistics in the

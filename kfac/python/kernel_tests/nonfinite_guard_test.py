@@ -1,7 +1,9 @@
 """The non-finite guard (reliability/nonfinite.py): a bad batch changes no
 state, is counted, and training then goes on exactly as if it had not been
 fed; a run that keeps producing non-finite values stops with an error that
-says what was not finite. TF1 Session and TF2 tf.function."""
+says what was not finite. TF1 Session and TF2 tf.function (the tf.function
+runs of the two training tests, and Keras fit with adaptive=True, in the
+slow tier)."""
 
 import numpy as np
 import pytest
@@ -150,7 +152,7 @@ def _run_with_bad_batches(clean, guarded, good, step, state, skipped):
     assert skipped(guarded) == [i + 1, 0], kind
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("opt", ["fixed", "adaptive"])
 def test_bad_batches_change_nothing_and_training_goes_on_as_without_them(
     world, opt):
@@ -179,7 +181,7 @@ def test_first_skip_warns_with_what_was_not_finite(world, capfd):
   assert "not finite: loss, gradient of" in err
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("opt", ["fixed", "adaptive"])
 def test_a_diverging_run_stops_after_the_allowed_skips(world, opt):
   """A learning rate far too large (its update overflows), or an input
@@ -331,7 +333,8 @@ def _keras_model(keras):
   return model
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("adaptive", [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # end to end: fit
 def test_keras_fit_skips_bad_batches_and_goes_on_as_without_them(adaptive):
   """model.fit (train_on_batch) with Kfac, sampled Fisher (the samples
   follow the steps taken, not Keras's iterations): see

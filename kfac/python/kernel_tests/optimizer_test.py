@@ -222,8 +222,12 @@ def mlp_model(vs, lc, inputs):
       labels=labels, logits=logits))
 
 
-@pytest.mark.parametrize("mode", ["exact", "empirical"])
-@pytest.mark.parametrize("momentum_type", ["regular", "adam"])
+# Each momentum type and each mode in the fast tier; the other two pairs in
+# the slow tier.
+@pytest.mark.parametrize("momentum_type, mode", [
+    ("regular", "exact"), ("adam", "empirical"),
+    pytest.param("regular", "empirical", marks=pytest.mark.slow),
+    pytest.param("adam", "exact", marks=pytest.mark.slow)])
 def test_tf1_session_and_tf2_function_train_identically(mode, momentum_type):
   inits = ref.mlp_inits((5, 8, 6, 3), seed=90, dtype=np.float32)
   rng = np.random.RandomState(91)

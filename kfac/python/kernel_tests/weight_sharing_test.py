@@ -220,7 +220,7 @@ def test_kron_diagonal_variants_are_expand_with_diagonal_factors(approx):
     np.testing.assert_allclose(block, T * np.kron(want_a, want_g), **TOL)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_inverses_use_the_coefficient_and_normalised_damping(world):
   """expand: (T A (x) G + damping) ~ T (A + pi s I) (x) (G + s/pi I) with
   s = sqrt(damping / T); reduce: coefficient 1, s = sqrt(damping)."""

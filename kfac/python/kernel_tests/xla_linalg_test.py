@@ -274,6 +274,7 @@ def _mlp_run(jit, width=2 * BASE + 6):
   return losses, [v.numpy() for v in (w1, b1, w2)]
 
 
+@pytest.mark.slow  # end to end: XLA-compiled steps
 def test_kfac_step_with_large_factors_is_the_same_under_xla(monkeypatch):
   plain_losses, plain = _mlp_run(False)
   spy = _Spy(monkeypatch)
