@@ -20,10 +20,10 @@ except ModuleNotFoundError as _error:
       "\"tensorflow_cpu\" with a warning.)", name="tensorflow") from None
 del _tf
 
-from kfac.python.ops import batch_size_schedules
+from kfac.python.ops.schedules import batch_size as batch_size_schedules
 from kfac.python.ops import curvature_matrix_vector_products
-from kfac.python.ops import data_reader
-from kfac.python.ops import data_reader_alt
+from kfac.python.ops.data import data_reader
+from kfac.python.ops.data import data_reader_alt
 from kfac.python.ops import ekfac
 from kfac.python.ops import estimator
 from kfac.python.ops import fisher_blocks
@@ -33,10 +33,10 @@ from kfac.python.ops import linear_operator
 from kfac.python.ops import loss_functions
 from kfac.python.ops import op_queue
 from kfac.python.ops import optimizer
-from kfac.python.ops import periodic_inv_cov_update_kfac_opt
+from kfac.python.ops.optimizers import periodic as periodic_inv_cov_update_kfac_opt
 from kfac.python.ops import placement
-from kfac.python.ops import schedules
-from kfac.python.ops import state
+from kfac.python.ops.schedules import hyperparameters as schedules
+from kfac.python.ops.tensors import state
 from kfac.python.ops import utils
 from kfac.python.ops.kfac_utils import async_inv_cov_update_kfac_opt
 from kfac.python.ops.tensormatch import graph_matcher

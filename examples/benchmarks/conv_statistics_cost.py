@@ -42,10 +42,10 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
-from kfac.python.ops import conv_factors
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import patches as patches_lib
-from kfac.python.ops import state
+from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.tensors import state
 
 
 def _interleaved_medians(fns, repeats, warmup):

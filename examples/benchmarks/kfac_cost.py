@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as workloads_lib
 
 import kfac
-from kfac.python.ops import linalg
+from kfac.python.ops.numerics import linalg
 
 FLAGS = flags.FLAGS
 

@@ -12,7 +12,7 @@ steps each so that machine noise slows all of them alike
                  and momentum, in a TF1 Session graph
   kfac_tf2       the same optimizer and hyperparameters in a TF2
                  tf.function step (a new LayerCollection per trace)
-  kfac_adaptive  the default recipe (kfac.python.ops.recipe, docs/recipe.md):
+  kfac_adaptive  the default recipe (kfac.python.ops.adaptive.recipe, docs/recipe.md):
                  PeriodicInvCovUpdateKfacOpt with momentum_type="qmodel"
                  (learning rate and momentum from the exact quadratic model),
                  adapt_damping=True (immediate rule, every 5 steps), initial
@@ -60,7 +60,7 @@ import side_by_side
 import workloads as workloads_lib
 
 import kfac
-from kfac.python.ops import recipe
+from kfac.python.ops.adaptive import recipe
 
 FLAGS = flags.FLAGS
 

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from kfac.python.keras import utils as keras_utils
 from kfac.python.ops import optimizer as optimizer_lib
-from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
+from kfac.python.ops.optimizers import periodic as periodic_lib
 
 _DOC = __doc__
 # The hyperparameters Keras keeps (kfac 0.2.x: _MUTABLE_HYPER_PARAMS).

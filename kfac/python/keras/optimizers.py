@@ -53,9 +53,9 @@ from kfac.python.keras import layer_recorder
 from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
 from kfac.python.keras import utils as keras_utils
-from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
-from kfac.python.ops import recipe
-from kfac.python.ops import utils as kfac_utils
+from kfac.python.ops.optimizers import periodic as periodic_lib
+from kfac.python.ops.adaptive import recipe
+from kfac.python.ops.tensors import utils as kfac_utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.reliability import arguments
 
@@ -149,7 +149,7 @@ class KfacKerasMixin:
     _check_before_base(learning_rate, adaptive, kfac_kwargs)
     kfac_kwargs = dict(kfac_kwargs)
     if adaptive:
-      # The default recipe (kfac/python/ops/recipe, docs/recipe.md).
+      # The default recipe (kfac/python/ops/adaptive/recipe, docs/recipe.md).
       kfac_kwargs.setdefault("relative_min_damping",
                              recipe.RELATIVE_MIN_DAMPING)
       kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)

@@ -19,11 +19,11 @@ import pytest
 import tensorflow as tf
 
 import kfac
-from kfac.python.ops import adaptive
+from kfac.python.ops.adaptive import mixin as adaptive
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import damping_adaptation as lm
-from kfac.python.ops import quadratic_model as qm
+from kfac.python.ops.adaptive import damping_rule as lm
+from kfac.python.ops.adaptive import quadratic_model as qm
 
 RTOL = 1e-9
 WORLDS = ("graph", "function")

@@ -1,5 +1,5 @@
 """Tests of the old library's helpers restored for old scripts: kfac.utils
-(compat_utils/, linalg.py, patches.py), OpQueue, the old
+(compat_utils/, numerics/linalg.py, layers/conv/patches.py), OpQueue, the old
 set_global_constants functions, fisher_factors / fisher_blocks module
 helpers, and the data readers fed per-step graph batch tensors.
 
@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import kfac
-from kfac.python.ops import curvature_options
-from kfac.python.ops import data_reader
+from kfac.python.ops.layers.base import curvature_options
+from kfac.python.ops.data import data_reader
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import fisher_factors
 from kfac.python.ops import optimizer as optimizer_lib
@@ -594,8 +594,8 @@ def test_op_queue():
 
 def test_old_import_paths():
   # pylint: disable=g-import-not-at-top
-  from kfac.python.ops import data_reader_alt
-  from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic
+  from kfac.python.ops.data import data_reader_alt
+  from kfac.python.ops.optimizers import periodic
   from kfac.python.ops.kfac_utils import data_reader as old_reader
   from kfac.python.ops.kfac_utils import data_reader_alt as old_alt
   from kfac.python.ops.kfac_utils import periodic_inv_cov_update_kfac_opt
@@ -772,7 +772,7 @@ def test_distribution_negative_log_prob_loss():
 
 def test_alt_reader_graph_tensor_dataset_tf1_and_function():
   # pylint: disable=g-import-not-at-top
-  from kfac.python.ops import data_reader_alt
+  from kfac.python.ops.data import data_reader_alt
   from kfac.python.ops.kfac_utils import data_reader_alt as old_alt
   assert old_alt.CachedDataReader is data_reader_alt.CachedDataReader
   n = 7
@@ -814,7 +814,7 @@ def test_alt_reader_graph_tensor_dataset_tf1_and_function():
 
 def test_old_argument_names():
   # pylint: disable=g-import-not-at-top
-  from kfac.python.ops import data_reader_alt
+  from kfac.python.ops.data import data_reader_alt
   from kfac.python.ops import loss_functions as lf
   x = np.arange(5.)[:, None]
   reader = data_reader_alt.CachedDataReader((x,), num_examples=5, seed=0)

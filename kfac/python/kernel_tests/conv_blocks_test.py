@@ -17,7 +17,7 @@ import kfac
 from kfac.python.kernel_tests import conv_factors_test as cft
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import conv_blocks
+from kfac.python.ops.layers.conv import blocks as conv_blocks
 
 WORLDS = ref.WORLDS
 

@@ -17,9 +17,9 @@ import tensorflow as tf
 
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import conv_factors
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import patches as patches_lib
+from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.conv import patches as patches_lib
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import curvature_options
+from kfac.python.ops.layers.base import curvature_options
 from kfac.python.ops.compat_utils import legacy_constants
 
 WORLDS = ref.WORLDS

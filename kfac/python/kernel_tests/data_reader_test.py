@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kfac.python.ops import batch_size_schedules as bss
-from kfac.python.ops import data_reader
-from kfac.python.ops import data_reader_alt
+from kfac.python.ops.schedules import batch_size as bss
+from kfac.python.ops.data import data_reader
+from kfac.python.ops.data import data_reader_alt
 
 N = 11
 MAX = 5

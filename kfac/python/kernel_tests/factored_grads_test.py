@@ -13,8 +13,8 @@ import tensorflow as tf
 
 import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
-from kfac.python.ops import factored_grads
-from kfac.python.ops import recipe
+from kfac.python.ops.layers.dense import factored_grads
+from kfac.python.ops.adaptive import recipe
 
 SIZES = (20, 30, 12, 30, 20)
 # Rows per step; the four layers' cost limits are 16, 10, 11 and 15 rows,

@@ -12,9 +12,9 @@ import tensorflow as tf
 
 import kfac
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import damping as damping_lib
+from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops import fisher_factors as ff
-from kfac.python.ops import linalg
+from kfac.python.ops.numerics import linalg
 
 WORLDS = ref.WORLDS
 TOL = dict(rtol=1e-10, atol=1e-12)

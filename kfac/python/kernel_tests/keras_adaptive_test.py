@@ -24,7 +24,7 @@ import pytest
 import tensorflow as tf
 
 import kfac
-from kfac.python.ops import recipe
+from kfac.python.ops.adaptive import recipe
 import kfac.keras
 from kfac.python.kernel_tests import keras_optimizer_test as base
 from kfac.python.keras import keras_flavor

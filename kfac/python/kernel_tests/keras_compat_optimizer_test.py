@@ -24,7 +24,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.keras import callbacks
 from kfac.python.keras import optimizers
-from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
+from kfac.python.ops.optimizers import periodic as periodic_lib
 
 # tf_keras is required (make venv installs it): missing, collection fails.
 import tf_keras  # pylint: disable=g-import-not-at-top,g-bad-import-order

@@ -31,7 +31,7 @@ import kfac
 from kfac.python.keras import utils
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import loss_functions
-from kfac.python.ops import periodic_inv_cov_update_kfac_opt as periodic_lib
+from kfac.python.ops.optimizers import periodic as periodic_lib
 
 # keras and tf_keras are required (make venv installs tf_keras): missing,
 # collection fails.

@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 
 from kfac.python.kernel_tests import legacy_scenarios as scenarios
-from kfac.python.ops import linalg
-from kfac.python.ops import xla_linalg
+from kfac.python.ops.numerics import linalg
+from kfac.python.ops.numerics import xla_linalg
 
 _PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                         "legacy_mode_program.py")

@@ -25,9 +25,9 @@ import tensorflow as tf
 
 import kfac
 from kfac.python.kernel_tests import factored_grads_test
-from kfac.python.ops import factored_grads
-from kfac.python.ops import linalg
-from kfac.python.ops import xla_linalg
+from kfac.python.ops.layers.dense import factored_grads
+from kfac.python.ops.numerics import linalg
+from kfac.python.ops.numerics import xla_linalg
 
 DAMPING = 0.05
 # prefer_factored for x [rows, 100], d [rows, 200]:

@@ -593,7 +593,7 @@ def test_dependence_check_finds_the_variable_without_building_gradients(
     monkeypatch):
   """The check walks the graph: no tf.gradients for connected uses, with a
   resource variable in a graph and in a tf.function, and a ref variable."""
-  from kfac.python.ops import multi_use_registration  # pylint: disable=g-import-not-at-top
+  from kfac.python.ops.layers.multi_use import registration as multi_use_registration  # pylint: disable=g-import-not-at-top
 
   def no_gradients(*args, **kwargs):
     raise AssertionError("tf.gradients called: %s %s" % (args, kwargs))

@@ -12,7 +12,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import linalg
+from kfac.python.ops.numerics import linalg
 from kfac.python.ops import loss_functions
 
 WORLDS = ref.WORLDS

@@ -16,7 +16,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops.recipe import scale
+from kfac.python.ops.adaptive.recipe import scale
 
 SIZES = (3, 4, 2)
 N = 6

@@ -1,4 +1,4 @@
-"""Tests of kfac.python.ops.schedules (hyperparameter schedules of the step).
+"""Tests of kfac.python.ops.schedules.hyperparameters (hyperparameter schedules of the step).
 
 Every schedule is compared with its formula written here in numpy float64
 (never kfac code), at steps before, at and after its boundaries, with the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kfac.python.ops import schedules
+from kfac.python.ops.schedules import hyperparameters as schedules
 
 TOL = 1e-12
 

@@ -1,4 +1,4 @@
-"""The blocked Cholesky routines of xla_linalg.py and their use under XLA.
+"""The blocked Cholesky routines of numerics/xla_linalg.py and their use under XLA.
 
 * L, L^-1 and the inverse = numpy's in float64 (1e-10 relative, measured
   <= 1e-13), for sizes 1, 2, odd sizes, exactly the base size, base + 1 and
@@ -20,8 +20,8 @@ import pytest
 import tensorflow as tf
 
 import kfac
-from kfac.python.ops import linalg
-from kfac.python.ops import xla_linalg
+from kfac.python.ops.numerics import linalg
+from kfac.python.ops.numerics import xla_linalg
 
 BASE = xla_linalg.BASE_SIZE
 SIZES = (1, 2, 3, 7, BASE - 1, BASE, BASE + 1, 2 * BASE + 3, 257)

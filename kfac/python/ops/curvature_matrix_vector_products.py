@@ -57,7 +57,7 @@ must be built in graph mode: a TF1 `tf.Graph` run by a Session, or inside a
 import tensorflow as tf
 
 from kfac.python.ops import forward_mode
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 
 __all__ = ["CurvatureMatrixVectorProductComputer"]
 

@@ -23,12 +23,12 @@ import threading
 
 import tensorflow as tf
 
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import estimation_modes
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.estimation import modes as estimation_modes
 from kfac.python.ops import lazy
 from kfac.python.ops import placement
-from kfac.python.ops import state
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import state
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import lazy_sync
 from kfac.python.ops.reliability import arguments
@@ -69,7 +69,7 @@ class FisherEstimator:
       exps: the matrix powers the estimator must apply (1 is always
         available).
       estimation_mode: "gradients", "empirical", "curvature_prop",
-        "curvature_prop_GGN", "exact" or "exact_GGN" (estimation_modes.py).
+        "curvature_prop_GGN", "exact" or "exact_GGN" (estimation/modes.py).
       colocate_gradients_with_ops: kept for compatibility; TensorFlow 2's
         gradients always colocate.
       name: prefix of the state variables.

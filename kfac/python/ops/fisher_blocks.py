@@ -7,16 +7,16 @@ embedding, multi_use, scale_shift). Import blocks from here.
 """
 
 # pylint: disable=unused-import,g-multiple-import
-from kfac.python.ops.block_base import FisherBlock, KroneckerProductFB
-from kfac.python.ops.dense_blocks import (FullyConnectedDiagonalFB,
+from kfac.python.ops.layers.base.blocks import FisherBlock, KroneckerProductFB
+from kfac.python.ops.layers.dense.blocks import (FullyConnectedDiagonalFB,
                                           FullyConnectedKFACBasicFB)
-from kfac.python.ops.generic_blocks import NaiveDiagonalFB, NaiveFullFB
+from kfac.python.ops.layers.generic.blocks import NaiveDiagonalFB, NaiveFullFB
 
 # Each family module lists its public classes in __all__.
-from kfac.python.ops.conv_blocks import *  # pylint: disable=wildcard-import
-from kfac.python.ops.embedding_blocks import *  # pylint: disable=wildcard-import
-from kfac.python.ops.multi_use_blocks import *  # pylint: disable=wildcard-import
-from kfac.python.ops.scale_shift_blocks import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.conv.blocks import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.embedding.blocks import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.multi_use.blocks import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.scale_shift.blocks import *  # pylint: disable=wildcard-import
 
 # ---------------------------------------------------------------------------
 # Old module-level names (kfac 0.2.x); set_global_constants accepts the old

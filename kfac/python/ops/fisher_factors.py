@@ -7,18 +7,18 @@ embedding, multi_use, scale_shift). Import factors from here.
 """
 
 # pylint: disable=unused-import,g-multiple-import
-from kfac.python.ops.factor_base import (DenseSquareFactor, DiagonalFactor,
+from kfac.python.ops.layers.base.factors import (DenseSquareFactor, DiagonalFactor,
                                          FisherFactor)
-from kfac.python.ops.dense_factors import (DiagonalKroneckerFactor,
+from kfac.python.ops.layers.dense.factors import (DiagonalKroneckerFactor,
                                            FullyConnectedDiagonalFactor,
                                            FullyConnectedKroneckerFactor)
-from kfac.python.ops.generic_factors import NaiveDiagonalFactor, NaiveFullFactor
+from kfac.python.ops.layers.generic.factors import NaiveDiagonalFactor, NaiveFullFactor
 
 # Each family module lists its public classes in __all__.
-from kfac.python.ops.conv_factors import *  # pylint: disable=wildcard-import
-from kfac.python.ops.embedding_factors import *  # pylint: disable=wildcard-import
-from kfac.python.ops.multi_use_factors import *  # pylint: disable=wildcard-import
-from kfac.python.ops.scale_shift_factors import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.conv.factors import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.embedding.factors import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.multi_use.factors import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.scale_shift.factors import *  # pylint: disable=wildcard-import
 
 # ---------------------------------------------------------------------------
 # Old module-level names (kfac 0.2.x). The old global constants are fixed

@@ -5,7 +5,7 @@ layer (with the layer's inputs and outputs), which approximation each layer
 uses, and which losses (predictive distributions) the model is trained on.
 It holds symbolic tensors of one graph; in a TF2 program build a fresh one
 inside every trace of the training step (its state lives elsewhere, see
-state.py). Variables are never used as dict keys: they are keyed by `ref()`.
+tensors/state.py). Variables are never used as dict keys: they are keyed by `ref()`.
 """
 
 import collections
@@ -16,22 +16,23 @@ import threading
 
 import tensorflow as tf
 
-from kfac.python.ops import conv_registration
-from kfac.python.ops import curvature_options as options_lib
-from kfac.python.ops import embedding_registration
+from kfac.python.ops.layers.conv import registration as conv_registration
+from kfac.python.ops.layers.base import curvature_options as options_lib
+from kfac.python.ops.layers.embedding import registration as embedding_registration
 from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import loss_functions as lf
-from kfac.python.ops import multi_use_registration
-from kfac.python.ops import scale_shift_registration
-from kfac.python.ops import registration_base
-from kfac.python.ops import utils
+from kfac.python.ops.layers.multi_use import registration as multi_use_registration
+from kfac.python.ops.layers.scale_shift import registration as scale_shift_registration
+from kfac.python.ops.layers.base import registration as registration_base
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.ekfac import blocks as ekfac_blocks
 from kfac.python.ops.compat_utils import legacy_constants
+from kfac.python.ops.compat_utils.subgraph import SubGraph
 from kfac.python.ops.ekfac import scalings as ekfac_scalings
-from kfac.python.ops.layer_params_dict import LayerParametersDict
-from kfac.python.ops.registration_base import RegistrationKeyError
-from kfac.python.ops.registration_base import VARIABLE_SCOPE
-from kfac.python.ops.registration_base import describe as _describe
+from kfac.python.ops.tensors.layer_params_dict import LayerParametersDict
+from kfac.python.ops.layers.base.registration import RegistrationKeyError
+from kfac.python.ops.layers.base.registration import VARIABLE_SCOPE
+from kfac.python.ops.layers.base.registration import describe as _describe
 
 # Approximation names.
 APPROX_KRONECKER_NAME = "kron"
@@ -144,7 +145,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
                curvature_options=None):
     """`curvature_options`: a CurvatureOptions (pi split, damping
     normalisation, eigenvalue clipping, sub-sampling of conv statistics;
-    see curvature_options.py); default: the old library's values, as
+    see layers/base/curvature_options.py); default: the old library's values, as
     changed by any set_global_constants call made before."""
     self._graph = graph
     self._name = name
@@ -453,7 +454,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
         collection's fully-connected default).
       dense_inputs: False registers an embedding lookup: `inputs` are integer
         ids into the rows of W (see register_embedding in
-        embedding_registration.py).
+        layers/embedding/registration.py).
       reuse: True adds a tower to an existing registration of `params`.
     """
     if not dense_inputs:
@@ -541,7 +542,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
 
   @property
   def subgraph(self):
-    """The `utils.SubGraph` of the registered losses' inputs (the ops
+    """The `SubGraph` (kfac.utils.SubGraph) of the registered losses' inputs (the ops
     the losses depend on); None before a loss is registered or outside a
     graph."""
     inputs = []
@@ -549,7 +550,7 @@ class LayerCollection(conv_registration.ConvRegistrationMixin,
       inputs.extend(utils.ensure_sequence(loss.inputs))
     if not inputs or not all(hasattr(t, "op") for t in inputs):
       return None
-    return utils.SubGraph(inputs)
+    return SubGraph(inputs)
 
   def _use_problems(self, variables):
     """kfac 0.2.x's check that each variable is registered as many times as

@@ -27,8 +27,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kfac.python.ops import counter_random
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import counter_random
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.reliability import shapes
 
 

@@ -22,7 +22,7 @@ approximate squared Fisher norm of the update is at most C.
 
 "qmodel" / "qmodel_fixedmu" choose eta (and mu) from the exact quadratic
 model, and `adapt_damping` moves the damping by the Levenberg-Marquardt
-rule: see adaptive.py. A step is built in two halves: `_compute_update`
+rule: see adaptive/mixin.py. A step is built in two halves: `_compute_update`
 makes the change of every variable without touching any state, and
 `_commit` applies it (after the damping rule's "before" ops, if any).
 
@@ -45,13 +45,13 @@ on one replica (distribute/inverse_placement.py).
 
 import tensorflow as tf
 
-from kfac.python.ops import adaptive
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import estimation_modes
+from kfac.python.ops.adaptive import mixin as adaptive
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.estimation import modes as estimation_modes
 from kfac.python.ops import estimator as est_lib
-from kfac.python.ops import factored_grads
-from kfac.python.ops import state
-from kfac.python.ops import utils
+from kfac.python.ops.layers.dense import factored_grads
+from kfac.python.ops.tensors import state
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.compat_utils import list_algebra
 from kfac.python.ops.distribute import collective
@@ -155,14 +155,14 @@ class KfacOptimizer(adaptive.AdaptiveMixin, tf.compat.v1.train.Optimizer):
     `relative_min_damping` (not in kfac 0.2.x; default None): with the
     damping rule or its calibration, the damping never falls below
     relative_min_damping * (mean eigenvalue of the K-FAC curvature, read
-    from the factors' traces: kfac.python.ops.recipe.curvature_scale) nor
+    from the factors' traces: kfac.python.ops.adaptive.recipe.curvature_scale) nor
     below min_damping. A floor that follows the curvature's scale, where
     min_damping is absolute (docs/recipe.md).
 
     `include_damping_in_qmodel_change` (kfac 0.2.x's
     optimizer.set_global_constants option; None: the value set there, else
     False): whether qmodel_change, the predicted change the damping rule
-    compares with the actual one, includes the damping term (adaptive.py).
+    compares with the actual one, includes the damping term (adaptive/mixin.py).
 
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,

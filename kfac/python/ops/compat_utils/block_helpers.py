@@ -4,8 +4,8 @@ depthwise <-> dense conv2d filter conversion."""
 
 import tensorflow as tf
 
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import utils
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.compat_utils import legacy_constants
 
 PI_OFF_NAME = "off"

@@ -9,7 +9,7 @@ work:
 
 * a setting of the curvature model (pi_type, normalize_damping_power,
   eigenvalue clipping, sub-sampling of conv inputs) changes the default
-  `CurvatureOptions` (curvature_options.py) that a `LayerCollection` made
+  `CurvatureOptions` (layers/base/curvature_options.py) that a `LayerCollection` made
   afterwards picks up; `include_damping_in_qmodel_change` changes the
   default of `KfacOptimizer(include_damping_in_qmodel_change=None)` for
   optimizers made afterwards. Objects that exist keep their configuration:
@@ -32,7 +32,7 @@ import dataclasses
 import numbers
 import warnings
 
-from kfac.python.ops import curvature_options
+from kfac.python.ops.layers.base import curvature_options
 
 
 class LegacyConstantWarning(UserWarning):

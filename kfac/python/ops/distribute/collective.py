@@ -7,7 +7,7 @@ batch; before any of them reaches a variable it is reduced across the
 replicas (`all_reduce`), so every replica then folds the same value into
 its (replica-local) moving averages, computes the same inverses and the
 same update. State variables are replica-local (`SyncOnRead`, read from the
-first replica in cross-replica context, see state.py): replicas update
+first replica in cross-replica context, see tensors/state.py): replicas update
 their own copies inside conditionals without talking to each other. The
 model's (mirrored) variables change only through `apply_updates`, a
 `merge_call` outside any conditional.
@@ -23,7 +23,7 @@ collectives work.
 import numpy as np
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import replicas
 
 MEAN = "mean"

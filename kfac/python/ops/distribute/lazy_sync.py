@@ -37,7 +37,7 @@ State per factor (replica-local, in the optimizer's StateStore):
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
 
 

@@ -20,14 +20,14 @@ which gives the registration, the factors A and G and the matrix view, plus
 
 import tensorflow as tf
 
-from kfac.python.ops import conv_blocks
-from kfac.python.ops import conv_factors
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import dense_blocks
-from kfac.python.ops import embedding_blocks
-from kfac.python.ops import linalg
-from kfac.python.ops import multi_use_blocks
-from kfac.python.ops import utils
+from kfac.python.ops.layers.conv import blocks as conv_blocks
+from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.dense import blocks as dense_blocks
+from kfac.python.ops.layers.embedding import blocks as embedding_blocks
+from kfac.python.ops.numerics import linalg
+from kfac.python.ops.layers.multi_use import blocks as multi_use_blocks
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.ekfac import factors as ekfac_factors
 from kfac.python.ops.ekfac import scalings
 

@@ -18,13 +18,13 @@ refresh is a K-FAC step in the same basis.
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.ekfac import scalings
-from kfac.python.ops.embedding_factors import EmbeddingDiagonalFactor
-from kfac.python.ops.factor_base import FisherFactor
-from kfac.python.ops.factor_base import normalize_sources
-from kfac.python.ops.factor_base import normalize_weights
-from kfac.python.ops.factor_base import weighted_sum
+from kfac.python.ops.layers.embedding.factors import EmbeddingDiagonalFactor
+from kfac.python.ops.layers.base.factors import FisherFactor
+from kfac.python.ops.layers.base.factors import normalize_sources
+from kfac.python.ops.layers.base.factors import normalize_weights
+from kfac.python.ops.layers.base.factors import weighted_sum
 
 _HALF = (tf.float16, tf.bfloat16)
 

@@ -36,7 +36,7 @@ import threading
 import tensorflow as tf
 
 from kfac.python.ops import optimizer
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 
 # Threads when num_cov_inv_update_threads is None: half the number of ops,
 # at least 1 and at most this.

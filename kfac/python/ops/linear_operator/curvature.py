@@ -23,7 +23,7 @@ import weakref
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import flat
 from kfac.python.ops.linear_operator import layout as layout_lib
 from kfac.python.ops.linear_operator import spectral

@@ -4,7 +4,7 @@ length and the variables."""
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 
 
 def describe(variables, limit=4):

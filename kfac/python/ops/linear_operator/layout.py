@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops import layer_collection as lc_lib
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import spectral
 
 

@@ -40,17 +40,17 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from kfac.python.ops import block_base
-from kfac.python.ops import conv_factors
-from kfac.python.ops import damping as damping_lib
-from kfac.python.ops import dense_blocks
-from kfac.python.ops import embedding_blocks
-from kfac.python.ops import linalg
-from kfac.python.ops import utils
-from kfac.python.ops.block_base import ElementwiseDiagonalBlockMixin
-from kfac.python.ops.block_base import SingleDenseFactorBlockMixin
-from kfac.python.ops.block_base import TwoFactorKroneckerMixin
-from kfac.python.ops.factor_base import DiagonalFactor
+from kfac.python.ops.layers.base import blocks as block_base
+from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.dense import blocks as dense_blocks
+from kfac.python.ops.layers.embedding import blocks as embedding_blocks
+from kfac.python.ops.numerics import linalg
+from kfac.python.ops.tensors import utils
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.layers.base.blocks import SingleDenseFactorBlockMixin
+from kfac.python.ops.layers.base.blocks import TwoFactorKroneckerMixin
+from kfac.python.ops.layers.base.factors import DiagonalFactor
 
 __all__ = ["SpectralView", "spectral_view", "block_kind", "EigenvalueDamping", "apply_view",
            "DENSE_FALLBACK_LIMIT"]

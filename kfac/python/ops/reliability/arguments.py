@@ -12,7 +12,7 @@ import numbers
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 
 
 class Rule:

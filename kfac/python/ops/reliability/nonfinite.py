@@ -27,7 +27,7 @@ import sys
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 
 
 def _float_values(tensors):

@@ -46,7 +46,7 @@ import warnings
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.compat_utils.subgraph import SubGraph
 from kfac.python.ops.tensormatch import graph_matcher as gm
 from kfac.python.ops.tensormatch import graph_patterns as gp

@@ -20,7 +20,7 @@ import enum
 
 import tensorflow as tf
 
-from kfac.python.ops import utils
+from kfac.python.ops.tensors import utils
 from kfac.python.ops.tensormatch import tensorflow_graph_util as graph_util
 
 

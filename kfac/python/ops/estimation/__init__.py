@@ -1,0 +1,2 @@
+"""The Fisher estimator's parts: how estimation modes turn registered losses
+into gradient sources."""

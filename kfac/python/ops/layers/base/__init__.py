@@ -1,0 +1,2 @@
+"""The bases every layer family builds on: factors, blocks, registration,
+damping functions and the curvature options."""

@@ -1,0 +1,1 @@
+"""Convolutions: patch extraction, KFC factors, blocks and registration."""

@@ -1,0 +1,453 @@
+"""Registration of convolution layers (conv1d/2d/N-d, depthwise, separable,
+conv2d multi-use) on the LayerCollection.
+
+The mixin's methods run on a `LayerCollection` and use its core helpers:
+`self._resolve_approx(params, approx, kind, table)`,
+`self.register_block(params, block, reuse)`, `self._set_default(kind, value,
+table)`.
+
+Approximations of a convolution (register_conv1d / conv2d / convolution):
+  "kron" (default: the collection's conv2d default)  KFC, L * (A (x) G)
+  "diagonal"     exact diagonal
+  "kron_sua"     KFC with the spatially-uncorrelated-activations input factor
+  "kron_reduce"  KFAC-reduce (Eschenhagen et al. 2023)
+  "ekfac" / "ekfac_reduce"  EKFAC in the KFC / KFAC-reduce eigenbasis
+                 (George et al. 2018; ekfac/blocks.py)
+Depthwise convolutions: "diagonal" (default) or "kron" (per-channel KFC).
+A conv2d used several times (register_conv2d_multi): "kron_indep".
+
+strides / dilations accept an int, one int per spatial dimension, or the
+TensorFlow form with batch and channel entries ([1, s, s, 1] for NHWC,
+[1, 1, s, s] for NCHW). padding: "SAME", "VALID", explicit (before, after)
+pairs (per spatial dimension, or TensorFlow's per-dimension list), and
+"CAUSAL" for conv1d.
+"""
+
+import numpy as np
+
+from kfac.python.ops.layers.conv import blocks as conv_blocks
+from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.layers.base import registration as registration_base
+from kfac.python.ops.tensors import utils
+from kfac.python.ops.ekfac import blocks as ekfac_blocks
+
+_VARIABLE_SCOPE = registration_base.VARIABLE_SCOPE
+_describe = registration_base.describe
+
+_KRON = "kron"
+_DIAGONAL = "diagonal"
+_KRON_SUA = "kron_sua"
+_KRON_REDUCE = "kron_reduce"
+_KRON_INDEP = "kron_indep"
+_EKFAC = "ekfac"
+_EKFAC_REDUCE = "ekfac_reduce"
+
+_CONV_APPROXIMATIONS = {
+    _KRON: conv_blocks.ConvKFCBasicFB,
+    _DIAGONAL: conv_blocks.ConvDiagonalFB,
+    _KRON_SUA: conv_blocks.ConvKFCBasicFB,
+    _KRON_REDUCE: conv_blocks.ConvKFCReduceFB,
+    _EKFAC: ekfac_blocks.ConvEKFACFB,
+    _EKFAC_REDUCE: ekfac_blocks.ConvEKFACReduceFB,
+}
+_CONV_MULTI_APPROXIMATIONS = {
+    _KRON_INDEP: conv_blocks.ConvKFCBasicMultiIndepFB,
+}
+_DEPTHWISE_APPROXIMATIONS = {
+    _DIAGONAL: conv_blocks.DepthwiseConvDiagonalFB,
+    _KRON: conv_blocks.DepthwiseConvKFCBasicFB,
+}
+_DEFAULT_DEPTHWISE_APPROXIMATION = _DIAGONAL
+
+# Which approximations accept the optional statistics arguments.
+_ACCEPTS = {
+    "sub_sample_inputs": (_KRON, _KRON_SUA, _KRON_REDUCE),
+    "sub_sample_patches": (_KRON,),
+    "patch_mask": (_KRON, _DIAGONAL, _KRON_REDUCE, _EKFAC, _EKFAC_REDUCE),
+}
+
+
+def _name(var):
+  return utils.variable_name(var)
+
+
+def _split_params(params, what):
+  seq = utils.ensure_sequence(params)
+  if len(seq) not in (1, 2):
+    raise ValueError("%s params must be a filter or (filter, bias), got %d "
+                     "variables (%s)." % (what, len(seq), _describe(params)))
+  return seq[0], (seq[1] if len(seq) == 2 else None)
+
+
+def _make_spec(filt, strides, dilations, padding, data_format):
+  try:
+    return patches_lib.make_conv_spec(filt.shape[:-2], strides, dilations,
+                                      padding, data_format)
+  except ValueError as e:
+    raise ValueError("Convolution with filter %s: %s" % (_name(filt), e))
+
+
+def _check_shapes(filt, bias, inputs, outputs, spec, out_channels, what):
+  """Ranks, channels, bias and output spatial sizes (ValueError naming the
+  filter)."""
+  d = spec.num_spatial
+  first = spec.channels_first
+  fname = _name(filt)
+  for tensor, role in ((inputs, "inputs"), (outputs, "outputs")):
+    if tensor.shape.rank != d + 2:
+      raise ValueError(
+          "%s with filter %s (shape %s) needs %s of rank %d ([batch, "
+          "spatial x %d, channels] or channels-first), got shape %s." %
+          (what, fname, filt.shape, role, d + 2, d, tensor.shape))
+  in_c = inputs.shape[1 if first else -1]
+  if in_c is not None and in_c != filt.shape[-2]:
+    raise ValueError("%s with filter %s expects %d input channels (filter "
+                     "shape %s), but its inputs have shape %s." %
+                     (what, fname, filt.shape[-2], filt.shape, inputs.shape))
+  out_c = outputs.shape[1 if first else -1]
+  if out_c is not None and out_c != out_channels:
+    raise ValueError("%s with filter %s produces %d output channels (filter "
+                     "shape %s), but its outputs have shape %s." %
+                     (what, fname, out_channels, filt.shape, outputs.shape))
+  if bias is not None and (bias.shape.rank != 1 or
+                           bias.shape[0] != out_channels):
+    raise ValueError("Bias %s must have shape [%d] to match filter %s, got "
+                     "%s." % (_name(bias), out_channels, fname, bias.shape))
+  if not inputs.shape[:1].is_compatible_with(outputs.shape[:1]):
+    raise ValueError("%s with filter %s: inputs %s and outputs %s have "
+                     "different batch sizes." % (what, fname, inputs.shape,
+                                                 outputs.shape))
+  in_spatial = inputs.shape[2:] if first else inputs.shape[1:-1]
+  out_spatial = outputs.shape[2:] if first else outputs.shape[1:-1]
+  if in_spatial.is_fully_defined():
+    want = patches_lib.output_spatial_shape(spec, in_spatial.as_list())
+    if not out_spatial.is_compatible_with(want):
+      raise ValueError(
+          "%s with filter %s: inputs of spatial shape %s with strides %s, "
+          "dilations %s and padding %s give outputs of spatial shape %s, but "
+          "the outputs have spatial shape %s." %
+          (what, fname, in_spatial.as_list(), list(spec.strides),
+           list(spec.dilations), spec.padding, list(want),
+           out_spatial.as_list()))
+    if any(n == 0 for n in want):
+      raise ValueError("%s with filter %s has no output locations." %
+                       (what, fname))
+  elif d != 2:
+    raise ValueError("%s with filter %s: %d-d convolutions need static "
+                     "spatial input sizes, got %s." %
+                     (what, fname, d, inputs.shape))
+
+
+def _check_options(approx, params, patch_size, **options):
+  for option, value in options.items():
+    if value is None or value is False:
+      continue
+    if approx not in _ACCEPTS[option]:
+      raise ValueError("%s is not supported by approximation %r (layer %s); "
+                       "it is used by %s." %
+                       (option, approx, _describe(params),
+                        ", ".join(_ACCEPTS[option])))
+    if option == "patch_mask":
+      size = (int(np.prod(value.shape.as_list())) if hasattr(value, "shape")
+              and hasattr(value.shape, "as_list") else np.size(value))
+      if size != patch_size:
+        raise ValueError("patch_mask of layer %s has %d entries; its patches "
+                         "have %d (shape [k1, ..., kd, in_channels])." %
+                         (_describe(params), size, patch_size))
+    elif value is not True and (not utils.is_python_number(value) or
+                                int(value) != value or value < 1):
+      raise ValueError("%s of layer %s must be None, True or a positive "
+                       "int, got %r." % (option, _describe(params), value))
+
+
+class ConvRegistrationMixin:
+  """LayerCollection methods; see the module docstring."""
+
+  # ---------------------------------------------------------- defaults
+  def set_default_conv2d_approximation(self, value):
+    self._set_default("conv2d", value, _CONV_APPROXIMATIONS)
+
+  def set_default_conv2d_multi_approximation(self, value):
+    self._set_default("conv2d_multi", value, _CONV_MULTI_APPROXIMATIONS)
+
+  @property
+  def default_conv2d_approximation(self):
+    return self._defaults["conv2d"]
+
+  @property
+  def default_conv2d_multi_approximation(self):
+    return self._defaults["conv2d_multi"]
+
+  # ---------------------------------------------------------- helpers
+  def _register_with_signature(self, params, block, reuse, signature,
+                               mismatch_message):
+    """Registers `block` (or finds the block registered for `params`) and
+    checks that it was registered with the same `signature`; raises
+    ValueError(mismatch_message(old_signature)) otherwise."""
+    block._registration_signature = signature  # pylint: disable=protected-access
+    registered = self.register_block(params, block, reuse=reuse)
+    old = getattr(registered, "_registration_signature", signature)
+    if old != signature:
+      raise ValueError(mismatch_message(old))
+    return registered
+
+  def _finish_registration(self, params, block, reuse, inputs, outputs,
+                           signature):
+    registered = self._register_with_signature(
+        params, block, reuse, signature,
+        lambda old: ("Layer %s was registered with %s and is now reused with "
+                     "%s; towers of a layer must use the same convolution "
+                     "and approximation." % (_describe(params), old,
+                                             signature)))
+    registered.register_additional_tower(inputs, outputs)
+    self._block_params_set(registered, params)
+    self._add_uses(params, 1)
+    return registered
+
+  def _register_conv(self, params, inputs, outputs, padding, strides,
+                     dilations, data_format, approx, reuse, num_spatial,
+                     what, sub_sample_inputs=None, sub_sample_patches=None,
+                     patch_mask=None):
+    filt, bias = _split_params(params, what)
+    if num_spatial is None:
+      if filt.shape.rank is None or filt.shape.rank < 3:
+        raise ValueError("%s filter %s must have rank >= 3 [k.., in, out], "
+                         "got shape %s." % (what, _name(filt), filt.shape))
+      num_spatial = filt.shape.rank - 2
+    if filt.shape.rank != num_spatial + 2:
+      raise ValueError("%s filter %s must have rank %d [%s, in_channels, "
+                       "out_channels], got shape %s." %
+                       (what, _name(filt), num_spatial + 2,
+                        ", ".join("k%d" % (i + 1) for i in range(num_spatial)),
+                        filt.shape))
+    spec = _make_spec(filt, strides, dilations, padding, data_format)
+    _check_shapes(filt, bias, inputs, outputs, spec, int(filt.shape[-1]), what)
+    approx = self._resolve_approx(params, approx, "conv2d",
+                                  _CONV_APPROXIMATIONS)
+    _check_options(approx, params, spec.num_taps * int(filt.shape[-2]),
+                   sub_sample_inputs=sub_sample_inputs,
+                   sub_sample_patches=sub_sample_patches,
+                   patch_mask=patch_mask)
+    if approx in (_KRON, _KRON_SUA):
+      block = conv_blocks.ConvKFCBasicFB(
+          self, params, spec.padding, spec.strides, spec.dilations,
+          data_format, sub_sample_inputs=sub_sample_inputs,
+          sub_sample_patches=sub_sample_patches,
+          use_sua_approx_for_input_factor=(approx == _KRON_SUA),
+          patch_mask=patch_mask)
+    elif approx == _DIAGONAL:
+      block = conv_blocks.ConvDiagonalFB(
+          self, params, spec.strides, spec.padding, data_format,
+          spec.dilations, patch_mask=patch_mask)
+    elif approx in (_EKFAC, _EKFAC_REDUCE):
+      block = _CONV_APPROXIMATIONS[approx](
+          self, params, spec.padding, spec.strides, spec.dilations,
+          data_format, patch_mask=patch_mask)
+    else:
+      block = conv_blocks.ConvKFCReduceFB(
+          self, params, spec.padding, spec.strides, spec.dilations,
+          data_format, sub_sample_inputs=sub_sample_inputs,
+          patch_mask=patch_mask)
+    signature = (approx, spec, sub_sample_inputs, sub_sample_patches,
+                 patch_mask is not None)
+    return self._finish_registration(params, block, reuse, inputs, outputs,
+                                     signature)
+
+  # ---------------------------------------------------------- layers
+  def register_conv2d(self, params, strides, padding, inputs, outputs,
+                      data_format=None, dilations=None, approx=None,
+                      reuse=_VARIABLE_SCOPE, sub_sample_inputs=None,
+                      sub_sample_patches=None, patch_mask=None):
+    """Registers a call to tf.nn.conv2d (plus an optional bias add).
+
+    Args:
+      params: the filter [kh, kw, in, out], or (filter, bias [out]).
+      strides: an int, [sh, sw], or [1, sh, sw, 1] ([1, 1, sh, sw] NCHW).
+      padding: "SAME", "VALID" or explicit pairs.
+      inputs: [batch, h, w, in] (NHWC) or [batch, in, h, w] (NCHW).
+      outputs: the pre-activations, [batch, h', w', out] (or NCHW).
+      data_format: None/"NHWC" or "NCHW".
+      dilations: like strides (default 1).
+      approx: "kron" (KFC; default: the collection's conv2d default),
+        "diagonal", "kron_sua", "kron_reduce", "ekfac" or "ekfac_reduce".
+      reuse: True adds a tower to an existing registration of `params`.
+      sub_sample_inputs: (kron, kron_sua, kron_reduce) None, True or an
+        int m: the input statistic uses a random subset of at most m
+        examples; True: ceil(f * N) of the N examples, f the collection's
+        curvature_options.inputs_to_extract_patches_factor (0.2, kfac
+        0.2.x's rule). None: for kron, the collection's
+        curvature_options.sub_sample_inputs (False unless changed).
+      sub_sample_patches: (kron) None, True (at most 8 * dim(A) rows) or an
+        int R: the input statistic uses a random subset of at most R patches.
+      patch_mask: (kron, diagonal, kron_reduce) K*in values (shape
+        [kh, kw, in]) multiplied into every patch, for masked convolutions.
+
+    Returns:
+      The layer's FisherBlock.
+    """
+    return self._register_conv(
+        params, inputs, outputs, padding, strides, dilations, data_format,
+        approx, reuse, 2, "Conv2d layer", sub_sample_inputs,
+        sub_sample_patches, patch_mask)
+
+  def register_conv1d(self, params, strides, padding, inputs, outputs,
+                      dilations=None, approx=None, reuse=_VARIABLE_SCOPE,
+                      sub_sample_inputs=None, sub_sample_patches=None,
+                      patch_mask=None, data_format=None):
+    """Registers a 1-d convolution (tf.nn.conv1d; filter [k, in, out]).
+
+    inputs [batch, width, in] (or NCW with data_format="NCW"); padding
+    "SAME", "VALID", "CAUSAL" or pairs. Otherwise like register_conv2d.
+    """
+    return self._register_conv(
+        params, inputs, outputs, padding, strides, dilations, data_format,
+        approx, reuse, 1, "Conv1d layer", sub_sample_inputs,
+        sub_sample_patches, patch_mask)
+
+  def register_convolution(self, params, inputs, outputs, padding,
+                           strides=None, dilation_rate=None, data_format=None,
+                           approx=None, reuse=_VARIABLE_SCOPE,
+                           sub_sample_inputs=None, sub_sample_patches=None,
+                           patch_mask=None):
+    """Registers a call to tf.nn.convolution (any number d of spatial
+    dimensions, from the filter's rank d + 2). Otherwise like
+    register_conv2d."""
+    return self._register_conv(
+        params, inputs, outputs, padding, strides, dilation_rate, data_format,
+        approx, reuse, None, "Convolution layer", sub_sample_inputs,
+        sub_sample_patches, patch_mask)
+
+  def register_depthwise_conv2d(self, params, inputs, outputs, strides,
+                                padding, rate=None, data_format=None,
+                                approx=None, reuse=_VARIABLE_SCOPE):
+    """Registers a call to tf.nn.depthwise_conv2d.
+
+    Args:
+      params: the filter [kh, kw, in, multiplier], or (filter, bias
+        [in * multiplier]).
+      inputs: [batch, h, w, in] (or NCHW).
+      outputs: [batch, h', w', in * multiplier] (output channel c * M + m).
+      strides, padding, data_format: as in register_conv2d.
+      rate: dilation rates (int, [rh, rw] or 4 entries).
+      approx: "diagonal" (default, the exact diagonal) or "kron"
+        (per-channel KFC, see conv_blocks.DepthwiseConvKFCBasicFB).
+      reuse: True adds a tower.
+    """
+    filt, bias = _split_params(params, "Depthwise conv2d layer")
+    if filt.shape.rank != 4:
+      raise ValueError("Depthwise conv2d filter %s must have rank 4 [kh, kw, "
+                       "in_channels, multiplier], got shape %s." %
+                       (_name(filt), filt.shape))
+    spec = _make_spec(filt, strides, rate, padding, data_format)
+    _check_shapes(filt, bias, inputs, outputs, spec,
+                  int(filt.shape[-2]) * int(filt.shape[-1]),
+                  "Depthwise conv2d layer")
+    if approx is None:
+      approx = (self._linked_approx(params) or
+                _DEFAULT_DEPTHWISE_APPROXIMATION)
+    if approx not in _DEPTHWISE_APPROXIMATIONS:
+      raise ValueError("Unknown approximation %r for depthwise conv2d layer "
+                       "(%s); expected one of %s." %
+                       (approx, _describe(params),
+                        sorted(_DEPTHWISE_APPROXIMATIONS)))
+    block = _DEPTHWISE_APPROXIMATIONS[approx](
+        self, params, spec.strides, spec.padding, spec.dilations, data_format)
+    return self._finish_registration(params, block, reuse, inputs, outputs,
+                                     ("depthwise", approx, spec))
+
+  def register_separable_conv2d(self, depthwise_params, pointwise_params,
+                                inputs, depthwise_outputs, pointwise_outputs,
+                                strides, padding, rate=None, data_format=None,
+                                approx=None, reuse=_VARIABLE_SCOPE):
+    """Registers a call to tf.nn.separable_conv2d: the depthwise layer and
+    the 1x1 pointwise conv2d (stride 1, VALID) on its outputs.
+
+    `approx` applies to the pointwise layer (a conv2d approximation;
+    default the collection's conv2d default); the depthwise layer uses its
+    own default ("diagonal"). A pair (depthwise_approx, pointwise_approx)
+    chooses both. Returns (depthwise block, pointwise block).
+    """
+    if isinstance(approx, (list, tuple)):
+      depthwise_approx, pointwise_approx = approx
+    else:
+      depthwise_approx, pointwise_approx = None, approx
+    first = patches_lib.data_format_is_channels_first(data_format, 2)
+    dw_block = self.register_depthwise_conv2d(
+        depthwise_params, inputs, depthwise_outputs, strides, padding,
+        rate=rate, data_format=data_format, approx=depthwise_approx,
+        reuse=reuse)
+    pw_block = self.register_conv2d(
+        pointwise_params, [1, 1, 1, 1], "VALID", depthwise_outputs,
+        pointwise_outputs, data_format="NCHW" if first else "NHWC",
+        approx=pointwise_approx, reuse=reuse)
+    return dw_block, pw_block
+
+  def register_conv2d_multi(self, params, strides, padding, inputs, outputs,
+                            num_uses=None, data_format=None, dilations=None,
+                            approx=None, reuse=_VARIABLE_SCOPE):
+    """Registers a conv2d applied several times with the same filter.
+
+    Args:
+      inputs, outputs: lists over uses of [batch, ...] tensors, or single
+        tensors [num_uses * batch, ...] (uses folded into the batch).
+      num_uses: needed with folded tensors; checked against list lengths.
+      approx: "kron_indep" (default: the collection's conv2d multi default).
+      Others as in register_conv2d.
+    """
+    filt, bias = _split_params(params, "Conv2d multi-use layer")
+    what = "Conv2d multi-use layer"
+    fname = _name(filt)
+    if filt.shape.rank != 4:
+      raise ValueError("%s filter %s must have rank 4, got shape %s." %
+                       (what, fname, filt.shape))
+    listed = isinstance(inputs, (list, tuple))
+    if listed != isinstance(outputs, (list, tuple)):
+      raise ValueError("%s %s: inputs and outputs must both be lists over "
+                       "uses or both single (folded) tensors." %
+                       (what, fname))
+    if listed:
+      if len(inputs) != len(outputs) or not inputs:
+        raise ValueError("%s %s: got %d inputs and %d outputs; there must be "
+                         "one of each per use." % (what, fname, len(inputs),
+                                                   len(outputs)))
+      if num_uses is not None and num_uses != len(inputs):
+        raise ValueError("%s %s: num_uses=%s but %d uses were passed." %
+                         (what, fname, num_uses, len(inputs)))
+      num_uses = len(inputs)
+      pairs = list(zip(inputs, outputs))
+    else:
+      if num_uses is None:
+        raise ValueError("%s %s: folded [num_uses * batch, ...] inputs need "
+                         "num_uses." % (what, fname))
+      if not utils.is_python_number(num_uses) or num_uses < 1:
+        raise ValueError("%s %s: num_uses must be a positive int, got %r." %
+                         (what, fname, num_uses))
+      for tensor in (inputs, outputs):
+        rows = tensor.shape[0]
+        if rows is not None and rows % num_uses:
+          raise ValueError("%s %s: the folded batch of %d rows is not "
+                           "divisible by num_uses=%d." %
+                           (what, fname, rows, num_uses))
+      pairs = [(inputs, outputs)]
+    spec = _make_spec(filt, strides, dilations, padding, data_format)
+    for x, y in pairs:
+      _check_shapes(filt, bias, x, y, spec, int(filt.shape[-1]), what)
+    approx = self._resolve_approx(params, approx, "conv2d_multi",
+                                  _CONV_MULTI_APPROXIMATIONS)
+    block = conv_blocks.ConvKFCBasicMultiIndepFB(
+        self, params, spec.padding, spec.strides, spec.dilations, data_format,
+        num_uses=num_uses)
+    signature = ("multi", approx, spec, num_uses)
+    registered = self._register_with_signature(
+        params, block, reuse, signature,
+        lambda old: ("Layer %s was registered with %d uses (%s) and is now "
+                     "reused with %d uses (%s); every tower must have the "
+                     "same number of uses." % (_describe(params), old[-1], old,
+                                               num_uses, signature)))
+    registered.register_additional_tower(
+        list(inputs) if listed else inputs,
+        list(outputs) if listed else outputs)
+    self._block_params_set(registered, params)
+    # A folded registration is one op of the graph.
+    self._add_uses(params, len(inputs) if listed else 1)
+    return registered

@@ -1,0 +1,117 @@
+"""Factors of dense layers: second moments of inputs and output gradients,
+their diagonals, and the exact diagonal of a dense layer's Fisher."""
+
+import tensorflow as tf
+
+from kfac.python.ops.tensors import utils
+from kfac.python.ops.layers.base.factors import DenseSquareFactor
+from kfac.python.ops.layers.base.factors import DiagonalFactor
+from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
+from kfac.python.ops.layers.base.factors import concat_towers
+from kfac.python.ops.layers.base.factors import normalize_sources
+from kfac.python.ops.layers.base.factors import normalize_weights
+from kfac.python.ops.layers.base.factors import weighted_sum
+
+
+class _SecondMomentMixin:
+  """Shared set-up of factors over [batch, n] tensors from several sources."""
+
+  def _init_sources(self, tensors, has_bias, weights):
+    self._sources = normalize_sources(tensors)
+    self._weights = normalize_weights(weights, len(self._sources))
+    self._has_bias = has_bias
+    first = self._sources[0][0]
+    self._n = int(first.shape[-1]) + (1 if has_bias else 0)
+    self._tensor_dtype = first.dtype
+
+  @property
+  def _dtype(self):
+    return self._tensor_dtype
+
+  def _source_matrices(self):
+    return [concat_towers(towers, self._has_bias) for towers in self._sources]
+
+
+class FullyConnectedKroneckerFactor(_SecondMomentMixin, DenseSquareFactor):
+  """Second moment E[x x^T] of [batch, n] tensors (layer inputs, with a ones
+  column when `has_bias`, or output gradients summed over sources)."""
+
+  def __init__(self, tensors, has_bias=False, weights=None, name=None):
+    self._init_sources(tensors, has_bias, weights)
+    DenseSquareFactor.__init__(self, name=name, weights=self._weights)
+
+  def _compute_new_cov(self):
+    terms = []
+    for x in self._source_matrices():
+      n = tf.cast(tf.shape(x)[0], x.dtype)
+      terms.append(tf.matmul(x, x, transpose_a=True) / n)
+    return weighted_sum(terms, self._weights)
+
+
+class DiagonalKroneckerFactor(_SecondMomentMixin, DiagonalFactor):
+  """Diagonal of the second moment, diag(E[x x^T]) = E[x^2] (an [n] vector):
+  the cheap factor behind the kron_*_diag approximations."""
+
+  def __init__(self, tensors, has_bias=False, weights=None, name=None):
+    self._init_sources(tensors, has_bias, weights)
+    DiagonalFactor.__init__(self, name=name)
+
+  @property
+  def _cov_shape(self):
+    return [self._n]
+
+  def _compute_new_cov(self):
+    terms = [tf.reduce_mean(tf.square(x), axis=0)
+             for x in self._source_matrices()]
+    return weighted_sum(terms, self._weights)
+
+
+class FullyConnectedDiagonalFactor(InputsGradsDiagonalFactor):
+  """Exact diagonal of a dense layer's Fisher, the "sum of squares" estimator,
+  as an [in(+1), out] matrix.
+
+  For [batch, in] inputs this is F[(i, j), (i, j)] = E[a_i^2 g_j^2]. For a
+  layer shared over positions ([batch, P..., in] inputs) the per-example
+  gradient is the sum over positions, v_n = sum_p a_np g_np^T, so the
+  statistic is E_n[v_n^2] (elementwise square; summed over sources): the
+  exact diagonal whatever the weight-sharing structure (positions are not
+  treated as examples).
+  """
+
+  def __init__(self, inputs, outputs_grads, has_bias=False, weights=None,
+               name=None):
+    first_input = utils.ensure_sequence(inputs)[0]
+    first_grad = normalize_sources(outputs_grads)[0][0]
+    super().__init__(inputs, outputs_grads, weights,
+                     [int(first_input.shape[-1]) + (1 if has_bias else 0),
+                      int(first_grad.shape[-1])], name=name)
+    self._has_bias = has_bias
+
+  def _compute_new_cov(self):
+    if all(x.shape.rank == 2 for x in self._inputs):
+      a_sq = tf.square(concat_towers(self._inputs, self._has_bias))
+      n = tf.cast(tf.shape(a_sq)[0], a_sq.dtype)
+      terms = [tf.matmul(a_sq, tf.square(concat_towers(g)),
+                         transpose_a=True) / n for g in self._grads]
+      return weighted_sum(terms, self._weights)
+    return weighted_sum([self._shared_positions_stat(g) for g in self._grads],
+                        self._weights)
+
+  def _shared_positions_stat(self, grads_towers):
+    """E_n[(sum_p a_np g_np^T)^2] over the examples of all towers."""
+    total, count = None, None
+    for a, g in zip(self._inputs, grads_towers):
+      a = _positions_view(a)
+      if self._has_bias:
+        a = tf.concat([a, tf.ones_like(a[..., :1])], axis=-1)
+      per_example = tf.einsum("bpi,bpj->bij", a, _positions_view(g))
+      part = tf.reduce_sum(tf.square(per_example), axis=0)
+      rows = tf.cast(tf.shape(a)[0], a.dtype)
+      total = part if total is None else total + part
+      count = rows if count is None else count + rows
+    return total / count
+
+
+def _positions_view(x):
+  """[batch, P..., n] -> [batch, prod(P...), n] (rank 2 -> [batch, 1, n])."""
+  return tf.reshape(x, [tf.shape(x)[0], -1, int(x.shape[-1])])

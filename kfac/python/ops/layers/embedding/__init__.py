@@ -1,0 +1,1 @@
+"""Embeddings (sparse one-hot inputs): factors, blocks and registration."""

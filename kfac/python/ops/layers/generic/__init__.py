@@ -1,0 +1,1 @@
+"""Any variable, with full or diagonal curvature: factors and blocks."""

@@ -1,0 +1,2 @@
+"""Scale-and-shift parameters (normalisation layers): factors, blocks and
+registration."""

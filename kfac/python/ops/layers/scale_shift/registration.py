@@ -1,0 +1,111 @@
+"""Registration of scale-and-shift (normalization affine) parameters on the LayerCollection.
+
+The mixin's methods run on a `LayerCollection` and use its core helpers:
+`self._resolve_approx(params, approx, kind, table)`,
+`self.register_block(params, block, reuse)`, `self._set_default(kind, value,
+table)`.
+
+`register_scale_and_shift(params, inputs, outputs)` registers
+outputs = inputs * scale (+ shift) with `params` = `scale` or
+`(scale, shift)`. The parameters broadcast like numpy against the inputs
+[batch, ...] without the batch axis: their shape aligns with the inputs'
+trailing axes, and each of their axes is 1 (broadcast) or the input's size.
+Examples: inputs [N, H, W, C] with scale [C], [1, 1, C] or [H, W, C];
+LayerNorm-style inputs [N, T, D] with scale [D]. A parameter of the inputs'
+full rank must have a leading 1 (it cannot differ per example).
+"""
+
+from kfac.python.ops.layers.base import registration as registration_base
+from kfac.python.ops.tensors import utils
+
+_KIND = "scale_and_shift"
+
+
+def _approx_to_block():
+  from kfac.python.ops.layers.scale_shift import blocks as scale_shift_blocks  # pylint: disable=g-import-not-at-top
+  return {
+      "full": scale_shift_blocks.ScaleAndShiftFullFB,
+      "diagonal": scale_shift_blocks.ScaleAndShiftDiagonalFB,
+  }
+
+
+class ScaleShiftRegistrationMixin:
+  """LayerCollection methods; see the module docstring."""
+
+  def register_scale_and_shift(self, params, inputs, outputs, approx=None,
+                               reuse=registration_base.VARIABLE_SCOPE):
+    """Registers outputs = inputs * scale (+ shift).
+
+    Args:
+      params: `scale`, or a tuple `(scale, shift)` (tf.Variables).
+      inputs: Tensor [batch, ...], the normalized inputs.
+      outputs: Tensor shaped like `inputs`.
+      approx: "full" (the default scale-and-shift approximation unless
+        changed): the exact Fisher block of the parameters' per-example
+        gradients; or "diagonal": its diagonal.
+      reuse: True adds a tower to an existing registration of `params`.
+
+    Returns:
+      The `ScaleAndShiftFullFB` or `ScaleAndShiftDiagonalFB` block.
+    """
+    table = _approx_to_block()
+    _check_scale_shift(params, inputs, outputs)
+    approx = self._resolve_approx(params, approx, _KIND, table)
+    block = table[approx](self, params)
+    block = self.register_block(params, block, reuse=reuse)
+    block.register_additional_tower(inputs, outputs)
+    self._block_params_set(block, params)
+    self._add_uses(params, 1)
+    return block
+
+  def set_default_scale_and_shift_approximation(self, value):
+    self._set_default(_KIND, value, _approx_to_block())
+
+  @property
+  def default_scale_and_shift_approximation(self):
+    return self._defaults[_KIND]
+
+
+def _check_scale_shift(params, inputs, outputs):
+  seq = utils.ensure_sequence(params)
+  name = registration_base.describe(params)
+  if len(seq) not in (1, 2):
+    raise ValueError("Scale-and-shift params must be scale or (scale, shift), "
+                     "got %d variables (%s)." % (len(seq), name))
+  if not utils.is_tensor_or_variable(inputs) or inputs.shape.rank is None:
+    raise ValueError("Inputs of the scale-and-shift layer (%s) must be a "
+                     "Tensor of known rank [batch, ...], got %r." %
+                     (name, inputs))
+  if not utils.is_tensor_or_variable(outputs) or (
+      not outputs.shape.is_compatible_with(inputs.shape)):
+    raise ValueError("Outputs of the scale-and-shift layer (%s) must have the "
+                     "inputs' shape %s, got %s." %
+                     (name, inputs.shape, getattr(outputs, "shape", outputs)))
+  rank = inputs.shape.rank
+  if rank < 1:
+    raise ValueError("Inputs of the scale-and-shift layer (%s) need a batch "
+                     "axis, got shape %s." % (name, inputs.shape))
+  for role, var in zip(("scale", "shift"), seq):
+    vname = utils.variable_name(var)
+    shape = var.shape
+    if not shape.is_fully_defined():
+      raise ValueError("The %s %s needs a static shape, got %s." %
+                       (role, vname, shape))
+    if var.dtype.base_dtype != inputs.dtype.base_dtype:
+      raise ValueError("The %s %s has dtype %s but the inputs %s." %
+                       (role, vname, var.dtype.name, inputs.dtype.name))
+    dims = shape.as_list()
+    if len(dims) > rank or (len(dims) == rank and dims[0] != 1):
+      raise ValueError(
+          "The %s %s of shape %s does not broadcast over the batch of inputs "
+          "%s: it must align with the inputs' trailing axes (a parameter of "
+          "the inputs' rank needs a leading 1)." %
+          (role, vname, shape, inputs.shape))
+    in_dims = inputs.shape.as_list()[rank - len(dims):]
+    for d, i in zip(dims, in_dims):
+      if d != 1 and i is not None and d != i:
+        raise ValueError(
+            "The %s %s of shape %s does not broadcast against inputs of shape "
+            "%s: each of its axes must be 1 or the size of the input axis it "
+            "aligns with (trailing axes)." % (role, vname, shape,
+                                              inputs.shape))

@@ -1,0 +1,1 @@
+"""Optimizers over KfacOptimizer: the periodic-update optimizer."""

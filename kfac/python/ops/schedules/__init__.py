@@ -1,0 +1,1 @@
+"""Schedules: hyperparameters and batch sizes as functions of the step."""
