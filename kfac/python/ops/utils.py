@@ -1,197 +1,33 @@
-"""Tensor plumbing shared by every layer of the package (layer 1)."""
+"""kfac 0.2.x's `kfac.utils` (kfac.python.ops.utils): a thin module of names.
 
-import inspect
-import numbers
-
-import tensorflow as tf
-
-
-def is_tensor_or_variable(x):
-  return isinstance(x, (tf.Tensor, tf.Variable)) or tf.is_tensor(x)
-
-
-def ensure_sequence(obj):
-  """Wraps a single object into a tuple; lists and tuples pass through."""
-  if isinstance(obj, (list, tuple)):
-    return tuple(obj)
-  return (obj,)
-
-
-def hashable_key(obj):
-  """A hashable stand-in for tensors/variables (which are unhashable in TF2).
-
-  Tensors and variables map to `.ref()`; lists and tuples are mapped
-  recursively; everything else must be hashable already.
-  """
-  if isinstance(obj, (list, tuple)):
-    return tuple(hashable_key(o) for o in obj)
-  if isinstance(obj, tf.Variable) or tf.is_tensor(obj):
-    return obj.ref()
-  return obj
-
-
-def variable_name(var):
-  """A readable name of a variable without the ':0' suffix."""
-  name = getattr(var, "name", None) or "var"
-  return name.split(":")[0]
-
-
-def state_name(var):
-  """The name K-FAC state of `var` is keyed by: the variable's name, unless
-  an integration set a more stable one as `var._kfac_state_name` (the Keras
-  optimizer names variables by their layer's position in the model, so that
-  a rebuilt model with other automatic layer names finds its state)."""
-  return getattr(var, "_kfac_state_name", None) or variable_name(var)
-
-
-def append_homog(tensor):
-  """Appends a column of ones to a [batch, n] tensor (bias input)."""
-  ones = tf.ones_like(tensor[:, :1])
-  return tf.concat([tensor, ones], axis=1)
-
-
-def tensors_to_column(tensors):
-  """Flattens a tensor or a sequence of tensors into one [n, 1] column."""
-  if isinstance(tensors, (list, tuple)):
-    return tf.concat([tf.reshape(t, [-1, 1]) for t in tensors], axis=0)
-  return tf.reshape(tensors, [-1, 1])
-
-
-def column_to_tensors(tensors_template, colvec):
-  """Inverse of `tensors_to_column`, shaped like `tensors_template`."""
-  if isinstance(tensors_template, (list, tuple)):
-    offset = 0
-    out = []
-    for t in tensors_template:
-      size = t.shape.num_elements()
-      if size is None:
-        raise ValueError("column_to_tensors needs static shapes; got %s "
-                         "with shape %s." % (getattr(t, "name", t), t.shape))
-      out.append(tf.reshape(colvec[offset:offset + size], tf.shape(t)))
-      offset += size
-    return tuple(out)
-  return tf.reshape(colvec, tf.shape(tensors_template))
-
-
-def mat_to_params(mat, params_template):
-  """Splits a [in(+1), out] weight matrix back into (W, b) or W."""
-  if isinstance(params_template, (list, tuple)):
-    w, b = params_template
-    return (tf.reshape(mat[:-1], tf.shape(w)), tf.reshape(mat[-1], tf.shape(b)))
-  return tf.reshape(mat, tf.shape(params_template))
-
-
-def params_to_mat(params):
-  """Stacks (W [in,out], b [out]) into one [in+1, out] matrix; W alone as is."""
-  if isinstance(params, (list, tuple)):
-    w, b = params
-    w = tf.reshape(w, [-1, tf.shape(w)[-1]])
-    return tf.concat([w, tf.reshape(b, [1, -1])], axis=0)  # b: [out] or [1, out]
-  return tf.reshape(params, [-1, tf.shape(params)[-1]])
-
-
-def inner_product(list1, list2):
-  """Sum over the list of elementwise products of matching tensors."""
-  terms = [tf.reduce_sum(a * b) for a, b in zip(list1, list2)]
-  return tf.add_n(terms) if terms else tf.constant(0.0)
-
-
-def batch_size(tensor):
-  """Dynamic first dimension of a tensor, as an int32 scalar."""
-  return tf.shape(tensor)[0]
-
-
-def is_python_number(x):
-  return isinstance(x, numbers.Number) and not isinstance(x, bool)
-
-
-def scalar_identity(value):
-  """A stable identity of a damping-like value: numbers by value, tensors
-  and variables by object identity (so two different tensors never share
-  cached inverses)."""
-  if is_python_number(value):
-    return ("const", float(value))
-  return ("obj", hashable_key(value))
-
-
-def zeros_like_if_none(grads, like):
-  return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
-
-
-def cast(value, dtype):
-  """tf.cast that keeps full precision for Python numbers (tf.cast would
-  round them through float32 first)."""
-  dtype = tf.as_dtype(dtype)
-  if (isinstance(value, (int, float)) and not isinstance(value, bool) and
-      (dtype.is_floating or dtype.is_complex)):
-    return tf.constant(value, dtype)
-  return tf.cast(value, dtype)
-
-
-def dims_product(tensor, start, stop):
-  """Product of the dimensions tensor.shape[start:stop] (e.g. the positions
-  a layer shares its weights over): a Python int when they are static, else
-  a scalar int32 tensor."""
-  dims = tensor.shape[start:stop]
-  if dims.is_fully_defined():
-    return int(dims.num_elements())
-  return tf.reduce_prod(tf.shape(tensor)[start:stop])
-
-
-def exclude_from_autograph(cls):
-  """Class decorator: tf.function's autograph calls the public methods of
-  `cls` (its own and inherited kfac ones) as plain Python.
-
-  kfac builds graphs with ordinary Python control flow on static values; it
-  has nothing for autograph to convert. Without this, a `tf.function` that
-  registers layers and calls the optimizer would have autograph convert
-  every kfac function it reaches (over a thousand), which made tracing a
-  small model several times slower.
-  """
-  for name in dir(cls):
-    if name.startswith("_"):
-      continue
-    attr = inspect.getattr_static(cls, name)
-    if not inspect.isfunction(attr):
-      continue  # properties, static/class methods, non-callables
-    if not getattr(attr, "__module__", "").startswith("kfac"):
-      continue
-    setattr(cls, name, tf.autograph.experimental.do_not_convert(attr))
-  return cls
-
-
-def cond_op(pred, make_op):
-  """An op that runs make_op() only when the scalar bool `pred` holds.
-
-  The result obeys the surrounding `tf.control_dependencies`, also in a TF1
-  graph: there `tf.cond` does not attach the context's control inputs to its
-  `If` op (only a tf.function orders it by program order), so the predicate
-  goes through an Identity created here, under that context."""
-  pred = tf.identity(pred)
-
-  def run():
-    with tf.control_dependencies([make_op()]):
-      return tf.constant(True)
-  return tf.cond(pred, run, lambda: tf.constant(False))
-
-
-def in_xla_context():
-  """Whether ops built now are compiled by XLA (jit_compile=True), which
-  cannot compile prints, assertions or summary writes."""
-  try:
-    from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return False
-  if tf.executing_eagerly():
-    return False
-  return control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
-
-
-# ---------------------------------------------------------------------------
-# The rest of the old `kfac.utils` public names (kfac 0.2.x). Defined in
-# compat_utils/ (one concept per module), linalg.py and patches.py; imported
-# last because those modules import this one.
+The tensor helpers live in `tensors/utils.py`; the rest of the old module's
+public names in `compat_utils/` (one concept per module), `numerics/linalg.py`
+and `layers/conv/patches.py`. kfac's own modules import those; this is
+the old import path, kept for users (kfac.utils is this module).
+"""
+# pylint: disable=unused-import
+from kfac.python.ops.tensors.utils import (
+    is_tensor_or_variable,
+    ensure_sequence,
+    hashable_key,
+    variable_name,
+    state_name,
+    append_homog,
+    tensors_to_column,
+    column_to_tensors,
+    mat_to_params,
+    params_to_mat,
+    inner_product,
+    batch_size,
+    is_python_number,
+    scalar_identity,
+    zeros_like_if_none,
+    cast,
+    dims_product,
+    exclude_from_autograph,
+    cond_op,
+    in_xla_context,
+)
 # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 from kfac.python.ops.compat_utils.accumulators import AccumulatorVariable
 from kfac.python.ops.compat_utils.accumulators import MovingAverageVariable
@@ -217,11 +53,11 @@ from kfac.python.ops.compat_utils.sequence_dict import SequenceDict
 from kfac.python.ops.compat_utils.sparse_matmul import matmul_diag_sparse
 from kfac.python.ops.compat_utils.sparse_matmul import matmul_sparse_dense
 from kfac.python.ops.compat_utils.subgraph import SubGraph
-from kfac.python.ops.linalg import (
+from kfac.python.ops.numerics.linalg import (
     cholesky, kronecker_product, posdef_eig, posdef_eig_functions,
     posdef_eig_self_adjoint, posdef_eig_svd, posdef_inv, posdef_inv_cholesky,
     posdef_inv_eig, posdef_inv_functions, posdef_inv_matrix_inverse)
-from kfac.python.ops.patches import (
+from kfac.python.ops.layers.conv.patches import (
     extract_convolution_patches, extract_pointwise_conv2d_patches,
     is_data_format_channel_last, num_conv_locations)
 
