@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops.tensors import counter_random
-from kfac.python.ops import loss_functions as lf
+from kfac.python.ops.losses import base as lf
 
 SEED = (123, 4)
 

@@ -14,7 +14,6 @@ import tensorflow as tf
 import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import estimator as estimator_lib
 from kfac.python.ops import lazy
 
 K = 3  # cov_update_every
@@ -134,13 +133,13 @@ def _eager_statistics(on):
   if on:
     yield
     return
-  saved = estimator_lib.lazy.recompute_in_branch
-  estimator_lib.lazy.recompute_in_branch = (
+  saved = lazy.recompute_in_branch
+  lazy.recompute_in_branch = (
       lambda tensors, build: contextlib.nullcontext())
   try:
     yield
   finally:
-    estimator_lib.lazy.recompute_in_branch = saved
+    lazy.recompute_in_branch = saved
 
 
 def _optimizer(lc, mode):

@@ -13,7 +13,7 @@ import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
 from kfac.python.ops.numerics import linalg
-from kfac.python.ops import loss_functions
+from kfac.python.ops.losses import base as loss_functions
 
 WORLDS = ref.WORLDS
 SIZES = (4, 6, 3)

@@ -1,0 +1,1 @@
+"""The loss functions: predictive distributions and their curvature."""
