@@ -70,7 +70,7 @@ def _measure(workload_name, strategy, variant):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import workloads as workloads_lib
   import kfac
-  from kfac.python.ops import estimator as est_lib
+  from kfac.python.ops.estimation import estimator as est_lib
   from kfac.python.ops.distribute import collective
 
   replicas = strategy.num_replicas_in_sync

@@ -48,7 +48,7 @@ import tensorflow as tf
 from kfac.python.ops.adaptive import mixin as adaptive
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.estimation import modes as estimation_modes
-from kfac.python.ops import estimator as est_lib
+from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.layers.dense import factored_grads
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils

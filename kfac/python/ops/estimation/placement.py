@@ -13,10 +13,11 @@ transformation ops). Devices are ordinary TensorFlow device strings
 ("/cpu:0", "/gpu:1", ...).
 
 The estimator classes with these mixins are
-`estimator.FisherEstimatorRoundRobin` and
-`estimator.FisherEstimatorReplicaRoundRobin` (also reachable here under
-their other names, RoundRobinFisherEstimator and
-ReplicaRoundRobinFisherEstimator).
+`strategies.FisherEstimatorRoundRobin` and
+`strategies.FisherEstimatorReplicaRoundRobin` (kfac.placement also names
+them RoundRobinFisherEstimator and ReplicaRoundRobinFisherEstimator). This
+module does not import the estimator: the strategies module puts the two
+together.
 """
 
 import tensorflow as tf
@@ -71,19 +72,3 @@ class RoundRobinPlacementMixin:
   def _inv_update_thunks(self, scope=None):
     return _round_robin(super()._inv_update_thunks(scope), self._inv_devices)
 
-
-def estimator_class(placement_strategy):
-  """See estimator.estimator_class."""
-  from kfac.python.ops import estimator  # pylint: disable=g-import-not-at-top
-  return estimator.estimator_class(placement_strategy)
-
-
-def __getattr__(name):  # the estimator classes, without an import cycle
-  if name in ("RoundRobinFisherEstimator", "FisherEstimatorRoundRobin"):
-    from kfac.python.ops import estimator  # pylint: disable=g-import-not-at-top
-    return estimator.FisherEstimatorRoundRobin
-  if name in ("ReplicaRoundRobinFisherEstimator",
-              "FisherEstimatorReplicaRoundRobin"):
-    from kfac.python.ops import estimator  # pylint: disable=g-import-not-at-top
-    return estimator.FisherEstimatorReplicaRoundRobin
-  raise AttributeError("module %r has no attribute %r" % (__name__, name))

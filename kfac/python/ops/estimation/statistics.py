@@ -1,0 +1,253 @@
+"""The Fisher estimator's statistics updates: the ops that fold each factor's
+covariance statistics into its moving average, with the non-finite guard
+(reliability/nonfinite.py), the cross-replica reduction (distribute/) and
+the lazy rebuild of the sampled backward pass inside conditionals (lazy/).
+
+`StatisticsUpdateMixin` is a base of `estimator.FisherEstimator`; it reads
+the estimator's state (`factors`, `blocks`, `_layers`, `_cov_ema_decay`,
+`_batch_size`, `_skip_non_finite`, `_source_grads`,
+`_rebuild_source_grads`) and its helpers `_scope` and `_lazy`.
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops import lazy
+from kfac.python.ops.tensors import utils
+from kfac.python.ops.distribute import collective
+from kfac.python.ops.distribute import lazy_sync
+from kfac.python.ops.reliability import nonfinite
+
+
+class StatisticsUpdateMixin:
+  """The FisherEstimator's statistics update ops (see module docstring)."""
+
+  def _cov_variable_thunks(self):
+    return [f.instantiate_cov_variables for f in self.factors]
+
+
+  def _decay_and_weight(self, should_decay):
+    """(decay, weight of the new statistic) of a statistics update:
+    should_decay True folds with the estimator's decay, False adds the
+    statistic to an arithmetic mean (decay 1, the usual weight 1 - decay;
+    kfac 0.2.x's burn-in). A boolean tensor chooses when the op runs."""
+    if isinstance(should_decay, (bool, int)) or (
+        not tf.is_tensor(should_decay) and hasattr(should_decay, "dtype")):
+      if bool(should_decay):
+        return self._cov_ema_decay, None
+      return 1.0, 1.0 - self._cov_ema_decay
+    if not tf.is_tensor(should_decay) or should_decay.dtype != tf.bool:
+      raise TypeError("should_decay must be a Python bool or a boolean "
+                      "tensor, got %r." % (should_decay,))
+    decay = tf.where(should_decay,
+                     tf.cast(self._cov_ema_decay, tf.float64),
+                     tf.constant(1.0, tf.float64))
+    return decay, 1.0 - tf.cast(self._cov_ema_decay, tf.float64)
+
+  def _cov_update_thunks(self, scope=None):
+    """One thunk per factor; thunk(should_decay=True) builds its update
+    (see _decay_and_weight)."""
+    if self._lazy():
+      corrections = [f.name for f in self.factors
+                     if getattr(f, "is_eigen_correction", False)]
+      if corrections:
+        raise ValueError(
+            "lazy_statistics_sync=True does not support EKFAC blocks (their "
+            "scalings depend on the basis of the last refresh): %s. Use "
+            "lazy_statistics_sync=False or another approximation." %
+            ", ".join(corrections))
+      examples = self.replica_examples()
+
+      def make_local(factor):
+        def thunk(should_decay=True):
+          if should_decay is not True:
+            raise ValueError(
+                "should_decay=%r is not supported with "
+                "lazy_statistics_sync=True under several replicas." %
+                (should_decay,))
+          with self._scope(scope), self._row_checks():
+            if not self._skip_non_finite:
+              return lazy_sync.fold_op(factor, self._cov_ema_decay, examples)
+            pairs = factor.covariance_statistics()
+            return nonfinite.guarded_op(
+                [t for t, _ in pairs], lambda: lazy_sync.fold_op(
+                    factor, self._cov_ema_decay, examples, pairs))
+        return thunk
+      return [make_local(f) for f in self.factors]
+    reduced = self._reduced_statistics(scope)
+
+    def make(factor):
+      def thunk(should_decay=True):
+        with self._scope(scope), self._row_checks():
+          stats = (reduced[factor.name] if reduced is not None else
+                   [t for t, _ in factor.covariance_statistics()])
+          return self._guarded_assign(factor, stats, should_decay,
+                                      self._skip_non_finite)
+      return thunk
+    return [make(f) for f in self.factors]
+
+  def _guarded_assign(self, factor, stats, should_decay, check):
+    """Folds `stats` into the factor's average; with `check`, only when
+    they are all finite (else the factor is left as it was)."""
+    decay, weight = self._decay_and_weight(should_decay)
+    extra = () if weight is None else (weight,)
+
+    def assign():
+      return factor.make_covariance_assign_op(stats, decay, *extra)
+    if not check:
+      return assign()
+    return nonfinite.guarded_op(stats, assign)
+
+  def _in_branch(self, make_op):
+    """make_op() with the sources' gradients rebuilt where the statistics
+    read them, when that is inside a conditional branch (lazy/)."""
+    with lazy.recompute_in_branch(self._source_grads,
+                                  self._rebuild_source_grads):
+      return make_op()
+
+  def checked_cov_update(self, pred, gate=None, should_decay=True,
+                         scope=None, conditional_reduction=False):
+    """The statistics update of a training step, guarded against
+    non-finite values (reliability/nonfinite.py).
+
+    When `pred` (a Python bool or a boolean tensor) and `gate` (a boolean
+    tensor: the step's loss and gradients are finite; None: no guard) hold,
+    computes every factor's statistics and, with a gate, folds them in only
+    if all of them are finite. Returns a boolean tensor: False when the
+    statistics were computed and are not all finite (the step must then be
+    skipped), True otherwise. Under several replicas the statistics are
+    reduced before the check, so the flag is the same on every replica.
+    With lazy_statistics_sync, or `conditional_reduction` (reduce only when
+    `pred` holds: conditional_cov_update), each factor is guarded on its
+    own and the flag is True.
+    """
+    always = pred is True
+    if self._lazy() or (conditional_reduction and
+                        collective.is_distributed()):
+      if gate is not None:
+        pred = tf.logical_and(pred, gate)
+      if self._lazy():
+        thunks = self._cov_update_thunks(scope)
+        op = utils.cond_op(pred, lambda: self._in_branch(lambda: tf.group(
+            *[t(should_decay) for t in thunks])))
+      else:
+        op = self.conditional_cov_update(pred, scope)
+      with tf.control_dependencies([op]):
+        return tf.constant(True)
+
+    # The statistics are computed on `pred` alone, so that they run in
+    # parallel with the model's backward pass (which `gate` waits for); only
+    # folding them in waits for the gate.
+    def fold(stats, flag):
+      def assign_all():
+        return tf.group(*[
+            self._guarded_assign(f, stats[f.name], should_decay, False)
+            for f in self.factors])
+      if flag is None:
+        return assign_all()
+      return utils.cond_op(tf.logical_and(flag, gate), assign_all)
+
+    def when_pred(make_op):
+      return make_op() if always else utils.cond_op(pred, make_op)
+
+    if collective.is_distributed():
+      stats = self._reduced_statistics(scope)
+      flag = None
+      if gate is not None:
+        flag = nonfinite.finite_flag(
+            [t for factor in self.factors for t in stats[factor.name]])
+      op = when_pred(lambda: fold(stats, flag))
+      with tf.control_dependencies([op]):
+        if flag is None:
+          return tf.constant(True)
+        if always:
+          return tf.identity(flag)
+        return tf.logical_or(tf.logical_not(pred), flag)
+
+    def compute_and_fold():
+      with self._scope(scope):
+        owners, tensors, _ = self._in_branch(self._local_statistics)
+        flag = None if gate is None else nonfinite.finite_flag(tensors)
+        op = fold(self._by_factor(owners, tensors), flag)
+      with tf.control_dependencies([op]):
+        return tf.constant(True) if flag is None else tf.identity(flag)
+    if always:
+      return compute_and_fold()
+    return tf.cond(pred, compute_and_fold, lambda: tf.constant(True))
+
+  def _row_checks(self):
+    """A context under which statistics are computed after the blocks'
+    run-time row checks (reliability/shapes.py)."""
+    return tf.control_dependencies([
+        c for block in self.blocks
+        for c in getattr(block, "row_checks", [])])
+
+  def _local_statistics(self):
+    """(factors, statistics, symmetric) of this replica's batch, in order
+    (a factor may have several statistics)."""
+    owners, tensors, symmetric = [], [], []
+    with self._row_checks():
+      for factor in self.factors:
+        for stat, sym in factor.covariance_statistics():
+          owners.append(factor)
+          tensors.append(stat)
+          symmetric.append(sym)
+    return owners, tensors, symmetric
+
+  @staticmethod
+  def _by_factor(owners, values):
+    out = {}
+    for factor, value in zip(owners, values):
+      out.setdefault(factor.name, []).append(value)
+    return out
+
+  def _reduced_statistics(self, scope=None):
+    """Under several replicas: {factor name: statistics of the global
+    batch}, computed and reduced now, outside any conditional (one
+    collective per dtype, weighted by the replicas' batch sizes); None
+    with one replica. Built once per estimator."""
+    if not collective.is_distributed():
+      return None
+    if getattr(self, "_reduced", None) is None:
+      with self._scope(scope), tf.name_scope("cross_replica_statistics"):
+        owners, tensors, symmetric = self._local_statistics()
+        reduced = collective.all_reduce(
+            tensors, collective.MEAN, symmetric,
+            weight=self.replica_examples())
+      self._reduced = self._by_factor(owners, reduced)
+    return self._reduced
+
+  def conditional_cov_update(self, pred, scope=None):
+    """An op that updates the statistics' moving averages when `pred`
+    holds. Under several replicas (eager sync) the statistics are computed
+    now and reduced only when `pred` holds, in a conditional taken for all
+    replicas at once (collective.cross_replica_cond): no traffic on the
+    steps without a statistics update."""
+    if not collective.is_distributed() or self._lazy():
+      thunks = self._cov_update_thunks(scope)
+      return utils.cond_op(pred, lambda: self._in_branch(
+          lambda: tf.group(*[t() for t in thunks])))
+    with self._scope(scope):
+      owners, tensors, symmetric = self._local_statistics()
+      examples = self.replica_examples()
+
+    def fold_reduced(tensors, examples):
+      with self._scope(scope), tf.name_scope("cross_replica_statistics"):
+        reduced = collective.all_reduce(tensors, collective.MEAN, symmetric,
+                                        weight=examples)
+        stats = self._by_factor(owners, reduced)
+        return tf.group(*[
+            self._guarded_assign(factor, stats[factor.name], True,
+                                 self._skip_non_finite)
+            for factor in self.factors])
+
+    return collective.cross_replica_cond(pred, fold_reduced,
+                                         (tensors, examples))
+
+  def replica_examples(self):
+    """This replica's number of examples (of the first registered loss),
+    the weight of its statistics in the cross-replica average."""
+    if self._batch_size is not None:
+      return tf.constant(float(self._batch_size), tf.float64)
+    towers = self._layers.towers_by_loss
+    return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
+                             for loss in towers[0]]), tf.float64)
