@@ -715,7 +715,7 @@ def test_reader_graph_tensor_errors():
 # ----------------------------------------------------------- loss functions
 def test_distribution_negative_log_prob_loss():
   # pylint: disable=g-import-not-at-top
-  from kfac.python.ops import loss_functions as lf
+  from kfac.python.ops import losses as lf
 
   class UnitNormal(object):
 
@@ -815,7 +815,7 @@ def test_alt_reader_graph_tensor_dataset_tf1_and_function():
 def test_old_argument_names():
   # pylint: disable=g-import-not-at-top
   from kfac.python.ops.data import data_reader_alt
-  from kfac.python.ops import loss_functions as lf
+  from kfac.python.ops import losses as lf
   x = np.arange(5.)[:, None]
   reader = data_reader_alt.CachedDataReader((x,), num_examples=5, seed=0)
   assert reader.max_batch_size == 5

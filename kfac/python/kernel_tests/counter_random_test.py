@@ -12,7 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops.tensors import counter_random
-from kfac.python.ops.losses import base as lf
+from kfac.python.ops.losses import bernoulli
+from kfac.python.ops.losses import sampling
 
 SEED = (123, 4)
 
@@ -34,8 +35,8 @@ def test_same_numbers_in_every_mode():
   for fn in (lambda: counter_random.uniform([7, 9], tf.constant(SEED)),
              lambda: counter_random.normal([33], tf.constant(SEED),
                                            tf.float64),
-             lambda: lf._random_categorical(tf.constant(logits),  # pylint: disable=protected-access
-                                            tf.constant(SEED, tf.int64))):
+             lambda: sampling.random_categorical(tf.constant(logits),
+                                                 tf.constant(SEED, tf.int64))):
     eager, traced, xla, session = _all_modes(fn)
     np.testing.assert_array_equal(eager, traced)
     np.testing.assert_array_equal(eager, xla)
@@ -59,12 +60,12 @@ def test_uniform_and_normal_moments():
 def test_categorical_and_bernoulli_frequencies():
   n = 200000
   logits = np.array([1.0, -0.5, 0.3, 2.0], np.float32)
-  ids = lf._random_categorical(  # pylint: disable=protected-access
+  ids = sampling.random_categorical(
       tf.constant(np.tile(logits, (n, 1))), tf.constant(SEED)).numpy()[:, 0]
   p = np.exp(logits) / np.exp(logits).sum()
   freq = np.bincount(ids, minlength=4) / n
   assert np.all(np.abs(freq - p) < 5 * np.sqrt(p * (1 - p) / n)), (freq, p)
-  bern = lf.MultiBernoulliNegativeLogProbLoss(
+  bern = bernoulli.MultiBernoulliNegativeLogProbLoss(
       tf.constant(np.full((n, 1), 0.7, np.float32))).sample(
           tf.constant(SEED)).numpy()
   q = 1 / (1 + np.exp(-0.7))

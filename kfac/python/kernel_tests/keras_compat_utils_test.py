@@ -30,7 +30,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.keras import utils
 from kfac.python.ops import fisher_blocks
-from kfac.python.ops import loss_functions
+from kfac.python.ops import losses as loss_functions
 from kfac.python.ops.optimizers import periodic as periodic_lib
 
 # keras and tf_keras are required (make venv installs tf_keras): missing,

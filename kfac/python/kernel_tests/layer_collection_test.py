@@ -15,7 +15,7 @@ import kfac
 from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import fisher_factors as ff
 from kfac.python.ops import layer_collection as lc_lib
-from kfac.python.ops import loss_functions as lf
+from kfac.python.ops import losses as lf
 
 N, D_IN, D_OUT = 4, 3, 2
 TOL = dict(rtol=1e-10, atol=1e-12)

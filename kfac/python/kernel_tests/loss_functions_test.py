@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import loss_functions as lf
+from kfac.python.ops import losses as lf
 
 N, D = 4, 3
 RNG = np.random.RandomState(3)

@@ -13,7 +13,7 @@ import kfac
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
 from kfac.python.ops.numerics import linalg
-from kfac.python.ops.losses import base as loss_functions
+from kfac.python.ops.losses import sampling
 
 WORLDS = ref.WORLDS
 SIZES = (4, 6, 3)
@@ -307,7 +307,7 @@ def test_sampling_from_non_finite_logits_gives_valid_classes(world):
                     np.float32)
 
   def build():
-    return [loss_functions._random_categorical(tf.constant(logits), seed)  # pylint: disable=protected-access
+    return [sampling.random_categorical(tf.constant(logits), seed)
             for seed in (3, [3, 4])]
 
   if world == "graph":

@@ -20,7 +20,7 @@ from kfac.python.ops.layers.conv import registration as conv_registration
 from kfac.python.ops.layers.base import curvature_options as options_lib
 from kfac.python.ops.layers.embedding import registration as embedding_registration
 from kfac.python.ops import fisher_blocks as fb
-from kfac.python.ops import loss_functions as lf
+from kfac.python.ops import losses as lf
 from kfac.python.ops.layers.multi_use import registration as multi_use_registration
 from kfac.python.ops.layers.scale_shift import registration as scale_shift_registration
 from kfac.python.ops.layers.base import registration as registration_base

@@ -15,7 +15,7 @@ output-gradient statistic G:
   grad_ys = B e_k, so sum_k B e_k e_k^T B^T = B B^T exactly.
 
 Coefficients enter as sqrt(coeff) in every source, so statistics scale with
-coeff. A GGN with signs (H = B S B^T, see loss_functions.py) produces
+coeff. A GGN with signs (H = B S B^T, see losses/normal.py) produces
 separate sources for its positive and negative parts with weights +1 / -1.
 """
 

@@ -1,5 +1,9 @@
 """Loss functions: predictive distributions and their curvature (layer 2).
 
+The bases of every loss (this module); the families are in categorical.py
+(softmax cross-entropy), bernoulli.py (sigmoid cross-entropy) and normal.py
+(squared error: Gaussians), their random draws in sampling.py.
+
 Every loss is a negative log-likelihood summed over the batch. Its *inputs*
 are the network outputs it consumes (logits, means, variances). For each loss
 we provide products with
@@ -22,13 +26,9 @@ Tensors otherwise. Vectors in factor space are a Tensor of shape
 """
 
 import abc
-import math
 
-import numpy as np
 import tensorflow as tf
 
-from kfac.python.ops.tensors import counter_random
-from kfac.python.ops.tensors import utils
 from kfac.python.ops.reliability import shapes
 
 
@@ -60,7 +60,7 @@ def insert_slice_in_zeros(slice_to_insert, dim, dim_size, position):
   return tf.pad(slice_to_insert, paddings)
 
 
-def _one_hot_last(index, like):
+def one_hot_last(index, like):
   """A tensor shaped like `like` that is 1 at last-axis `index`, 0 elsewhere."""
   depth = like.shape[-1]
   return tf.broadcast_to(tf.one_hot(index, depth, dtype=like.dtype),
@@ -271,70 +271,6 @@ class NegativeLogProbLoss(LossFunction):
     return self._fisher_factor_one_hot(index)
 
 
-def _one_of(vecs, vector):
-  if (vecs is None) == (vector is None):
-    raise TypeError("Pass the vectors once, as `vecs` (the old name) or "
-                    "`vector`.")
-  return vector if vecs is None else vecs
-
-
-def _normal_nll(targets, mean, var):
-  return 0.5 * (tf.square(targets - mean) / var +
-                tf.math.log(var) + math.log(2.0 * math.pi))
-
-
-def _is_stateless_seed(seed):
-  """A seed of shape [2] (a Tensor, or a list/tuple of two ints) selects the
-  stateless counter-based generator: the same seed gives the same sample in
-  every run, trace, process, Session or tf.function, with or without XLA
-  (what an exactly resumable training step needs)."""
-  if isinstance(seed, (tf.Tensor, tf.Variable)):
-    return True
-  return isinstance(seed, (list, tuple)) and len(seed) == 2
-
-
-def _random_normal(shape, seed, dtype):
-  if _is_stateless_seed(seed):
-    return counter_random.normal(shape, seed, dtype)
-  return tf.random.normal(shape, seed=seed, dtype=dtype)
-
-
-def _random_uniform(shape, seed, dtype):
-  if _is_stateless_seed(seed):
-    return counter_random.uniform(shape, seed, dtype)
-  return tf.random.uniform(shape, seed=seed, dtype=dtype)
-
-
-def _samplable_logits(logits):
-  """`logits` with each row that has a NaN or +Inf, or no finite entry,
-  replaced by zeros: sampling from such a row would give an out-of-range
-  class id (an error in the loss of the sample). The statistics of such a
-  step are not finite anyway, and the non-finite guard discards them
-  (reliability/nonfinite.py). -Inf entries (masked classes) are kept."""
-  finite = tf.math.is_finite(logits)
-  usable = tf.logical_or(finite, tf.equal(logits, -float("inf")))
-  row_ok = tf.logical_and(tf.reduce_all(usable, axis=-1, keepdims=True),
-                          tf.reduce_any(finite, axis=-1, keepdims=True))
-  return tf.where(row_ok, logits, tf.zeros_like(logits))
-
-
-def _random_categorical(logits, seed):
-  """[n, 1] class ids drawn from the rows of `logits` (see
-  _samplable_logits). The stateless path uses the Gumbel-max trick (argmax
-  of logits + Gumbel noise)."""
-  logits = _samplable_logits(logits)
-  if _is_stateless_seed(seed):
-    uniform = counter_random.uniform(tf.shape(logits), seed, logits.dtype)
-    gumbel = -tf.math.log(-tf.math.log(uniform))
-    return tf.argmax(logits + gumbel, axis=-1)[:, tf.newaxis]
-  return tf.random.categorical(logits, 1, seed=seed)
-
-
-def _normal_sample(mean, var, seed):
-  noise = _random_normal(tf.shape(mean), seed, mean.dtype)
-  return mean + tf.sqrt(var) * noise
-
-
 def _check_index(index):
   index = tuple(index) if isinstance(index, (list, tuple)) else (index,)
   if len(index) != 1:
@@ -347,7 +283,7 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
   """Marker base: inputs are natural parameters, so GGN == Fisher."""
 
 
-class _LogitsLoss(NaturalParamsNegativeLogProbLoss):
+class LogitsLoss(NaturalParamsNegativeLogProbLoss):
   """Shared plumbing of the losses parameterised by logits."""
 
   def __init__(self, logits, targets=None, seed=None):
@@ -362,309 +298,6 @@ class _LogitsLoss(NaturalParamsNegativeLogProbLoss):
   @property
   def targets(self):
     return self._targets
-
-
-class CategoricalLogitsNegativeLogProbLoss(_LogitsLoss):
-  """Categorical over the last axis of `logits`, integer targets.
-
-  F = diag(p) - p p^T with factor B = diag(q) - p q^T, q = sqrt(p).
-  """
-
-  def _make_dist(self, tfd):
-    return tfd.Categorical(logits=self._logits)
-
-  def _sample_ids(self, seed):
-    logits = self._logits
-    flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
-    ids = _random_categorical(flat, seed)[:, 0]
-    return tf.reshape(ids, tf.shape(logits)[:-1])
-
-  def _sample(self, seed):
-    return self._sample_ids(seed)
-
-  @property
-  def _probs(self):
-    return tf.nn.softmax(self._logits)
-
-  def _nll(self, targets):
-    return tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.cast(targets, tf.int32), logits=self._logits)
-
-  def _multiply_fisher(self, vectors):
-    (v,) = vectors
-    p = self._probs
-    return (p * v - p * tf.reduce_sum(p * v, axis=-1, keepdims=True),)
-
-  def _multiply_fisher_factor(self, vector):
-    p = self._probs
-    q = tf.sqrt(p)
-    return (q * vector - p * tf.reduce_sum(q * vector, axis=-1, keepdims=True),)
-
-  def _multiply_fisher_factor_transpose(self, vectors):
-    (v,) = vectors
-    p = self._probs
-    q = tf.sqrt(p)
-    return q * v - q * tf.reduce_sum(p * v, axis=-1, keepdims=True)
-
-  def _fisher_factor_one_hot(self, index):
-    p = self._probs
-    q_k = tf.sqrt(p[..., index:index + 1])
-    return (_one_hot_last(index, p) * q_k - p * q_k,)
-
-
-class OnehotCategoricalLogitsNegativeLogProbLoss(
-    CategoricalLogitsNegativeLogProbLoss):
-  """Categorical over logits with one-hot (or soft) targets."""
-
-  def _make_dist(self, tfd):
-    return tfd.OneHotCategorical(logits=self._logits, dtype=self._logits.dtype)
-
-  def _sample(self, seed):
-    return tf.one_hot(self._sample_ids(seed), tf.shape(self._logits)[-1],
-                      dtype=self._logits.dtype)
-
-  def _nll(self, targets):
-    return tf.nn.softmax_cross_entropy_with_logits(
-        labels=tf.cast(targets, self._logits.dtype), logits=self._logits)
-
-
-class MultiBernoulliNegativeLogProbLoss(_LogitsLoss):
-  """Independent Bernoullis with logits; F = diag(p (1 - p))."""
-
-  def _make_dist(self, tfd):
-    return tfd.Bernoulli(logits=self._logits, dtype=self._logits.dtype)
-
-  def _sample(self, seed):
-    uniform = _random_uniform(tf.shape(self._logits), seed,
-                              self._logits.dtype)
-    return tf.cast(uniform < tf.sigmoid(self._logits), self._logits.dtype)
-
-  @property
-  def _variance(self):
-    p = tf.sigmoid(self._logits)
-    return p * (1.0 - p)
-
-  def _nll(self, targets):
-    return tf.nn.sigmoid_cross_entropy_with_logits(
-        labels=tf.cast(targets, self._logits.dtype), logits=self._logits)
-
-  def _multiply_fisher(self, vectors):
-    return (self._variance * vectors[0],)
-
-  def _multiply_fisher_factor(self, vector):
-    return (tf.sqrt(self._variance) * vector,)
-
-  def _multiply_fisher_factor_transpose(self, vectors):
-    return tf.sqrt(self._variance) * vectors[0]
-
-  def _fisher_factor_one_hot(self, index):
-    s = tf.sqrt(self._variance)
-    return (_one_hot_last(index, s) * s[..., index:index + 1],)
-
-
-class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
-  """Gaussian with learned mean and fixed variance `var`; F = I / var."""
-
-  def __init__(self, mean, var=0.5, targets=None, seed=None):
-    super().__init__(seed)
-    self._mean = mean
-    self._var = var
-    self._targets = targets
-
-  @property
-  def inputs(self):
-    return (self._mean,)
-
-  @property
-  def targets(self):
-    return self._targets
-
-  def _make_dist(self, tfd):
-    scale = tf.sqrt(utils.cast(self._var, self._mean.dtype))
-    return tfd.Normal(loc=self._mean, scale=scale)
-
-  def _nll(self, targets):
-    return _normal_nll(targets, self._mean,
-                       utils.cast(self._var, self._mean.dtype))
-
-  def _sample(self, seed):
-    return _normal_sample(self._mean, utils.cast(self._var, self._mean.dtype),
-                          seed)
-
-  @property
-  def _inv_var(self):
-    return 1.0 / utils.cast(self._var, self._mean.dtype)
-
-  def _multiply_fisher(self, vectors):
-    return (self._inv_var * vectors[0],)
-
-  def _multiply_fisher_factor(self, vector):
-    return (tf.sqrt(self._inv_var) * vector,)
-
-  def _multiply_fisher_factor_transpose(self, vectors):
-    return tf.sqrt(self._inv_var) * vectors[0]
-
-  def _fisher_factor_one_hot(self, index):
-    ones = tf.ones_like(self._mean)
-    return (_one_hot_last(index, ones) * tf.sqrt(self._inv_var),)
-
-
-class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
-  """Gaussian with learned mean and variance (inputs: mean, variance).
-
-  Fisher per output dimension, on (mean, variance): diag(1/v, 1/(2 v^2)).
-  Fisher-factor space is [batch, 2*d]: mean components, then variance.
-
-  GGN: the Hessian of -log N(t; mu, v) w.r.t. (mu, v) at the data targets,
-  with r = t - mu,
-      H = [[1/v,      r/v^2             ],
-           [r/v^2,    r^2/v^3 - 1/(2v^2)]],
-  which is indefinite (det H = -1/(2 v^3) < 0) and differs from the Fisher.
-  Its eigenpairs (lambda+ > 0 > lambda-) give H = B S B^T with
-  B = [e+ sqrt(lambda+), e- sqrt(-lambda-)] and S = diag(+1, -1). GGN-factor
-  space is [batch, 2*d]: the positive components, then the negative ones, so
-  the signs are the same for every example.
-  """
-
-  def __init__(self, mean, variance, targets=None, seed=None):
-    super().__init__(seed)
-    if mean.shape.rank != 2 or variance.shape.rank != 2:
-      raise ValueError("NormalMeanVarianceNegativeLogProbLoss expects 2-D "
-                       "mean and variance, got %s and %s." %
-                       (mean.shape, variance.shape))
-    self._mean = mean
-    self._variance = variance
-    self._targets = targets
-
-  # The old library named the argument of these `vecs` (a (mean, variance)
-  # pair of vectors); keyword calls with either name work.
-  def multiply_fisher(self, vecs=None, vector=None):
-    return super().multiply_fisher(_one_of(vecs, vector))
-
-  def multiply_fisher_factor(self, vecs=None, vector=None):
-    return super().multiply_fisher_factor(_one_of(vecs, vector))
-
-  def multiply_fisher_factor_transpose(self, vecs=None, vector=None):
-    return super().multiply_fisher_factor_transpose(_one_of(vecs, vector))
-
-  @property
-  def inputs(self):
-    return (self._mean, self._variance)
-
-  @property
-  def targets(self):
-    return self._targets
-
-  def _make_dist(self, tfd):
-    return tfd.Normal(loc=self._mean, scale=tf.sqrt(self._variance))
-
-  def _nll(self, targets):
-    return _normal_nll(targets, self._mean, self._variance)
-
-  def _sample(self, seed):
-    return _normal_sample(self._mean, self._variance, seed)
-
-  @property
-  def _dim(self):
-    return int(self._mean.shape[-1])
-
-  # Fisher.
-  def _fisher_diag_factor(self):
-    v = self._variance
-    return 1.0 / tf.sqrt(v), 1.0 / (np.sqrt(2.0) * v)
-
-  def _multiply_fisher(self, vectors):
-    vm, vv = vectors
-    v = self._variance
-    return (vm / v, vv / (2.0 * tf.square(v)))
-
-  def _multiply_fisher_factor(self, vector):
-    fm, fv = self._fisher_diag_factor()
-    um, uv = tf.split(vector, 2, axis=-1)
-    return (fm * um, fv * uv)
-
-  def _multiply_fisher_factor_transpose(self, vectors):
-    fm, fv = self._fisher_diag_factor()
-    return tf.concat([fm * vectors[0], fv * vectors[1]], axis=-1)
-
-  def _fisher_factor_one_hot(self, index):
-    fm, fv = self._fisher_diag_factor()
-    d = self._dim
-    if index < d:
-      out = _one_hot_last(index, fm) * fm[:, index:index + 1]
-      return (out, tf.zeros_like(out))
-    out = _one_hot_last(index - d, fv) * fv[:, index - d:index - d + 1]
-    return (tf.zeros_like(out), out)
-
-  @property
-  def fisher_factor_inner_shape(self):
-    shape = tf.shape(self._mean)
-    return tf.concat([shape[:-1], 2 * shape[-1:]], axis=0)
-
-  @property
-  def fisher_factor_inner_static_shape(self):
-    return tf.TensorShape([self._mean.shape[0], 2 * self._dim])
-
-  # GGN (Hessian at the data targets).
-  @property
-  def ggn_requires_targets(self):
-    return True
-
-  def _hessian_entries(self):
-    if self.targets is None:
-      raise ValueError(
-          "The GGN of NormalMeanVarianceNegativeLogProbLoss is the Hessian at "
-          "the data targets: register the loss with targets=... to use GGN "
-          "products or the 'exact_GGN' / 'curvature_prop_GGN' modes.")
-    v = self._variance
-    r = self._cast_targets(self.targets) - self._mean
-    h_mm = 1.0 / v
-    h_mv = r / tf.square(v)
-    h_vv = tf.square(r) / (v * tf.square(v)) - 0.5 / tf.square(v)
-    return h_mm, h_mv, h_vv
-
-  def _hessian_eig(self):
-    """Per-entry eigenpairs of the 2x2 Hessians via a Jacobi rotation."""
-    a, b, c = self._hessian_entries()
-    theta = 0.5 * tf.atan2(2.0 * b, a - c)
-    cos, sin = tf.cos(theta), tf.sin(theta)
-    lam_pos = a * cos * cos + 2.0 * b * sin * cos + c * sin * sin
-    lam_neg = a * sin * sin - 2.0 * b * sin * cos + c * cos * cos
-    root_pos = tf.sqrt(tf.maximum(lam_pos, 0.0))
-    root_neg = tf.sqrt(tf.maximum(-lam_neg, 0.0))
-    # Columns of B: e+ = (cos, sin) * root_pos, e- = (-sin, cos) * root_neg.
-    return (cos * root_pos, sin * root_pos), (-sin * root_neg, cos * root_neg)
-
-  def _multiply_ggn(self, vectors):
-    vm, vv = vectors
-    a, b, c = self._hessian_entries()
-    return (a * vm + b * vv, b * vm + c * vv)
-
-  def _multiply_ggn_factor(self, vector):
-    (pm, pv), (nm, nv) = self._hessian_eig()
-    up, un = tf.split(vector, 2, axis=-1)
-    return (pm * up + nm * un, pv * up + nv * un)
-
-  def _multiply_ggn_factor_transpose(self, vectors):
-    (pm, pv), (nm, nv) = self._hessian_eig()
-    xm, xv = vectors
-    return tf.concat([pm * xm + pv * xv, nm * xm + nv * xv], axis=-1)
-
-  def _ggn_factor_one_hot(self, index):
-    d = self._dim
-    e = tf.ones_like(self._mean)
-    if index < d:
-      onehot = _one_hot_last(index, e)
-      vector = tf.concat([onehot, tf.zeros_like(e)], axis=-1)
-    else:
-      onehot = _one_hot_last(index - d, e)
-      vector = tf.concat([tf.zeros_like(e), onehot], axis=-1)
-    return self._multiply_ggn_factor(vector)
-
-  @property
-  def ggn_factor_signs(self):
-    d = self._dim
-    return np.concatenate([np.ones(d), -np.ones(d)])
 
 
 class DistributionNegativeLogProbLoss(NegativeLogProbLoss):
@@ -697,11 +330,3 @@ class DistributionNegativeLogProbLoss(NegativeLogProbLoss):
 
   def _sample(self, seed):
     return self.dist.sample(seed=seed)
-
-
-for _cls in (CategoricalLogitsNegativeLogProbLoss,
-             OnehotCategoricalLogitsNegativeLogProbLoss,
-             MultiBernoulliNegativeLogProbLoss, NormalMeanNegativeLogProbLoss,
-             NormalMeanVarianceNegativeLogProbLoss):
-  DistributionNegativeLogProbLoss.register(_cls)
-del _cls
