@@ -22,7 +22,7 @@ from kfac.python.ops.linear_operator.sparse_aware import (
 
 from kfac.python.ops.linear_operator.curvature import CurvatureOperator
 from kfac.python.ops.linear_operator.exact import ExactCurvatureOperator
-from kfac.python.ops.linear_operator.from_data import curvature_from_data
+from kfac.python.ops.linear_operator.curvature import curvature_from_data
 from kfac.python.ops.linear_operator.spectral import EigenvalueDamping
 from kfac.python.ops.linear_operator.spectral import SpectralView
 from kfac.python.ops.linear_operator.spectral import spectral_view

@@ -25,10 +25,11 @@ import tensorflow as tf
 
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import flat
+from kfac.python.ops.linear_operator import from_data as from_data_lib
 from kfac.python.ops.linear_operator import layout as layout_lib
 from kfac.python.ops.linear_operator import spectral
 
-__all__ = ["CurvatureOperator"]
+__all__ = ["CurvatureOperator", "curvature_from_data"]
 
 _ROLES = ("left", "right", "eigenvalues")
 
@@ -204,10 +205,9 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
   def from_data(cls, model_fn, dataset, damping, **kwargs):
     """Registers the model with `model_fn(batch, layer_collection)` and
     averages the statistics over one pass of `dataset`; see
-    `from_data.curvature_from_data` for the arguments."""
-    from kfac.python.ops.linear_operator import from_data  # pylint: disable=g-import-not-at-top
-    return from_data.curvature_from_data(model_fn, dataset, damping,
-                                         operator_class=cls, **kwargs)
+    `curvature_from_data` for the arguments."""
+    return curvature_from_data(model_fn, dataset, damping,
+                               operator_class=cls, **kwargs)
 
   # ------------------------------------------------------------ structure
   @property
@@ -372,3 +372,42 @@ class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
   def _shape_tensor(self):
     n = self._shared.size
     return tf.constant([n, n], dtype=tf.int32)
+
+
+def curvature_from_data(model_fn, dataset, damping, damped=True,
+                        estimation_mode="gradients", steps=None, verbose=1,
+                        log_every=100, session=None, name="CurvatureOperator",
+                        operator_class=None):
+  """A CurvatureOperator of the statistics averaged over `dataset`.
+
+  Args:
+    model_fn: `model_fn(batch, layer_collection)`: runs the model on one
+      element of `dataset` and registers its layers and losses (the loss
+      with targets for the data-dependent modes). Called once per traced
+      batch shape (and once more at the end), not once per batch.
+    dataset: a `tf.data.Dataset` of batches (or, eagerly, any re-iterable
+      collection of batches).
+    damping: the damping of the operator (a number or variable), split
+      between Kronecker factors as the estimator does.
+    damped: False gives the undamped curvature.
+    estimation_mode: the FisherEstimator mode ("gradients": one sampled
+      target per example; "exact": the exact Fisher / GGN per example,
+      one backward pass per output; "empirical", ...).
+    steps: the number of batches of a pass (required for a dataset that
+      repeats forever); default the whole dataset.
+    verbose: 0 silent, 1 a line every `log_every` batches and at the end
+      of each pass.
+    log_every: batches between progress lines.
+    session: the tf.compat.v1.Session to run the pass in when called in a
+      TF1 graph (the model's variables must be initialized).
+    name: the operator's name.
+    operator_class: the class to make (default CurvatureOperator).
+
+  Returns:
+    The operator (its statistics live in `operator.statistics_store`).
+  """
+  if operator_class is None:
+    operator_class = CurvatureOperator
+  return from_data_lib.operator_from_data(
+      operator_class, model_fn, dataset, damping, damped, estimation_mode,
+      steps, verbose, log_every, session, name)

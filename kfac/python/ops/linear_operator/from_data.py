@@ -1,4 +1,7 @@
-"""`curvature_from_data`: a CurvatureOperator from one pass over a dataset.
+"""One pass over a dataset: the statistics of a CurvatureOperator averaged
+over its batches (`operator_from_data`, the body of
+`curvature.curvature_from_data` and `CurvatureOperator.from_data`; this
+module does not import curvature.py).
 
 The model is registered by a user function `model_fn(batch, layer_collection)`
 (it runs the model on the batch and registers the layers and the losses;
@@ -21,13 +24,13 @@ import time
 
 import tensorflow as tf
 
-from kfac.python.ops import estimator as estimator_lib
+from kfac.python.ops.estimation import estimator as estimator_lib
 from kfac.python.ops import layer_collection as lc_lib
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import spectral
 
-__all__ = ["curvature_from_data"]
+__all__ = ["operator_from_data"]
 
 
 class _Progress:
@@ -139,41 +142,12 @@ class _Statistics:
             any(spectral.block_kind(b) == "dense" for b in est.blocks))
 
 
-def curvature_from_data(model_fn, dataset, damping, damped=True,
-                        estimation_mode="gradients", steps=None, verbose=1,
-                        log_every=100, session=None, name="CurvatureOperator",
-                        operator_class=None):
-  """A CurvatureOperator of the statistics averaged over `dataset`.
-
-  Args:
-    model_fn: `model_fn(batch, layer_collection)`: runs the model on one
-      element of `dataset` and registers its layers and losses (the loss
-      with targets for the data-dependent modes). Called once per traced
-      batch shape (and once more at the end), not once per batch.
-    dataset: a `tf.data.Dataset` of batches (or, eagerly, any re-iterable
-      collection of batches).
-    damping: the damping of the operator (a number or variable), split
-      between Kronecker factors as the estimator does.
-    damped: False gives the undamped curvature.
-    estimation_mode: the FisherEstimator mode ("gradients": one sampled
-      target per example; "exact": the exact Fisher / GGN per example,
-      one backward pass per output; "empirical", ...).
-    steps: the number of batches of a pass (required for a dataset that
-      repeats forever); default the whole dataset.
-    verbose: 0 silent, 1 a line every `log_every` batches and at the end
-      of each pass.
-    log_every: batches between progress lines.
-    session: the tf.compat.v1.Session to run the pass in when called in a
-      TF1 graph (the model's variables must be initialized).
-    name: the operator's name.
-    operator_class: the class to make (default CurvatureOperator).
-
-  Returns:
-    The operator (its statistics live in `operator.statistics_store`).
-  """
-  if operator_class is None:
-    from kfac.python.ops.linear_operator import curvature  # pylint: disable=g-import-not-at-top
-    operator_class = curvature.CurvatureOperator
+def operator_from_data(operator_class, model_fn, dataset, damping, damped,
+                       estimation_mode, steps, verbose, log_every, session,
+                       name):
+  """An `operator_class` (a CurvatureOperator class) of the statistics
+  averaged over `dataset`; see curvature.curvature_from_data for the
+  arguments (all required here)."""
   if not callable(model_fn):
     raise TypeError("model_fn must be callable as model_fn(batch, "
                     "layer_collection), got %r." % (model_fn,))
