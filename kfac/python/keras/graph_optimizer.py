@@ -35,7 +35,7 @@ import numbers
 import tensorflow as tf
 
 from kfac.python.keras import utils as keras_utils
-from kfac.python.ops import optimizer as optimizer_lib
+from kfac.python.ops.optimizers import kfac_optimizer as optimizer_lib
 from kfac.python.ops.optimizers import periodic as periodic_lib
 
 _DOC = __doc__

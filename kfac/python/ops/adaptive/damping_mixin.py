@@ -85,7 +85,8 @@ class AdaptiveDampingMixin:
     counter = tf.convert_to_tensor(self.counter)
     now = tf.equal(counter % self._adaptation_interval, 0)
     # Under several replicas a step's commit is built unconditionally and
-    # says whether it applies (not during burn-in): see optimizer.py.
+    # says whether it applies (not during burn-in): see
+    # optimizers/replicated.py.
     active = getattr(self, "_commit_active", None)
     return now if active is None else tf.logical_and(now, active)
 

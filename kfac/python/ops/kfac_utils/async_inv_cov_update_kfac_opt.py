@@ -35,7 +35,7 @@ import threading
 
 import tensorflow as tf
 
-from kfac.python.ops import optimizer
+from kfac.python.ops.optimizers import kfac_optimizer
 from kfac.python.ops.tensors import utils
 
 # Threads when num_cov_inv_update_threads is None: half the number of ops,
@@ -44,7 +44,7 @@ _MAX_NUM_COV_INV_UPDATE_THREADS = 10
 
 
 @utils.exclude_from_autograph
-class AsyncInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
+class AsyncInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
   """KfacOptimizer whose statistic and inverse updates run asynchronously
   in background threads of a tf.compat.v1.Session (module docstring)."""
 

@@ -1,1 +1,3 @@
-"""Optimizers over KfacOptimizer: the periodic-update optimizer."""
+"""The K-FAC optimizers: KfacOptimizer (kfac_optimizer.py, with its parts in
+this package: hyperparameters, update_rule, update, sparse, commit,
+guarded_step, replicated) and the periodic-update optimizer (periodic.py)."""

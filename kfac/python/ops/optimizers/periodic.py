@@ -24,14 +24,14 @@ used as it is.
 
 import tensorflow as tf
 
-from kfac.python.ops import optimizer
+from kfac.python.ops.optimizers import kfac_optimizer
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.reliability import arguments
 
 
 @utils.exclude_from_autograph
-class PeriodicInvCovUpdateKfacOpt(optimizer.KfacOptimizer):
+class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
   """KfacOptimizer that updates statistics and inverses periodically."""
 
   def __init__(self, invert_every=10, cov_update_every=1, num_burnin_steps=0,

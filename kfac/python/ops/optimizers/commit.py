@@ -1,0 +1,74 @@
+"""Carrying out a K-FAC step: the `Update` (optimizers/update.py) becomes
+the ops that change the velocities and the variables (with the damping
+rule's ops before and after, adaptive/), then the step counters.
+
+A step is built in two halves: `_compute_update` makes the change of every
+variable without touching any state, and `_commit` applies it, only when a
+boolean `active` holds if one is given (the non-finite guard's verdict,
+optimizers/guarded_step.py). A sparse change (`tf.IndexedSlices`) is
+applied with `scatter_add` to the touched rows only. Under several
+replicas the model's variables change through a merge_call
+(optimizers/replicated.py).
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops.distribute import collective
+from kfac.python.ops.optimizers import sparse
+from kfac.python.ops.tensors import utils
+
+
+def assign_add(var, delta):
+  return var.assign_add(delta)
+
+
+class CommitMixin:
+  """`_commit` and `_finish` of KfacOptimizer."""
+
+  def _commit(self, update, active=None):
+    """The op that carries out `update` (plus the damping rule); with a
+    boolean tensor `active`, only when it holds."""
+    if collective.is_distributed():
+      return self._commit_replicated(update, active)
+    if active is not None:
+      return utils.cond_op(active, lambda: self._commit(update))
+    # The damping rule may change the damping before the variables change:
+    # only once everything this step computes from it is ready.
+    with tf.control_dependencies(update.dependencies()):
+      before = self._adaptation_before_update(update)
+    with tf.control_dependencies(before):
+      ops = [velocity.assign(value)
+             for velocity, value in update.velocity_assigns]
+      for delta, var in update.deltas:
+        if sparse.is_slices(delta):
+          ops.append(var.scatter_add(delta))
+        else:
+          ops.append(var.assign_add(delta))
+      ops.extend(self._record_ops(update))
+      step_op = tf.group(*ops)
+    return self._adaptation_after_update(update, step_op)
+
+  def _finish(self, step_op, global_step, active=None, checks=None,
+              ok=None):
+    """After `step_op`: counter += 1 and global_step += 1 (with a boolean
+    tensor `active`, only when it holds: burn-in steps and skipped steps
+    count neither); with the guard's `checks`, the step is counted as
+    skipped unless `ok` (nonfinite.NonFiniteGuard.record)."""
+    self._passed_loss = None
+    if checks is not None:
+      with tf.control_dependencies([step_op]):
+        step_op = self._guard.record(ok, checks, self.counter)
+    with tf.control_dependencies([step_op]):
+      def one(dtype):
+        if active is None:
+          return tf.ones([], dtype)
+        return tf.cast(active, dtype)
+      incs = [self.counter.assign_add(one(tf.int64))]
+      if global_step is not None:
+        inc = one(global_step.dtype.base_dtype)
+        if collective.is_distributed():
+          incs.append(collective.apply_updates(
+              [(assign_add, global_step, (tf.identity(inc),))]))
+        else:
+          incs.append(global_step.assign_add(inc))
+      return tf.group(*incs)

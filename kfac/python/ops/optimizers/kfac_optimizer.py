@@ -1,0 +1,450 @@
+"""The K-FAC optimizer (layer 7).
+
+`KfacOptimizer` is a `tf.compat.v1.train.Optimizer`: in a TF1 graph it is
+used exactly like the old library's (`minimize` / `compute_gradients` /
+`apply_gradients`, plus the estimator's update ops). In a TF2 program,
+create it once without a layer collection and pass a fresh collection,
+built during the trace, to `minimize(..., layer_collection=lc)` inside a
+`tf.function`; all state lives in the optimizer's `StateStore` and is found
+again on every retrace (see docs/tf2.md).
+
+This module holds the class, its set-up and its public interface; its
+parts, one responsibility each, are in this package:
+* hyperparameters.py: the constructor's argument checks, schedules and
+  defaults;
+* update_rule.py: the momentum types "regular" and "adam" (with the norm
+  constraint, weight decay and velocities; the update rule is described
+  there), sparse gradients (sparse.py); "qmodel" / "qmodel_fixedmu" and the
+  damping rule (`adapt_damping`): adaptive/mixin.py;
+* update.py and commit.py: a step is built in two halves:
+  `_compute_update` makes an `Update`, the change of every variable,
+  without touching any state, and `_commit` applies it (after the damping
+  rule's "before" ops, if any);
+* guarded_step.py: the non-finite guard around the step;
+* replicated.py: several replicas (tf.distribute, docs/distributed.md).
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops.estimation import strategies as est_lib
+from kfac.python.ops.adaptive import mixin as adaptive
+from kfac.python.ops.distribute import collective
+from kfac.python.ops.distribute import replicas
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.optimizers import commit
+from kfac.python.ops.optimizers import guarded_step
+from kfac.python.ops.optimizers import hyperparameters
+from kfac.python.ops.optimizers import replicated
+from kfac.python.ops.optimizers import sparse
+from kfac.python.ops.optimizers import update_rule
+from kfac.python.ops.reliability import nonfinite
+from kfac.python.ops.tensors import state
+from kfac.python.ops.tensors import utils
+
+
+@utils.exclude_from_autograph
+class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
+                    guarded_step.GuardedStepMixin, commit.CommitMixin,
+                    replicated.ReplicatedMixin,
+                    tf.compat.v1.train.Optimizer):
+  """The K-FAC optimizer."""
+
+  # Set while building a step; under MirroredStrategy each replica thread
+  # builds its own (see distribute/replicas.py).
+  _layers = replicas.PerReplicaAttribute()
+  _estimator = replicas.PerReplicaAttribute()
+  _passed_loss = replicas.PerReplicaAttribute()
+  _loss = replicas.PerReplicaAttribute()
+  _train_batch = replicas.PerReplicaAttribute()
+  _prev_train_batch = replicas.PerReplicaAttribute()
+  _commit_active = replicas.PerReplicaAttribute()
+  _pre_update_op = replicas.PerReplicaAttribute()
+
+  def __init__(self,
+               learning_rate,
+               damping,
+               layer_collection=None,
+               cov_ema_decay=0.95,
+               var_list=None,
+               momentum=0.9,
+               momentum_type="adam",
+               use_weight_decay=False,
+               weight_decay_coeff=0.1,
+               qmodel_update_rescale=None,
+               norm_constraint=None,
+               name="KFAC",
+               estimation_mode="gradients",
+               colocate_gradients_with_ops=True,
+               batch_size=None,
+               placement_strategy=None,
+               compute_params_stats=False,
+               adapt_damping=False,
+               update_damping_immediately=True,
+               is_chief=True,
+               prev_train_batch=None,
+               loss=None,
+               loss_fn=None,
+               min_damping=1e-8,
+               l2_reg=0.0,
+               damping_adaptation_decay=0.95,
+               damping_adaptation_interval=5,
+               damping_decrease_rho_threshold=0.75,
+               damping_increase_rho_threshold=0.25,
+               precon_damping_mult=1.0,
+               use_passed_loss=True,
+               train_batch=None,
+               print_logs=False,
+               tf_replicator=None,
+               dtype="float32",
+               learning_rate_schedule=None,
+               momentum_schedule=None,
+               damping_schedule=None,
+               compute_norm_stats=False,
+               always_use_exact_qmodel_for_damping_adjustment=False,
+               lazy_statistics_sync=False,
+               skip_non_finite_steps=True,
+               max_consecutive_skipped_steps=10,
+               relative_min_damping=None,
+               include_damping_in_qmodel_change=None,
+               **placement_kwargs):
+    """Creates the optimizer; see optimizers/update_rule.py for the update
+    rule.
+
+    `layer_collection` may be None in TF2 programs, where a collection is
+    passed to `minimize` / `apply_gradients` on every trace instead. As in
+    kfac 0.2.x, the collection need not be complete yet: it is finalized
+    (and checked against the variables) when the optimizer first uses it.
+
+    `var_list` (default: in a TF1 graph the trainable variables when the
+    optimizer is created, as in kfac 0.2.x; in a TF2 trace the registered
+    variables) must equal the registered variables.
+
+    `skip_non_finite_steps` (default True): a step whose loss, gradients
+    or new statistics are not all finite changes no state and no variable;
+    it is counted in `skipped_steps`, the first one prints a warning, and
+    `max_consecutive_skipped_steps` in a row raise an error naming what was
+    not finite (reliability/nonfinite.py, docs/reliability.md). False
+    removes the checks (a little faster; one bad batch then poisons the
+    statistics).
+
+    `relative_min_damping` (not in kfac 0.2.x; default None): with the
+    damping rule or its calibration, the damping never falls below
+    relative_min_damping * (mean eigenvalue of the K-FAC curvature, read
+    from the factors' traces: kfac.python.ops.adaptive.recipe.curvature_scale) nor
+    below min_damping. A floor that follows the curvature's scale, where
+    min_damping is absolute (docs/recipe.md).
+
+    `include_damping_in_qmodel_change` (kfac 0.2.x's
+    optimizer.set_global_constants option; None: the value set there, else
+    False): whether qmodel_change, the predicted change the damping rule
+    compares with the actual one, includes the damping term (adaptive/mixin.py).
+
+    `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
+    longer exists; only None is accepted (use a tf.distribute strategy,
+    docs/distributed.md).
+    """
+    hyperparameters.reject_tf_replicator(tf_replicator)
+    super().__init__(use_locking=False, name=name)
+    args = hyperparameters.resolve(locals(), self._from_schedule)
+    self._checked_hyperparameters = hyperparameters.check(
+        type(self).__name__, args)
+    hyperparameters.check_placement(placement_strategy, placement_kwargs)
+    self._keep_hyperparameters(args)
+    self._make_state(name, max_consecutive_skipped_steps)
+    self._init_adaptive({arg: args[arg] for arg in adaptive.ARGUMENTS})
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+
+  def _keep_hyperparameters(self, args):
+    """Keeps the (checked, resolved) arguments the optimizer reads later."""
+    self._learning_rate = args["learning_rate"]
+    self._damping = args["damping"]
+    self._layers = None
+    self._cov_ema_decay = args["cov_ema_decay"]
+    var_list = args["var_list"]
+    self._var_list = None if var_list is None else list(var_list)
+    self._default_var_list = hyperparameters.default_var_list(var_list)
+    self._momentum = args["momentum"]
+    self._momentum_type = args["momentum_type"]
+    self._use_weight_decay = args["use_weight_decay"]
+    self._weight_decay_coeff = args["weight_decay_coeff"]
+    self._norm_constraint = args["norm_constraint"]
+    self._estimation_mode = args["estimation_mode"]
+    self._colocate_gradients_with_ops = args["colocate_gradients_with_ops"]
+    self._batch_size = args["batch_size"]
+    self._placement_strategy = args["placement_strategy"]
+    self._placement_kwargs = args["placement_kwargs"]
+    self._lazy_statistics_sync = args["lazy_statistics_sync"]
+    self._skip_non_finite = bool(args["skip_non_finite_steps"])
+    self._compute_params_stats = args["compute_params_stats"]
+    self._compute_norm_stats = args["compute_norm_stats"]
+    self._dtype = tf.as_dtype(args["dtype"])
+
+  def _make_state(self, name, max_consecutive_skipped_steps):
+    """The StateStore of every K-FAC variable, and the non-finite guard."""
+    self._store = state.StateStore(name)
+    # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
+    self._track_trackable(self._store, name="kfac_state")
+    self._guard = nonfinite.NonFiniteGuard(
+        self._store, max_consecutive_skipped_steps, name)
+    self._var_keys = {}
+    self._estimator = None
+    self._exps = (-1,)
+
+  def _runtime_checks(self):
+    """Assertions of the hyperparameters given as tensors, variables or
+    callables (the optimizer's own adapted values excepted)."""
+    owned = {"damping"} if self._damping_is_stored else set()
+    if self._momentum_type.startswith("qmodel"):
+      owned.update(("learning_rate", "momentum"))
+    return hyperparameters.runtime_checks(
+        type(self).__name__, self._checked_hyperparameters, owned)
+
+  # ------------------------------------------------------------ set-up
+  def set_layer_collection(self, layer_collection):
+    """Uses `layer_collection` from now on (a TF2 program calls this, through
+    minimize(..., layer_collection=lc), on every trace). The estimator is
+    rebuilt on the new collection; its state is kept."""
+    if layer_collection is self._layers and self._estimator is not None:
+      return
+    self._layers = layer_collection
+    var_list = self._var_list
+    if var_list is None:
+      # Resolved when the estimator is first used (the collection is
+      # finalized then).
+      var_list = lambda: list(  # pylint: disable=g-long-lambda
+          self._var_list or self._default_var_list or
+          layer_collection.registered_variables)
+    self._estimator = est_lib.make_fisher_estimator(
+        placement_strategy=self._placement_strategy,
+        variables=var_list,
+        cov_ema_decay=self._cov_ema_decay,
+        damping=damping_lib.DampingFunc(self._precon_damping,
+                                        ("optimizer", self.get_name())),
+        layer_collection=layer_collection,
+        exps=self._exps,
+        estimation_mode=self._estimation_mode,
+        colocate_gradients_with_ops=self._colocate_gradients_with_ops,
+        name=self.get_name(),
+        compute_params_stats=self._compute_params_stats,
+        batch_size=self._batch_size,
+        lazy_statistics_sync=self._lazy_statistics_sync,
+        skip_non_finite=self._skip_non_finite,
+        sample_step=self.steps_taken,
+        state_store=self._store,
+        **self._placement_kwargs)
+
+  def _precon_damping(self):
+    damping = self._read(self._damping)
+    if self._precon_damping_mult != 1.0:
+      damping = damping * self._precon_damping_mult
+    if self._l2_reg:
+      damping = damping + self._l2_reg
+    return damping
+
+  @staticmethod
+  def _read(value):
+    return value() if callable(value) and not isinstance(
+        value, tf.Variable) else value
+
+  def _require_estimator(self):
+    if self._estimator is None:
+      raise ValueError(
+          "KfacOptimizer has no LayerCollection: pass layer_collection=... "
+          "to the constructor (TF1 graphs) or to minimize()/"
+          "apply_gradients() inside the tf.function (TF2).")
+    return self._estimator
+
+  def _check_graph_mode(self, what):
+    if tf.executing_eagerly():
+      raise RuntimeError(
+          "KfacOptimizer.%s builds graph ops: call it inside a tf.function "
+          "(TF2) or while building a tf.Graph for a Session (TF1)." % what)
+    if collective.replica_context() is not None:
+      self._check_distributable()
+
+  # ------------------------------------------------------------ properties
+  @property
+  def estimator(self):
+    return self._require_estimator()
+
+  @property
+  def layers(self):
+    return self._layers
+
+  @property
+  def registered_variables(self):
+    return self._require_estimator().variables
+
+  @property
+  def variables(self):
+    return self.registered_variables
+
+  @property
+  def factors(self):
+    return self._require_estimator().factors
+
+  @property
+  def mat_type(self):
+    return self._require_estimator().mat_type
+
+  @property
+  def params_stats(self):
+    return self._require_estimator().params_stats
+
+  @property
+  def damping(self):
+    """The damping (the adapted value with adapt_damping=True)."""
+    return utils.cast(self._read(self._damping), self._dtype)
+
+  @property
+  def learning_rate(self):
+    """The learning rate; with momentum_type 'qmodel' / 'qmodel_fixedmu'
+    the one the quadratic model chose at the last step (0 before it)."""
+    if self._momentum_type.startswith("qmodel"):
+      return utils.cast(self._record("learning_rate"), self._dtype)
+    return utils.cast(self._read(self._learning_rate), self._dtype)
+
+  @property
+  def momentum(self):
+    """The momentum; with momentum_type 'qmodel' the one the quadratic
+    model chose at the last step (0 before it)."""
+    if self._momentum_type == "qmodel":
+      return utils.cast(self._record("momentum"), self._dtype)
+    return utils.cast(self._read(self._momentum), self._dtype)
+
+  @property
+  def counter(self):
+    return self._store.get_or_create("counter", [], tf.int64)
+
+  def steps_taken(self):
+    """An int64 tensor: the training steps this optimizer has taken
+    (counter, plus the burn-in steps of PeriodicInvCovUpdateKfacOpt);
+    steps skipped by the non-finite guard are not counted. A stateless
+    sampling seed made from it repeats after a checkpoint restore and is
+    not shifted by a skipped step."""
+    return tf.convert_to_tensor(self.counter)
+
+  @property
+  def skipped_steps(self):
+    """How many steps the non-finite guard skipped (an int64 variable)."""
+    return self._guard.skipped_steps
+
+  @property
+  def consecutive_skipped_steps(self):
+    """Steps skipped since the last step that was taken."""
+    return self._guard.consecutive_skipped_steps
+
+  @property
+  def state_store(self):
+    """Every variable the optimizer owns (for tf.train.Checkpoint)."""
+    return self._store
+
+  def make_vars_and_create_op_thunks(self):
+    """Makes the K-FAC variables; returns (cov_update_thunks,
+    inv_update_thunks), one thunk per factor (see
+    FisherEstimator.make_vars_and_create_op_thunks)."""
+    return self._require_estimator().make_vars_and_create_op_thunks(
+        scope=self.get_name())
+
+  def make_vars_and_create_ops(self):
+    """Makes the K-FAC variables and all update ops now; returns the
+    estimator's `UpdateOps` (cov_update_ops, cov_update_op, inv_update_ops,
+    inv_update_op, cov_update_thunks, inv_update_thunks)."""
+    return self._require_estimator().make_vars_and_create_ops(
+        scope=self.get_name())
+
+  def create_ops_and_vars_thunks(self):
+    """See FisherEstimator.create_ops_and_vars_thunks."""
+    return self._require_estimator().create_ops_and_vars_thunks(
+        scope=self.get_name())
+
+  def get_cov_vars(self):
+    return self._require_estimator().get_cov_vars()
+
+  def get_inv_vars(self):
+    return self._require_estimator().get_inv_vars()
+
+  def check_var_list(self, var_list):
+    """Raises ValueError unless var_list equals the registered variables."""
+    self._require_estimator()
+    self._layers.check_registration(var_list, check_uses=False)
+
+  # ------------------------------------------------------------ gradients
+  def compute_gradients(self, loss, var_list=None,
+                        gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
+                        aggregation_method=None,
+                        colocate_gradients_with_ops=True, grad_loss=None,
+                        layer_collection=None):
+    """Gradients of `loss` w.r.t. var_list (default: registered variables)."""
+    del gate_gradients, colocate_gradients_with_ops
+    self._check_graph_mode("compute_gradients")
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+    if var_list is None:
+      var_list = (self._var_list or self._default_var_list or
+                  list(self.registered_variables))
+    elif (self._var_list is None and self._default_var_list is not None and
+          not getattr(self._estimator, "_finalized", False) and
+          self._layers is not None and
+          {v.ref() for v in var_list} ==
+          {v.ref() for v in self._layers.registered_variables}):
+      self._var_list = list(var_list)  # (a wrong one is reported below)
+    var_list = list(var_list)
+    # Under an Estimator with a distribution strategy, a mean loss is
+    # scaled by 1 / replicas (tf.compat.v1.train.Optimizer's rule), so
+    # that the summed gradients are the global batch's.
+    if callable(loss):
+      with tf.GradientTape() as tape:
+        loss_value = self._scale_loss(loss())
+      grads = tape.gradient(loss_value, var_list, output_gradients=grad_loss)
+    else:
+      loss_value = self._scale_loss(loss)
+      grads = tf.gradients(loss_value, var_list, grad_ys=grad_loss,
+                           aggregation_method=aggregation_method)
+    # The loss of this step, for the damping rule (use_passed_loss).
+    self._passed_loss = loss_value
+    return list(zip(grads, var_list))
+
+  def minimize(self, loss, global_step=None, var_list=None,
+               gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
+               aggregation_method=None, colocate_gradients_with_ops=True,
+               name=None, grad_loss=None, layer_collection=None):
+    """compute_gradients + apply_gradients; returns the training op."""
+    grads_and_vars = self.compute_gradients(
+        loss, var_list=var_list, gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+        grad_loss=grad_loss, layer_collection=layer_collection)
+    return self.apply_gradients(grads_and_vars, global_step=global_step,
+                                name=name)
+
+  # ------------------------------------------------------------ updates
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None,
+                      layer_collection=None):
+    """Applies one K-FAC step with the current factors/inverses (after the
+    delayed damping rule, maybe_pre_update_adapt_damping, if any)."""
+    grads_and_vars = self._prepare(grads_and_vars, layer_collection)
+    with tf.control_dependencies(self._pre_update_ops()):
+      return self._checked_step(grads_and_vars, global_step, name)
+
+  def _prepare(self, grads_and_vars, layer_collection=None):
+    """Checks the graph mode and the variables; densifies the gradients
+    (IndexedSlices stay sparse, see optimizers/update_rule.py)."""
+    self._check_graph_mode("apply_gradients")
+    if layer_collection is not None:
+      self.set_layer_collection(layer_collection)
+    self._require_estimator()
+    grads_and_vars = list(grads_and_vars)
+    none = [utils.variable_name(v) for g, v in grads_and_vars if g is None]
+    if none:
+      raise ValueError("No gradient for variables %s: they do not affect the "
+                       "loss." % ", ".join(none))
+    self._layers.check_registration([v for _, v in grads_and_vars],
+                                    check_uses=False)
+    grads_and_vars = self._reduce_gradients(grads_and_vars)
+    if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
+      # The quadratic model takes inner products with the gradient.
+      return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
+    return [(g if sparse.is_slices(g) else tf.convert_to_tensor(g), v)
+            for g, v in grads_and_vars]

@@ -1,0 +1,39 @@
+"""`Update`: what one K-FAC step does, built before any state changes.
+
+`KfacOptimizer._compute_update` (optimizers/update_rule.py, or the
+quadratic model in adaptive/mixin.py) fills one in without touching any
+state; `_commit` (optimizers/commit.py) then carries it out.
+"""
+
+from kfac.python.ops.optimizers import sparse
+
+
+class Update:
+  """The changes of one step (see the module docstring)."""
+
+  def __init__(self):
+    self.deltas = []            # (change, variable): variable += change
+    self.velocity_assigns = []  # (velocity variable, new value)
+    self.grads = []             # the gradients (dense)
+    self.precon = None          # (preconditioned vector, variable)
+    self.records = {}           # name -> float64 value to keep readable
+    self.model_change = None    # q(delta) for the damping rule, or
+    self.model_change_fn = None  # a function building it where it is used
+    self.checks = []            # assertions of tensor hyperparameters
+
+  def predicted_change(self):
+    """q(delta): the tensor computed with the update, or built now (inside
+    the branch of a step that uses it)."""
+    if self.model_change is not None:
+      return self.model_change
+    if self.model_change_fn is None:
+      raise ValueError("This update has no predicted change.")
+    return self.model_change_fn()
+
+  def dependencies(self):
+    """The tensors of the update (to order state changes after them)."""
+    out = [d.values if sparse.is_slices(d) else d for d, _ in self.deltas]
+    out.extend(self.checks)
+    if self.model_change is not None:
+      out.append(self.model_change)
+    return out

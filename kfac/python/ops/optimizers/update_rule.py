@@ -1,0 +1,164 @@
+"""KfacOptimizer's update rules "regular" and "adam", with the norm
+constraint, decoupled weight decay and the velocities (momentum).
+
+With g the gradient, F^-1 the damped approximate inverse Fisher (damping *
+precon_damping_mult + l2_reg on the diagonal), mu the momentum, eta the
+learning rate and v the velocity:
+
+* "regular": p = F^-1 g (then norm constraint), v <- mu v + p, step = v.
+* "adam":    v <- mu v + g, p = F^-1 v (then norm constraint), step = p.
+
+then step += weight_decay_coeff * w with use_weight_decay (decoupled weight
+decay) and the change of w is -eta * step. The norm constraint scales p by
+min(1, sqrt(C / (eta^2 <g', p>))) where g' is the vector p came from, so the
+approximate squared Fisher norm of the update is at most C. ("qmodel" /
+"qmodel_fixedmu": adaptive/mixin.py.)
+
+Sparse gradients (`tf.IndexedSlices`, optimizers/sparse.py): with a Python
+momentum of 0 the step stays sparse (it is applied to the touched rows
+only). With momentum, the velocity is dense (every row decays): it is
+updated as mu * v followed by a scatter-add of the slices, so the dense
+gradient is never built, but the step is dense. Decoupled weight decay
+touches every row, so it densifies the step. The norm constraint's
+<g', p> is computed on the slices after summing duplicate indices.
+
+Nothing here changes state: the rule fills an `Update`
+(optimizers/update.py) that optimizers/commit.py carries out.
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops.distribute import collective
+from kfac.python.ops.layers.dense import factored_grads
+from kfac.python.ops.optimizers import sparse
+from kfac.python.ops.optimizers import update as update_lib
+from kfac.python.ops.tensors import utils
+
+
+class UpdateRuleMixin:
+  """The momentum types "regular" and "adam" of KfacOptimizer."""
+
+  def _compute_update(self, grads_and_vars):
+    """Builds (without changing any state) what this step will do: an
+    `Update` with the change of each variable, the new velocities, the
+    values to record, and the predicted change of the loss."""
+    update = update_lib.Update()
+    update.checks = self._runtime_checks()
+    if self._momentum_type.startswith("qmodel"):
+      return self._qmodel_update(grads_and_vars, update)
+    est = self._require_estimator()
+    update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
+    if self._momentum_type == "regular":
+      with factored_grads.gradients_read_only_here(
+          self._gradients_read_once()):
+        precon = est.multiply_inverse(grads_and_vars)
+      if self._norm_constraint is not None:
+        precon = self._clip_updates(grads_and_vars, precon)
+      steps = self._new_velocities(precon, self._momentum, update)
+      update.precon = precon
+    else:  # adam
+      velocities = self._new_velocities(grads_and_vars, self._momentum,
+                                        update)
+      steps = est.multiply_inverse(velocities)
+      if self._norm_constraint is not None:
+        steps = self._clip_updates(velocities, steps)
+      update.precon = steps
+    if self._use_weight_decay:
+      coeff = self._read(self._weight_decay_coeff)
+      steps = [(sparse.dense(s) + utils.cast(coeff, v.dtype) * v, v)
+               for s, v in steps]
+    lr = self._read(self._learning_rate)
+    update.deltas = [(sparse.scale(s, -utils.cast(lr, v.dtype)), v)
+                     for s, v in steps]
+    self._set_model_change(grads_and_vars, update)
+    return update
+
+  def _gradients_read_once(self):
+    """Whether nothing in the step but the preconditioning reads the
+    gradients (momentum "regular" without the norm constraint, norm
+    statistics, damping model or cross-replica sums): then the dense
+    blocks need not compute a weight gradient that they can precondition
+    through the operands of its product (factored_grads/match.py)."""
+    return (self._momentum_type == "regular" and
+            self._norm_constraint is None and
+            not self._compute_norm_stats and
+            not self._uses_damping_model and
+            not collective.is_distributed())
+
+  # ------------------------------------------------------------ velocities
+  def _var_key(self, var):
+    key = self._var_keys.get(var.ref())
+    if key is None:
+      used = set(self._var_keys.values())
+      base = "velocity/" + utils.state_name(var)
+      key, i = base, 1
+      while key in used:
+        key = "%s_%d" % (base, i)
+        i += 1
+      self._var_keys[var.ref()] = key
+    return key
+
+  def _velocity(self, var):
+    return self._store.get_or_create(self._var_key(var), var.shape,
+                                     var.dtype.base_dtype)
+
+  def _new_velocities(self, vecs_and_vars, decay, update):
+    """decay * v + vec for each variable: returns the new velocities and
+    adds their assignments to `update`."""
+    out = []
+    decay = self._read(decay)
+    for vec, var in vecs_and_vars:
+      if (sparse.is_slices(vec) and utils.is_python_number(decay) and
+          decay == 0):
+        out.append((vec, var))  # no momentum: the step stays sparse
+        continue
+      velocity = self._velocity(var)
+      new = utils.cast(decay, velocity.dtype) * velocity
+      if sparse.is_slices(vec):
+        new = tf.tensor_scatter_nd_add(new, vec.indices[:, tf.newaxis],
+                                       vec.values)
+      else:
+        new = new + vec
+      update.velocity_assigns.append((velocity, new))
+      out.append((new, var))
+    return out
+
+  def _update_velocities(self, vecs_and_vars, decay, vec_coeff=1.0):
+    """kfac 0.2.x helper: assigns v <- decay * v + vec_coeff * vec to each
+    variable's velocity now; returns [(new velocity, var)] (reading a new
+    velocity runs its assignment)."""
+    out = []
+    decay = self._read(decay)
+    for vec, var in vecs_and_vars:
+      velocity = self._velocity(var)
+      new = (utils.cast(decay, velocity.dtype) * velocity +
+             utils.cast(vec_coeff, velocity.dtype) * tf.convert_to_tensor(vec))
+      with tf.control_dependencies([velocity.assign(new)]):
+        out.append((tf.identity(new), var))
+    return out
+
+  # ------------------------------------------------------------ norm constraint
+  def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
+    terms = [tf.cast(sparse.inner(v, p), tf.float64)
+             for (v, _), (p, _) in zip(vecs_and_vars, precon_and_vars)]
+    return tf.add_n(terms)
+
+  def _update_clip_coeff(self, vecs_and_vars, precon_and_vars):
+    """min(1, sqrt(C / (lr^2 <v, F^-1 v>))) (float64; 1 when the norm is
+    0), the factor that puts the update on the norm constraint C."""
+    lr = utils.cast(self._read(self._learning_rate), tf.float64)
+    sq_norm = self._squared_fisher_norm(vecs_and_vars, precon_and_vars)
+    bound = utils.cast(self._read(self._norm_constraint), tf.float64)
+    sq_update = lr * lr * sq_norm
+    one = tf.ones_like(sq_update)
+    positive = sq_update > 0
+    return tf.where(
+        positive,
+        tf.minimum(one, tf.sqrt(bound / tf.where(positive, sq_update, one))),
+        one)
+
+  def _clip_updates(self, vecs_and_vars, precon_and_vars):
+    """Scales the preconditioned vectors so that lr^2 <v, F^-1 v> <= C."""
+    coeff = self._update_clip_coeff(vecs_and_vars, precon_and_vars)
+    return [(sparse.scale(p, tf.cast(coeff, p.dtype)), v)
+            for p, v in precon_and_vars]
