@@ -1,0 +1,1 @@
+"""`kfac.keras.optimizers.Kfac`, K-FAC as a Keras optimizer, by concern."""
