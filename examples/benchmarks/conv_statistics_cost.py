@@ -43,6 +43,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.conv import sua_factor
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.tensors import state
@@ -117,7 +118,7 @@ def main(argv=None):
       ("A (kron), sub_sample_patches=32768",
        input_factor("a_patch32k", sub_sample_patches=32768)),
       ("A (kron_sua), channel moments",
-       conv_factors.ConvInputSUAKroneckerFactor((x,), filter_shape, True)),
+       sua_factor.ConvInputSUAKroneckerFactor((x,), filter_shape, True)),
       ("A (kron_reduce), location sums",
        conv_factors.ConvInputReduceKroneckerFactor(
            (x,), filter_shape, "SAME", (1, 1), (1, 1), None, True)),

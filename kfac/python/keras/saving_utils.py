@@ -21,7 +21,8 @@ import json
 import logging
 
 from kfac.python.keras import keras_flavor
-from kfac.python.keras import optimizers
+from kfac.python.keras.optimizer import classes as kfac_classes
+from kfac.python.keras.optimizer import mixin as kfac_mixin
 
 
 def load_model(filepath, custom_objects=None, optimizer_name=None,
@@ -43,19 +44,19 @@ def load_model(filepath, custom_objects=None, optimizer_name=None,
     The model, compiled with its restored Kfac optimizer (when compile).
   """
   keras = keras_flavor.keras_module()
-  objects = {"Kfac": optimizers.Kfac, "kfac>Kfac": optimizers.Kfac}
+  objects = {"Kfac": kfac_classes.Kfac, "kfac>Kfac": kfac_classes.Kfac}
   objects.update(custom_objects or {})
   if keras_flavor.v1_graph_mode() and compile:
     # Only tf_keras builds models in a TF1 graph.
     import tf_keras  # pylint: disable=g-import-not-at-top
-    legacy_kfac = optimizers.kfac_class(legacy=True)
+    legacy_kfac = kfac_classes.kfac_class(legacy=True)
     objects = {"Kfac": legacy_kfac, "kfac>Kfac": legacy_kfac}
     objects.update(custom_objects or {})
     return _load_hdf5_graph_mode(tf_keras, filepath, objects, optimizer_name)
   model = keras.saving.load_model(filepath, custom_objects=objects,
                                   compile=compile, **kwargs)
   optimizer = getattr(model, "optimizer", None)
-  if isinstance(optimizer, optimizers.KfacKerasMixin):
+  if isinstance(optimizer, kfac_mixin.KfacKerasMixin):
     if optimizer.model is None:
       optimizer.register_model(model)
   if optimizer_name and optimizer is not None:

@@ -18,6 +18,7 @@ import tensorflow as tf
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
 from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.conv import sua_factor
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.conv import patches as patches_lib
 
@@ -302,7 +303,7 @@ def _sua_factor_run(world, x, bias, damping, exps, scale_fn=None):
   store = util.new_store()
 
   def build(_):
-    factor = conv_factors.ConvInputSUAKroneckerFactor(
+    factor = sua_factor.ConvInputSUAKroneckerFactor(
         (tf.constant(x),), (3, 2, x.shape[-1], 4), bias)
     factor.set_name("sua")
     factor.attach_state_store(store)

@@ -24,6 +24,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.keras import callbacks
 from kfac.python.keras import optimizers
+from kfac.python.keras.optimizer import classes as kfac_classes
 from kfac.python.ops.optimizers import periodic as periodic_lib
 
 # tf_keras is required (make venv installs it): missing, collection fails.
@@ -46,7 +47,7 @@ def _graph():
 
 
 def _legacy_kfac(**kwargs):
-  return optimizers.kfac_class(legacy=True)(**kwargs)
+  return kfac_classes.kfac_class(legacy=True)(**kwargs)
 
 
 def _init(shape, seed):
@@ -77,7 +78,7 @@ def test_graph_mode_class_is_a_legacy_keras_optimizer():
     opt = _legacy_kfac(learning_rate=0.1, damping=0.01)
     assert isinstance(opt, tf_keras.optimizers.legacy.Optimizer)
     assert type(opt).__name__ == "Kfac"
-    assert isinstance(opt, optimizers.kfac_class(legacy=True))
+    assert isinstance(opt, kfac_classes.kfac_class(legacy=True))
   # Outside a TF1 graph the TF2 class.
   opt = _legacy_kfac(learning_rate=0.1, damping=0.01)
   assert isinstance(opt, tf_keras.optimizers.Optimizer)
@@ -179,7 +180,7 @@ def test_graph_hyperparameters():
 def test_graph_argument_errors():
   with _graph():
     with pytest.raises(ValueError, match="Do not pass positional"):
-      optimizers.kfac_class(legacy=True)(0.1, 0.1)
+      kfac_classes.kfac_class(legacy=True)(0.1, 0.1)
     with pytest.raises(ValueError, match="damping"):
       _legacy_kfac(learning_rate=0.1)
     with pytest.raises(ValueError, match="norm_constraint"):
@@ -293,7 +294,7 @@ def _tf2_model(keras):
 
 def test_tf2_minimize_loss_tensor_equals_apply_gradients():
   keras = _keras(False)
-  cls = optimizers.kfac_class(legacy=False)
+  cls = kfac_classes.kfac_class(legacy=False)
   keras.utils.set_random_seed(1)
   a = _tf2_model(keras)
   b = _tf2_model(keras)
@@ -328,7 +329,7 @@ def test_tf2_minimize_loss_tensor_equals_apply_gradients():
 @pytest.mark.slow  # the Keras 3 test's mixin code, traced by tf_keras
 def test_tf2_tf_keras_minimize_loss_tensor():
   # The same mixin code as Keras 3 above; one trace (tf_keras traces slowly).
-  cls = optimizers.kfac_class(legacy=True)
+  cls = kfac_classes.kfac_class(legacy=True)
   model = _tf2_model(tf_keras)
   opt = cls(learning_rate=0.1, damping=0.01, model=model, loss="mse")
   x, y = tf.constant(X), tf.constant(Y)
@@ -347,7 +348,7 @@ def test_tf2_tf_keras_minimize_loss_tensor():
 @pytest.mark.parametrize("legacy", [False, True])
 def test_tf2_old_names_and_errors(legacy):
   keras = _keras(legacy)
-  cls = optimizers.kfac_class(legacy=legacy)
+  cls = kfac_classes.kfac_class(legacy=legacy)
   model = _tf2_model(keras)
   opt = cls(learning_rate=0.1, damping=0.01)
   assert isinstance(opt.optimizer, periodic_lib.PeriodicInvCovUpdateKfacOpt)
@@ -373,7 +374,7 @@ def test_tf2_old_names_and_errors(legacy):
 def test_keras3_in_a_tf1_graph_names_tf_keras():
   with _graph():
     with pytest.raises(RuntimeError, match="TF_USE_LEGACY_KERAS=1"):
-      optimizers.kfac_class(legacy=False)(learning_rate=0.1, damping=0.01)
+      kfac_classes.kfac_class(legacy=False)(learning_rate=0.1, damping=0.01)
 
 
 # -- TF1 graph mode with model= (registration from the layers' graph nodes) ---
@@ -423,7 +424,7 @@ def test_graph_hdf5_save_and_load_continue_alike(tmp_path):
     model.fit(X, Y, batch_size=len(X), epochs=2, verbose=0)
     model.save(path)
     loaded = saving_utils.load_model(path, optimizer_name="new")
-    assert isinstance(loaded.optimizer, optimizers.kfac_class(legacy=True))
+    assert isinstance(loaded.optimizer, kfac_classes.kfac_class(legacy=True))
     assert loaded.optimizer.name == "new"
     for a, b in zip(opt.get_weights(), loaded.optimizer.get_weights()):
       np.testing.assert_allclose(a, b)

@@ -16,6 +16,8 @@ from kfac.python.ops.layers.generic.factors import NaiveDiagonalFactor, NaiveFul
 
 # Each family module lists its public classes in __all__.
 from kfac.python.ops.layers.conv.factors import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.conv.sua_factor import *  # pylint: disable=wildcard-import
+from kfac.python.ops.layers.conv.depthwise_factors import *  # pylint: disable=wildcard-import
 from kfac.python.ops.layers.embedding.factors import *  # pylint: disable=wildcard-import
 from kfac.python.ops.layers.multi_use.factors import *  # pylint: disable=wildcard-import
 from kfac.python.ops.layers.scale_shift.factors import *  # pylint: disable=wildcard-import

@@ -21,7 +21,8 @@ which gives the registration, the factors A and G and the matrix view, plus
 import tensorflow as tf
 
 from kfac.python.ops.layers.conv import blocks as conv_blocks
-from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.conv import patches as conv_patches
+from kfac.python.ops.layers.conv import statistics as conv_stats
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.dense import blocks as dense_blocks
 from kfac.python.ops.layers.embedding import blocks as embedding_blocks
@@ -285,17 +286,17 @@ class _ConvViews:
 
   def ekfac_inputs(self):
     first = self._spec.channels_first
-    x = conv_factors._concat_channels_last(self._inputs, first)  # pylint: disable=protected-access
+    x = conv_stats.concat_channels_last(self._inputs, first)
     size = int(self._spec.num_taps * self._filter_shape[-2])
-    p = conv_factors.patches_lib.extract_patches(x, self._spec)
+    p = conv_patches.extract_patches(x, self._spec)
     p = tf.reshape(p, [tf.shape(p)[0], self._locations(p), size])
-    mask = conv_factors._flat_mask(self._patch_mask, size, p.dtype)  # pylint: disable=protected-access
+    mask = conv_stats.flat_mask(self._patch_mask, size, p.dtype)
     if mask is not None:
       p = p * mask
     return _with_ones(p) if self._has_bias else p
 
   def ekfac_grads(self, source):
-    g = conv_factors._concat_channels_last(source, self._spec.channels_first)  # pylint: disable=protected-access
+    g = conv_stats.concat_channels_last(source, self._spec.channels_first)
     return tf.reshape(g, [tf.shape(g)[0], self._locations(g),
                           int(self._filter_shape[-1])])
 

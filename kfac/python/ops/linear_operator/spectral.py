@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops.layers.base import blocks as block_base
-from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.conv import depthwise_factors
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.dense import blocks as dense_blocks
 from kfac.python.ops.layers.embedding import blocks as embedding_blocks
@@ -227,7 +227,7 @@ def _kronecker_damping(block, damping):
   return block_base.kronecker_damping_funcs(
       block.curvature_options, in_f, out_f,
       damping_lib.as_damping_func(damping), block._renorm_coeff,
-      conv_factors.per_channel_pi_damping_funcs if per_channel else None)
+      depthwise_factors.per_channel_pi_damping_funcs if per_channel else None)
 
 
 def _kronecker_view(block, damped, damping):

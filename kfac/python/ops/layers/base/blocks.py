@@ -158,7 +158,8 @@ def kronecker_damping_funcs(options, input_factor, output_factor,
                             damping_func, coeff, per_channel_split=None):
   """The (input, output) DampingFuncs of a Kronecker block c * (A (x) G):
   damping / c^p split with the pi rule of `options` (per_channel_split:
-  conv_factors.per_channel_pi_damping_funcs for batched factors)."""
+  layers/conv/depthwise_factors.per_channel_pi_damping_funcs for batched
+  factors)."""
   normalized = normalized_damping_func(damping_func, coeff, options)
   split = per_channel_split or damping_lib.pi_adjusted_damping_funcs
   return split(input_factor, output_factor, normalized, options.pi_type)

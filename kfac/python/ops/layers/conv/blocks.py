@@ -28,7 +28,9 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops.layers.base import blocks as block_base
+from kfac.python.ops.layers.conv import depthwise_factors
 from kfac.python.ops.layers.conv import factors as conv_factors
+from kfac.python.ops.layers.conv import sua_factor
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.tensors import utils
@@ -146,7 +148,7 @@ class ConvKFCBasicFB(_ConvLayerBlock, KroneckerProductFB):
     inputs = self._input_tensors()
     if self._use_sua:
       self._input_factor = self._make_factor(
-          conv_factors.ConvInputSUAKroneckerFactor,
+          sua_factor.ConvInputSUAKroneckerFactor,
           (inputs, self._filter_shape, self._has_bias, self._data_format,
            self._sub_sample_inputs), "A_sua")
     else:
@@ -335,7 +337,7 @@ class DepthwiseConvDiagonalFB(ElementwiseDiagonalBlockMixin,
   def instantiate_factors(self, grads_list, damping, weights=None):
     weights = None if weights is None else tuple(weights)
     self._factor = self._make_factor(
-        conv_factors.DepthwiseConvDiagonalFactor,
+        depthwise_factors.DepthwiseConvDiagonalFactor,
         (tuple(self._inputs), tuple(tuple(g) for g in grads_list),
          self._filter_shape, self._spec.strides, self._spec.padding,
          self._spec.dilations, self._data_format, self._has_bias, weights),
@@ -378,20 +380,20 @@ class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     self._input_factor = self._make_factor(
-        conv_factors.DepthwiseConvInputKroneckerFactor,
+        depthwise_factors.DepthwiseConvInputKroneckerFactor,
         (tuple(self._inputs), self._filter_shape, self._spec.strides,
          self._spec.padding, self._spec.dilations, self._data_format,
          self._has_bias), "A")
     weights = None if weights is None else tuple(weights)
     self._output_factor = self._make_factor(
-        conv_factors.DepthwiseConvOutputKroneckerFactor,
+        depthwise_factors.DepthwiseConvOutputKroneckerFactor,
         (tuple(tuple(g) for g in grads_list), self._channels, self._mult,
          self._data_format, weights), "G")
     self._damping_func = damping_lib.as_damping_func(damping)
     self._in_damping, self._out_damping = block_base.kronecker_damping_funcs(
         self.curvature_options, self._input_factor, self._output_factor,
         self._damping_func, self.num_locations,
-        conv_factors.per_channel_pi_damping_funcs)
+        depthwise_factors.per_channel_pi_damping_funcs)
 
   def _to_mat(self, vector):
     """[C, K(+1), M] view: one [K(+1), M] matrix per input channel."""

@@ -1,0 +1,48 @@
+"""`kfac.keras.optimizers.Kfac`: K-FAC as a Keras optimizer (this package;
+kfac/python/keras/optimizers.py is the thin kfac 0.2.4 path users import).
+
+    model.compile(optimizer=kfac.keras.optimizers.Kfac(
+        learning_rate=0.1, damping=0.01, model=model,
+        loss="sparse_categorical_crossentropy"), loss=...)
+    model.fit(...)
+
+How it works. Creating the optimizer with `model=` installs a recorder on the
+model's layers (layer_recorder). Keras traces `fit`'s train step into one
+graph: the forward pass records each layer's inputs and pre-activations, and
+the optimizer's update, which runs in the same graph, registers the layers
+and the loss on a fresh LayerCollection (kfac.keras.utils.
+get_layer_collection) and applies one `PeriodicInvCovUpdateKfacOpt` step:
+statistics every `cov_update_every` steps, inverses every `invert_every`
+steps, then the preconditioned update. All K-FAC state lives in the core
+optimizer's StateStore, created on the first step and found again on every
+retrace; it is saved by `model.save(...)` (with the Keras optimizer
+variables) and by `tf.train.Checkpoint`.
+
+Sampled targets use stateless random ops seeded with (seed, steps taken; the
+seed is kept with the K-FAC state), so a run restored from a checkpoint
+continues on exactly the same trajectory.
+
+adaptive=True: the learning rate and momentum come from the quadratic model
+(momentum_type "qmodel") and the damping from the Levenberg-Marquardt rule
+(adapt_damping), optionally calibrated during burn-in (num_burnin_steps,
+calibrate_damping=True). The rule evaluates the training loss
+(`model.compute_loss` on `model(x, training=True)`) on the step's batch
+before and after the update; around each evaluation the model's
+non-trainable and metric variables are saved and restored, so BatchNorm
+statistics are updated once per step as usual and dropout draws the same
+masks before and after (Keras 3 seed generators; tf_keras dropout is
+stateful, so there its noise enters rho). The batch is the one `fit` passes
+to `compute_loss`; a custom loop calls `optimizer.set_train_batch((x, y))`
+before `apply_gradients`. After each step the learning rate the model chose
+is written to `optimizer.learning_rate`.
+
+Both Keras flavours: `Kfac` subclasses the optimizer base class of the Keras
+that `tf.keras` resolves to (Keras 3, or tf_keras with
+TF_USE_LEGACY_KERAS=1).
+
+Modules: arguments (what Kfac accepts; the default recipe's values), mixin
+(KfacKerasMixin: set-up, model, hyperparameters), step (the per-trace
+registration and K-FAC update), losses (compiled vs given losses), config
+(get_config / from_config, saved variables), classes (the Keras 3 and
+tf_keras Kfac classes; `Kfac`).
+"""

@@ -1,0 +1,135 @@
+"""The arguments of the Keras Kfac optimizer: which it accepts, what they
+must satisfy, and the default recipe's values for adaptive=True."""
+
+from kfac.python.ops.adaptive import recipe
+from kfac.python.ops.reliability import arguments
+
+# Hyperparameters kept in variables, so that callbacks and users can change
+# them between steps without retracing.
+MUTABLE_HYPERPARAMETERS = ("learning_rate", "damping", "momentum",
+                           "weight_decay_coeff", "norm_constraint")
+CORE_DEFAULTS = {"momentum": 0.9, "weight_decay_coeff": 0.1}
+# Keras optimizer options that do not make sense for K-FAC: rejected.
+KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+                      "ema_momentum", "ema_overwrite_frequency",
+                      "loss_scale_factor", "gradient_accumulation_steps",
+                      "weight_decay", "jit_compile", "is_legacy_optimizer")
+# What the hyperparameters must satisfy (reliability/arguments.py).
+RULES = {"damping": arguments.POSITIVE, "momentum": arguments.MOMENTUM,
+         "weight_decay_coeff": arguments.NON_NEGATIVE,
+         "norm_constraint": arguments.POSITIVE}
+# Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
+OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
+                        "adapt_damping", "use_passed_loss",
+                        "update_damping_immediately")
+
+
+def _check_kwargs(kfac_kwargs):
+  bad = [k for k in kfac_kwargs if k in KERAS_ONLY_OPTIONS]
+  if bad:
+    raise ValueError(
+        "Kfac does not support the Keras optimizer option(s) %s. K-FAC "
+        "bounds its steps with norm_constraint=... and decays weights with "
+        "use_weight_decay=True, weight_decay_coeff=..." % ", ".join(bad))
+  for key in ("layer_collection", "var_list", "name"):
+    if key in kfac_kwargs:
+      raise ValueError("Pass %s as an argument of Kfac, not in kfac_kwargs."
+                       % key)
+  for key in OWNED_CORE_ARGUMENTS:
+    if key in kfac_kwargs:
+      raise ValueError(
+          "Kfac sets %s itself: adaptive=True adapts the damping, and the "
+          "damping rule evaluates model.compute_loss on the step's batch "
+          "(the one fit passes, or optimizer.set_train_batch((x, y)) in a "
+          "custom loop) before and after the update." % key)
+
+
+def check_before_base(learning_rate, adaptive, kfac_kwargs):
+  """The checks that must come before the Keras base class is built."""
+  _check_kwargs(kfac_kwargs)
+  momentum_type = kfac_kwargs.get("momentum_type", "qmodel" if adaptive
+                                  else "adam")
+  if "loss_tensor" in kfac_kwargs:
+    raise ValueError(
+        "Kfac(loss_tensor=...) is a TF1-graph argument (a loss tensor built "
+        "before the optimizer): in TF2 pass the loss to "
+        "optimizer.minimize(loss, var_list) inside the tf.function; the "
+        "damping rule (adaptive=True) evaluates model.compute_loss itself.")
+  if adaptive:
+    if learning_rate is not None:
+      raise ValueError(
+          "learning_rate must be None with adaptive=True, which chooses the "
+          "learning rate at every step from the "
+          "quadratic model: pass learning_rate=None (got %r)." %
+          (learning_rate,))
+    if not str(momentum_type).startswith("qmodel"):
+      raise ValueError(
+          "adaptive=True uses momentum_type 'qmodel' (or 'qmodel_fixedmu' "
+          "with a momentum), got %r." % (momentum_type,))
+    if momentum_type == "qmodel" and kfac_kwargs.get("momentum") is not None:
+      raise ValueError(
+          "adaptive=True (momentum_type 'qmodel') chooses the momentum too: "
+          "drop momentum=%r, or pass momentum_type='qmodel_fixedmu'." %
+          (kfac_kwargs["momentum"],))
+  elif learning_rate is None:
+    raise ValueError("Kfac needs learning_rate (adaptive=False).")
+  if arguments.is_number(learning_rate):
+    arguments.check("Kfac", "learning_rate", learning_rate,
+                    arguments.NON_NEGATIVE)
+
+
+def with_recipe_defaults(damping, adaptive, kfac_kwargs):
+  """(damping, kfac_kwargs) with the default recipe's values filled in where
+  adaptive=True and the user left them out (kfac/python/ops/adaptive/recipe,
+  docs/recipe.md)."""
+  kfac_kwargs = dict(kfac_kwargs)
+  if adaptive:
+    kfac_kwargs.setdefault("relative_min_damping",
+                           recipe.RELATIVE_MIN_DAMPING)
+    kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
+    if damping is None:
+      damping = recipe.INITIAL_DAMPING
+      kfac_kwargs.setdefault("calibrate_damping", True)
+      kfac_kwargs.setdefault("num_burnin_steps", recipe.NUM_BURNIN_STEPS)
+  return damping, kfac_kwargs
+
+
+CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
+
+  Args:
+    learning_rate: the step size (a float; change it with
+      `optimizer.learning_rate = ...` or kfac.keras.callbacks).
+    damping: Tikhonov damping added to the Fisher blocks (a float, kept in a
+      variable like learning_rate). With adaptive=True it is the initial
+      damping and may be left out: the default recipe then starts from 1.0
+      and calibrates it during 5 burn-in steps (calibrate_damping=True,
+      num_burnin_steps=5, in which the weights do not move).
+    model: the Keras model to train (its layers are watched from now on).
+    loss: the model's Keras loss(es) (default: the loss given to compile).
+    loss_weights: per-output loss coefficients (as in compile).
+    fisher_approx: {layer name or layer class: approximation name}.
+    layer_collection: not supported (the collection is built from the
+      model); must be None.
+    adaptive: True: the default recipe (docs/recipe.md): learning rate
+      and momentum from the quadratic model (momentum_type "qmodel"),
+      damping adapted by the Levenberg-Marquardt rule and never below
+      relative_min_damping=0.1 times the curvature scale (pass
+      learning_rate=None; see the module docstring). Its losses are
+      registered at the scale of the Keras loss (coefficient: loss weight /
+      outputs per example Keras averages over); without adaptive, as in
+      kfac 0.2.x, with the loss weight (docs/keras.md, "Coefficients").
+    train_batch: the batch the damping rule evaluates, (x, y) or (x, y,
+      sample_weight) or a callable returning one (default: fit's batch;
+      custom loops call set_train_batch in the step).
+    name: the optimizer's name (also the prefix of its state variables).
+    seed: seed of the sampled targets (default: TensorFlow's global seed
+      when one is set, else 0; kept in the config and in checkpoints).
+    **kfac_kwargs: registration_options={layer name or class: {option:
+      value}} (convolution statistics options: sub_sample_inputs,
+      sub_sample_patches, patch_mask), and the arguments of
+      kfac.PeriodicInvCovUpdateKfacOpt
+      (momentum, momentum_type, invert_every, cov_update_every,
+      num_burnin_steps, calibrate_damping, cov_ema_decay, estimation_mode,
+      norm_constraint, use_weight_decay, weight_decay_coeff, l2_reg,
+      precon_damping_mult, damping_adaptation_interval, min_damping, ...).
+  """

@@ -1,0 +1,229 @@
+"""The Keras Kfac optimizer's step inside the traced train step: the
+model's LayerCollection for this trace (registered from the layers the
+forward pass recorded, with the compiled or given losses), the batch and
+loss the damping rule evaluates, the core K-FAC update, and the TensorBoard
+scalars after it."""
+
+import contextlib
+import warnings
+
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+from kfac.python.keras import keras_flavor
+from kfac.python.keras import layer_recorder
+from kfac.python.keras import utils as keras_utils
+from kfac.python.keras.optimizer import losses
+from kfac.python.ops.distribute import collective
+from kfac.python.ops.tensors import utils as kfac_utils
+
+
+class KfacStepMixin:
+  """The per-trace work of the Keras Kfac optimizer (a part of
+  KfacKerasMixin)."""
+
+  # -------------------------------------------------------------- adaptive
+  def set_train_batch(self, train_batch):
+    """The batch (x, y) or (x, y, sample_weight) the damping rule evaluates
+    (adaptive=True or calibrate_damping=True) in a custom tf.function loop:
+    call it in the step, before apply_gradients. model.fit needs no call."""
+    self._kfac_step_batch = (current_graph(), train_batch)
+
+  def _kfac_batch(self):
+    """(x, y, sample_weight) of this step for the damping rule."""
+    pending = getattr(self, "_kfac_step_batch", None)
+    batch = None
+    if pending is not None and pending[0] is current_graph():
+      batch = pending[1]
+    elif self._kfac_train_batch is not None:
+      batch = self._kfac_train_batch
+    if callable(batch):
+      batch = batch()
+    if batch is None:
+      recorded = layer_recorder.recorder_for(self._kfac_model).loss_args()
+      if recorded is None or recorded.get("x") is None:
+        raise ValueError(
+            "Kfac's damping rule (adaptive=True / calibrate_damping=True) "
+            "evaluates the loss on the step's batch, but none was found: in "
+            "a custom loop call optimizer.set_train_batch((x, y)) in the "
+            "step, before apply_gradients.")
+      return (recorded["x"], recorded.get("y"),
+              recorded.get("sample_weight"))
+    batch = tuple(batch)
+    if len(batch) not in (2, 3):
+      raise ValueError("train_batch must be (x, y) or (x, y, sample_weight), "
+                       "got %d elements." % len(batch))
+    return batch if len(batch) == 3 else batch + (None,)
+
+  def _kfac_loss_fn(self, batch):
+    """The training loss on `batch`, leaving the model's state as it was
+    (see the module docstring)."""
+    model = self._kfac_model
+    x, y, sample_weight = batch
+    state = keras_flavor.state_variables(model)
+    saved = [tf.identity(v.read_value()) for v in state]
+    with tf.control_dependencies(saved):
+      with layer_recorder.recorder_for(model).paused():
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                  sample_weight=sample_weight)
+    with tf.control_dependencies([loss]):
+      restored = [v.assign(value, read_value=False)
+                  for v, value in zip(state, saved)]
+    with tf.control_dependencies(restored):
+      return tf.identity(loss)
+
+  # -------------------------------------------------------------- the step
+  def _kfac_warn(self, key, message):
+    if key not in self._kfac_warned:
+      self._kfac_warned.add(key)
+      warnings.warn(message, UserWarning, stacklevel=4)
+
+  def _kfac_losses(self):
+    """(loss, loss_weights) for the registration: those given to Kfac, or
+    else those of model.compile. Given both ways, they must agree."""
+    compiled, compiled_weights = losses.compiled_loss(self._kfac_model)
+    loss, weights = self._kfac_loss, self._kfac_loss_weights
+    if loss is None:
+      loss = compiled
+    elif compiled is not None and not losses.same_losses(loss, compiled):
+      raise ValueError(
+          "Kfac(loss=%s) disagrees with model.compile(loss=%s): K-FAC would "
+          "precondition for another loss than the one the model trains on. "
+          "Give the loss once, to model.compile; Kfac(model=...) takes it "
+          "from there." % (losses.describe(loss), losses.describe(compiled)))
+    if weights is None:
+      weights = compiled_weights
+    elif (compiled_weights is not None and
+          not losses.same_weights(weights, compiled_weights)):
+      raise ValueError(
+          "Kfac(loss_weights=%r) disagrees with model.compile(loss_weights="
+          "%r). Give them once, to model.compile; Kfac(model=...) takes "
+          "them from there." % (weights, compiled_weights))
+    return loss, weights
+
+  def _kfac_apply(self, grads, variables, iteration):
+    """One K-FAC step for Keras (grads, variables); returns the op."""
+    if tf.executing_eagerly():
+      raise RuntimeError(
+          "Kfac needs the forward pass and the update in one traced step: "
+          "model.fit with run_eagerly=True, or an eager custom loop, is not "
+          "supported. Trace the step with tf.function.")
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1 and self._kfac_adaptive:
+      raise NotImplementedError(
+          "Kfac(adaptive=True) under a tf.distribute strategy with %d "
+          "replicas is not supported yet (it writes the chosen learning rate "
+          "into the optimizer's mirrored hyperparameter inside the step). "
+          "Use a fixed learning rate, or one replica." % replicas)
+    if self._kfac_model is None:
+      raise ValueError(
+          "Kfac has no model: create it with Kfac(..., model=model), call "
+          "optimizer.register_model(model), or load a saved model with "
+          "kfac.keras.saving_utils.load_model.")
+    # Keras's LossScaleOptimizer (mixed_float16) applies this optimizer in
+    # a conditional branch: the statistics' sampled backward pass must be
+    # built in the graph of the forward pass, which encloses the branch.
+    forward = keras_utils.forward_graph(self._kfac_model)
+    current = tf.compat.v1.get_default_graph()
+    in_branch = forward is not None and forward is not current
+    core = self._kfac_core
+    if in_branch and (core._momentum_type.startswith("qmodel") or  # pylint: disable=protected-access
+                      core._adapt_damping or core.calibrate_damping):  # pylint: disable=protected-access
+      raise NotImplementedError(
+          "Kfac with the quadratic model or the damping rule (adaptive=True, "
+          "momentum_type='qmodel*', adapt_damping, calibrate_damping) is not "
+          "supported under Keras's LossScaleOptimizer (the mixed_float16 "
+          "policy) yet: its curvature products would be taken inside the "
+          "loss scaling's conditional, away from the forward pass. Use the "
+          "mixed_bfloat16 policy, float32, or a fixed learning rate and "
+          "damping.")
+    with forward.as_default() if in_branch else contextlib.nullcontext():
+      lc = self._kfac_register(variables, replicas)
+      if self._kfac_adaptive or self._kfac_core.calibrate_damping:
+        self._kfac_core.set_train_batch(self._kfac_batch())
+      if in_branch:  # the sources and their gradients, built there
+        self._kfac_core.set_layer_collection(lc)
+        self._kfac_core.estimator.instantiate_variables()
+    tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
+    op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
+                                         layer_collection=lc)
+    return self._kfac_after_apply(op, iteration)
+
+  def _kfac_register(self, variables, replicas):
+    """The model's LayerCollection for this trace."""
+    # The samples of a step are drawn from (seed, steps taken): a step the
+    # non-finite guard skipped (which Keras counts in `iterations`) does
+    # not shift the samples of the steps after it.
+    # The seed is K-FAC state too: a checkpoint restores it.
+    seed_var = self._kfac_state.get_or_create(
+        "keras_sample_seed", [], tf.int64, initial_value=self._kfac_seed)
+    seed = tf.stack([tf.convert_to_tensor(seed_var),
+                     self._kfac_core.steps_taken()])
+    if replicas > 1:  # each replica samples its own targets
+      seed = seed + tf.stack([
+          tf.cast(collective.replica_id(), tf.int64) * 1000003,
+          tf.constant(0, tf.int64)])
+    keras_utils.name_state_by_structure(self._kfac_model)
+    lc, report = keras_utils.register_model(
+        self._kfac_model, *self._kfac_losses(),
+        fisher_approx=self._kfac_fisher_approx, seed=seed,
+        variables=variables, warn=self._kfac_warn,
+        registration_options=self._kfac_options,
+        # The default recipe was tuned on the Keras loss's own scale; the
+        # 0.2.x-style optimizer keeps kfac 0.2.x's coefficients.
+        average_over_outputs=self._kfac_adaptive)
+    self._kfac_report = report
+    return lc
+
+  def _kfac_after_apply(self, op, iteration):
+    """The learning rate display, warnings and summaries after the step."""
+    if self._kfac_adaptive:  # show the learning rate the model chose
+      with tf.control_dependencies([op]):
+        lr = keras_flavor.unwrap_variable(self._learning_rate)
+        op = tf.group(lr.assign(tf.cast(self._kfac_core.learning_rate,
+                                        lr.dtype), read_value=False))
+    unused = self._kfac_state.unused_restored_keys
+    if unused:
+      self._kfac_warn("unused_state", (
+          "kfac: %d restored K-FAC state values match no variable of this "
+          "model (e.g. %s); they are not used. K-FAC state is keyed by "
+          "variable names: give the layers explicit names when rebuilding a "
+          "model in the same process." % (len(unused), unused[0])))
+    with tf.control_dependencies([op]):
+      self._kfac_summaries(iteration)
+    return op
+
+  def _kfac_summaries(self, iteration):
+    """TensorBoard scalars when a default summary writer is active (a no-op
+    otherwise, and inside XLA, which cannot compile summary writes)."""
+    if kfac_utils.in_xla_context():
+      return
+    step = tf.cast(iteration, tf.int64)
+    write_scalar("kfac/learning_rate", self._kfac_lr_tensor(), step)
+    write_scalar("kfac/skipped_steps", self._kfac_core.skipped_steps, step)
+    for name in ("damping", "momentum"):
+      var = self._kfac_hyper.get(name)
+      if var is not None:
+        write_scalar("kfac/" + name, var, step)
+    core = self._kfac_core
+    if self._kfac_adaptive:
+      if "momentum" not in self._kfac_hyper:
+        write_scalar("kfac/momentum", core.momentum, step)
+    if self._kfac_adaptive or core.calibrate_damping:
+      write_scalar("kfac/rho", core.rho, step)
+      write_scalar("kfac/qmodel_change", core.qmodel_change, step)
+
+
+def write_scalar(tag, value, step):
+  """tf.summary.scalar without needing the tensorboard package: a float32
+  scalar tagged for TensorBoard's scalars plugin (a no-op without a default
+  writer)."""
+  metadata = summary_pb2.SummaryMetadata()
+  metadata.plugin_data.plugin_name = "scalars"
+  tf.summary.write(tag, tf.cast(value, tf.float32), step=step,
+                   metadata=metadata)
+
+
+def current_graph():
+  return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()

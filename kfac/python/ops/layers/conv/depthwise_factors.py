@@ -1,0 +1,256 @@
+"""Factors of depthwise convolutions ([k.., C, M] filters, output channel
+c*M + m; notation as in factors.py): `DepthwiseConvDiagonalFactor` (the
+exact diagonal) and the per-channel Kronecker factors
+`DepthwiseConvInputKroneckerFactor` ([C, K(+1), K(+1)]) and
+`DepthwiseConvOutputKroneckerFactor` ([C, M, M]), batches of C matrices
+with per-channel pi-adjusted damping (`per_channel_pi_damping_funcs`).
+"""
+
+import tensorflow as tf
+
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.base.factors import FisherFactor
+from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
+from kfac.python.ops.layers.base.factors import MatmulProductsMixin
+from kfac.python.ops.layers.base.factors import weighted_sum
+from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.layers.conv.statistics import concat_channels_last
+from kfac.python.ops.layers.conv.statistics import conv_spec
+from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
+from kfac.python.ops.numerics import linalg
+from kfac.python.ops.tensors import utils
+
+__all__ = [
+    "DepthwiseConvDiagonalFactor",
+    "DepthwiseConvInputKroneckerFactor",
+    "DepthwiseConvOutputKroneckerFactor",
+]
+
+
+def _depthwise_patches(x, spec, channels):
+  """[N, L, K, C] patches of channels-last x."""
+  p = patches_lib.extract_patches(x, spec)
+  return tf.reshape(p, [tf.shape(p)[0], -1, spec.num_taps, channels])
+
+
+class DepthwiseConvDiagonalFactor(InputsGradsDiagonalFactor):
+  """Exact diagonal of a depthwise conv layer's Fisher, shaped [K(+1), C, M]
+  (the filter [k.., C, M] viewed as [K, C, M], the bias [C*M] as the last
+  row): sum_s w_s mean over n of (sum_t p_{n,t,k,c} g_{n,t,c*M+m})^2."""
+
+  def __init__(self, inputs, outputs_grads, filter_shape, strides=None,
+               padding="VALID", dilations=None, data_format=None,
+               has_bias=False, weights=None, name=None):
+    self._spec = conv_spec(filter_shape, padding, strides, dilations,
+                           data_format)
+    self._channels = int(filter_shape[-2])
+    self._mult = int(filter_shape[-1])
+    self._has_bias = has_bias
+    super().__init__(inputs, outputs_grads, weights,
+                     [self._spec.num_taps + (1 if has_bias else 0),
+                      self._channels, self._mult], name=name)
+
+  def _compute_new_cov(self):
+    first = self._spec.channels_first
+    p = _depthwise_patches(concat_channels_last(self._inputs, first),
+                           self._spec, self._channels)
+    if self._has_bias:
+      p = tf.concat([p, tf.ones_like(p[:, :, :1])], axis=2)
+    n = tf.cast(tf.shape(p)[0], p.dtype)
+    terms = []
+    for towers in self._grads:
+      g = concat_channels_last(towers, first)
+      g = tf.reshape(g, [tf.shape(g)[0], -1, self._channels, self._mult])
+      per_example = tf.einsum("nlkc,nlcm->nkcm", p, g)
+      terms.append(tf.reduce_sum(tf.square(per_example), axis=0) / n)
+    return weighted_sum(terms, self._weights)
+
+
+class _BatchedSquareFactor(MatmulProductsMixin, FisherFactor):
+  """A factor whose statistic is a batch of C symmetric [n, n] matrices
+  (one per channel). Damping functions may scale each matrix differently:
+  `damping_func.scale(ones([C]))` gives the per-channel scales (the
+  per-channel pi rule). All registered powers come from one batched
+  eigendecomposition per inverse update; Cholesky factors from a batched
+  Cholesky. Products act on batches x [C, rows, cols] channel by channel
+  (left: power_c @ x_c, right: x_c @ power_c)."""
+
+  def __init__(self, name=None, weights=None):
+    super().__init__(name=name)
+    self._psd = all(w >= 0 for w in (weights or ()))
+    self._registered = []  # (kind, exp, damping_func)
+    self._vars = {}
+
+  @property
+  def _cov_shape(self):
+    return [self._batch, self._n, self._n]
+
+  def get_cov(self):
+    return self.get_cov_var()
+
+  def normalized_traces(self):
+    cov = tf.convert_to_tensor(self.get_cov_var())
+    return tf.linalg.trace(cov) / tf.cast(self._n, cov.dtype)
+
+  def normalized_trace(self):
+    return tf.reduce_mean(self.normalized_traces())
+
+  def _register(self, kind, exp, damping_func):
+    key = (kind, exp, damping_func.key)
+    if not any((k, e, f.key) == key for k, e, f in self._registered):
+      self._registered.append((kind, exp, damping_func))
+
+  def register_matpower(self, exp, damping_func):
+    if exp == 1:
+      return
+    if not self._psd and exp != int(exp):
+      raise ValueError("Factor %s may be indefinite; only integer powers are "
+                       "defined, got %s." % (self.name, exp))
+    self._register("matpow", exp, damping_func)
+
+  def register_cholesky(self, damping_func):
+    self._register("chol", None, damping_func)
+
+  def register_cholesky_inverse(self, damping_func):
+    self._register("cholinv", None, damping_func)
+
+  def instantiate_inv_variables(self):
+    for i, (kind, exp, dfunc) in enumerate(self._registered):
+      key = (kind, exp, dfunc.key)
+      if key not in self._vars:
+        self._vars[key] = self.state_store.get_or_create(
+            "%s/%s%d" % (self.name, kind, i), self._cov_shape, self._dtype)
+
+  def _scales_and_damping(self, damping_func, dtype):
+    scales = damping_func.scale(tf.ones([self._batch], dtype))
+    return scales, utils.cast(damping_func(), dtype)
+
+  def _damped(self, cov, damping_func):
+    scales, d = self._scales_and_damping(damping_func, cov.dtype)
+    eye = tf.eye(self._n, dtype=cov.dtype)
+    return scales[:, tf.newaxis, tf.newaxis] * cov + d * eye
+
+  def inverse_values(self):
+    self.instantiate_inv_variables()
+    cov = linalg.symmetrize(tf.convert_to_tensor(self.get_cov_var()))
+    eig = None
+    ops = []
+    for kind, exp, dfunc in self._registered:
+      var = self._vars[(kind, exp, dfunc.key)]
+      if kind == "matpow":
+        if eig is None:
+          eig = tf.linalg.eigh(cov)
+        scales, d = self._scales_and_damping(dfunc, cov.dtype)
+        evals = eig[0]
+        if self._psd:
+          evals = tf.maximum(evals, 0.0)
+        powered = tf.pow(scales[:, tf.newaxis] * evals + d,
+                         utils.cast(exp, cov.dtype))
+        value = tf.matmul(eig[1] * powered[:, tf.newaxis, :], eig[1],
+                          transpose_b=True)
+      else:
+        chol = tf.linalg.cholesky(self._damped(cov, dfunc))
+        if kind == "chol":
+          value = chol
+        else:
+          eye = tf.broadcast_to(tf.eye(self._n, dtype=cov.dtype),
+                                tf.shape(chol))
+          value = tf.linalg.triangular_solve(chol, eye, lower=True)
+      ops.append((var, value))
+    return ops
+
+  def _get(self, kind, exp, damping_func):
+    key = (kind, exp, damping_func.key)
+    if key not in self._vars:
+      self.instantiate_inv_variables()
+    if key not in self._vars:
+      raise ValueError("No %s with exponent %s and damping %r was registered "
+                       "on factor %s." % (kind, exp, damping_func.key,
+                                          self.name))
+    return self._vars[key]
+
+  def get_matpower(self, exp, damping_func):
+    if exp == 1:
+      return self._damped(tf.convert_to_tensor(self.get_cov_var()),
+                          damping_func)
+    return self._get("matpow", exp, damping_func)
+
+  def get_cholesky(self, damping_func):
+    return self._get("chol", None, damping_func)
+
+  def get_cholesky_inverse(self, damping_func):
+    return self._get("cholinv", None, damping_func)
+
+
+class DepthwiseConvInputKroneckerFactor(_BatchedSquareFactor):
+  """Per-channel patch second moments of a depthwise conv: [C, K(+1),
+  K(+1)], A_c = mean over (n, t) of [p_c; 1][p_c; 1]^T where p_c are the K
+  taps of input channel c."""
+
+  def __init__(self, inputs, filter_shape, strides=None, padding="VALID",
+               dilations=None, data_format=None, has_bias=False, name=None):
+    self._inputs = utils.ensure_sequence(inputs)
+    self._spec = conv_spec(filter_shape, padding, strides, dilations,
+                           data_format)
+    self._batch = int(filter_shape[-2])
+    self._has_bias = has_bias
+    self._n = self._spec.num_taps + (1 if has_bias else 0)
+    super().__init__(name=name)
+
+  @property
+  def _dtype(self):
+    return self._inputs[0].dtype
+
+  def _compute_new_cov(self):
+    x = concat_channels_last(self._inputs, self._spec.channels_first)
+    p = tf.reshape(_depthwise_patches(x, self._spec, self._batch),
+                   [-1, self._spec.num_taps, self._batch])
+    if self._has_bias:
+      p = tf.concat([p, tf.ones_like(p[:, :1])], axis=1)
+    rows = tf.cast(tf.shape(p)[0], p.dtype)
+    return tf.einsum("rkc,rjc->ckj", p, p) / rows
+
+
+class DepthwiseConvOutputKroneckerFactor(OutputGradsMixin,
+                                         _BatchedSquareFactor):
+  """Per-channel output-gradient second moments of a depthwise conv:
+  [C, M, M], G_c = sum_s w_s mean over (n, t) of g_c g_c^T where g_c are
+  the M outputs (c*M .. c*M+M-1) of input channel c."""
+
+  def __init__(self, outputs_grads, channels, multiplier, data_format=None,
+               weights=None, name=None):
+    self._init_grads(outputs_grads, data_format, weights)
+    self._batch = int(channels)
+    self._n = int(multiplier)
+    _BatchedSquareFactor.__init__(self, name=name, weights=self._weights)
+
+  def _compute_new_cov(self):
+    terms = []
+    for g in self._source_tensors():
+      g = tf.reshape(g, [-1, self._batch, self._n])
+      rows = tf.cast(tf.shape(g)[0], g.dtype)
+      terms.append(tf.einsum("rcm,rcn->cmn", g, g) / rows)
+    return weighted_sum(terms, self._weights)
+
+
+def per_channel_pi_damping_funcs(input_factor, output_factor, damping_func,
+                                 pi_type="tracenorm"):
+  """Per-channel pi-adjusted damping for a batch of Kronecker products
+  A_c (x) G_c: like damping.pi_adjusted_damping_funcs, with one pi per
+  channel (scales are [C] vectors); pi_type "off": pi = 1."""
+  if pi_type != "tracenorm":
+    return damping_lib.pi_adjusted_damping_funcs(
+        input_factor, output_factor, damping_func, pi_type)
+  key = ("pi_per_channel", input_factor.name, output_factor.name,
+         damping_func.key)
+
+  def pi():
+    return damping_lib.compute_pi(input_factor.normalized_traces(),
+                                  output_factor.normalized_traces())
+
+  def root():
+    return tf.sqrt(utils.cast(damping_func(), tf.float64))
+
+  return (damping_lib.DampingFunc(root, key + ("left",),
+                                  scale_fn=lambda: 1.0 / pi()),
+          damping_lib.DampingFunc(root, key + ("right",), scale_fn=pi))
