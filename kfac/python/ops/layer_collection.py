@@ -1,36 +1,23 @@
 """kfac 0.2.4's module path of the LayerCollection (kfac.layer_collection).
 
-The code lives in the collection/ package (kfac.python.ops.collection);
+The code lives in the collection/ package (kfac.python.ops.collection: the
+registry core, losses, the registration check, the default collection) and
+in the per-family registration mixins of layers/<family>/registration.py;
 this module keeps the old path importable with every name it had.
 """
 
-# pylint: disable=unused-import,g-bad-import-order
-from kfac.python.ops.collection.layer_collection import (
-    APPROX_DIAGONAL_NAME,
-    APPROX_EKFAC_NAME,
-    APPROX_EKFAC_REDUCE_NAME,
-    APPROX_FULL_NAME,
-    APPROX_KRONECKER_BOTH_DIAG_NAME,
-    APPROX_KRONECKER_IN_DIAG_NAME,
-    APPROX_KRONECKER_INDEP_BOTH_DIAG_NAME,
-    APPROX_KRONECKER_INDEP_IN_DIAG_NAME,
-    APPROX_KRONECKER_INDEP_NAME,
-    APPROX_KRONECKER_INDEP_OUT_DIAG_NAME,
-    APPROX_KRONECKER_NAME,
-    APPROX_KRONECKER_OUT_DIAG_NAME,
-    APPROX_KRONECKER_REDUCE_NAME,
-    APPROX_KRONECKER_SERIES_1_NAME,
-    APPROX_KRONECKER_SERIES_2_NAME,
-    APPROX_KRONECKER_SUA_NAME,
-    _DEFAULT_APPROXIMATIONS,
-    _FULLY_CONNECTED_APPROX_TO_BLOCK,
-    _GENERIC_APPROX_TO_BLOCK,
-    BlocksByParams,
-    LayerCollection,
-    get_default_layer_collection,
-    set_default_layer_collection,
-    sqrt_coeff,
-)
+# pylint: disable=unused-import,g-bad-import-order,wildcard-import
+from kfac.python.ops.layers.base.approximations import *
+from kfac.python.ops.collection.default import get_default_layer_collection
+from kfac.python.ops.collection.default import set_default_layer_collection
+from kfac.python.ops.collection.layer_collection import _DEFAULT_APPROXIMATIONS
+from kfac.python.ops.collection.layer_collection import BlocksByParams
+from kfac.python.ops.collection.layer_collection import LayerCollection
+from kfac.python.ops.collection.losses import sqrt_coeff
+from kfac.python.ops.layers.dense.registration import (
+    _FULLY_CONNECTED_APPROX_TO_BLOCK)
+from kfac.python.ops.layers.generic.registration import (
+    _GENERIC_APPROX_TO_BLOCK)
 from kfac.python.ops.tensors.layer_params_dict import LayerParametersDict
 from kfac.python.ops.layers.base.registration import RegistrationKeyError
 from kfac.python.ops.layers.base.registration import VARIABLE_SCOPE
