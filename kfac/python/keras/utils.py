@@ -35,7 +35,7 @@ from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
 from kfac.python.keras import model_args
 from kfac.python.keras import node_calls
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import layer_collection as lc_lib
 
 RegistrationError = layer_registration.RegistrationError
 # How serialize_fisher_approx writes a layer-class key (kfac 0.2.x).

@@ -28,7 +28,7 @@ import scipy.linalg
 import tensorflow as tf
 
 from kfac.python.kernel_tests import reference as ref
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import layer_collection as lc_lib
 from kfac.python.ops.curvature_matrix_vector_products import (
     CurvatureMatrixVectorProductComputer)
 

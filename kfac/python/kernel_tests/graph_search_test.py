@@ -27,12 +27,42 @@ from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops.tensormatch import graph_matcher as gm
 from kfac.python.ops.tensormatch import graph_patterns as gp
 from kfac.python.ops.tensormatch import graph_search as gs
+from kfac.python.ops.tensormatch import match_records
+from kfac.python.ops.tensormatch import record_filters
+from kfac.python.ops.tensormatch import record_registration
+from kfac.python.ops.tensormatch import record_search
+from kfac.python.ops.tensormatch import search_errors
 
 WORLDS = ref.WORLDS
 TOL = dict(rtol=1e-9, atol=1e-12)
 N = 6  # batch size
 STEPS = 5
 
+
+
+def test_graph_search_module_keeps_its_names():
+  """tensormatch.graph_search (kfac 0.2.4's path) still offers the names
+  now defined in the modules it was split into, as the same objects."""
+  moved = {
+      search_errors: ("AmbiguousRegistrationError", "GraphSearchWarning"),
+      record_search: ("find_records",),
+      record_filters: ("filter_records", "filter_user_registered_records",
+                       "filter_grouped_variable_records",
+                       "filter_subgraph_records"),
+      record_registration: ("register_records",),
+      match_records: ("MatchRecord", "ParamsDict", "RecordType",
+                      "TensorToVariable", "UnsupportedLayerError",
+                      "ensure_sequence", "record_affine_from_bindings",
+                      "record_batch_norm_from_bindings",
+                      "record_scale_and_shift_from_bindings"),
+  }
+  for module, names in moved.items():
+    for name in names:
+      assert getattr(gs, name) is getattr(module, name), name
+  for name in ("register_layers", "register_subgraph_layers",
+               "default_variables"):
+    assert callable(getattr(gs, name)), name
+  assert issubclass(gs.AmbiguousRegistrationError, ValueError)
 
 def _rand(seed, *shape, scale=0.5):
   return scale * np.random.RandomState(seed).randn(*shape)
@@ -53,14 +83,14 @@ def _summary(lc):
   """[(block class, variable names)] of a collection, sorted."""
   return sorted((type(b).__name__,
                  tuple(v.name.split(":")[0]
-                       for v in gs.ensure_sequence(p)))
+                       for v in match_records.ensure_sequence(p)))
                 for p, b in lc.blocks_and_params())
 
 
 def _fisher_blocks(lc):
   """The full Fisher blocks, in the order of _summary."""
   pairs = sorted(lc.blocks_and_params(),
-                 key=lambda pb: tuple(v.name for v in gs.ensure_sequence(
+                 key=lambda pb: tuple(v.name for v in match_records.ensure_sequence(
                      pb[0])))
   return [b.full_fisher_block() for _, b in pairs]
 
@@ -284,7 +314,7 @@ TIED_INITS = [_rand(53, 3, 4), _rand(54, 4), _rand(55, 4), _rand(56, 4, 2)]
 
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_shared_weights_equal_manual_registration(world):
-  with pytest.warns(gs.GraphSearchWarning) as caught:
+  with pytest.warns(search_errors.GraphSearchWarning) as caught:
     _assert_same_training(world, TIED_INITS, _tied, batch_size=N, expected=[
         ("FullyConnectedMultiIndepFB", ("v0",)),
         ("NaiveDiagonalFB", ("v1",)),
@@ -377,13 +407,13 @@ def test_generic_fallback_warns_with_the_variable_names(world):
     logits = tf.matmul(x, w) + tf.square(c)  # not a bias add of c
     lc = kfac.LayerCollection()
     lc.register_squared_error_loss(logits)
-    with pytest.raises(gs.AmbiguousRegistrationError,
+    with pytest.raises(search_errors.AmbiguousRegistrationError,
                        match="register odd_one as generic without knowledge "
                        "of batch_size"):
       lc.auto_register_layers([w, c])
     lc = kfac.LayerCollection()
     lc.register_squared_error_loss(logits)
-    with pytest.warns(gs.GraphSearchWarning,
+    with pytest.warns(search_errors.GraphSearchWarning,
                       match="registering odd_one as generic") as caught:
       new = lc.auto_register_layers([w, c], batch_size=N)
     assert len(caught) == 1
@@ -460,7 +490,7 @@ def test_ambiguity_and_linked_group_errors(world):
     lc = kfac.LayerCollection()
     lc.register_squared_error_loss(out0)
     lc.register_squared_error_loss(out1)
-    with pytest.raises(gs.AmbiguousRegistrationError,
+    with pytest.raises(search_errors.AmbiguousRegistrationError,
                        match="shared_w was recorded in multiple groups"):
       lc.auto_register_layers([w, b0, b1], batch_size=N)
     lc.define_linked_parameters((b0, b1))
@@ -471,7 +501,7 @@ def test_ambiguity_and_linked_group_errors(world):
     lc.register_squared_error_loss(out0)
     lc.register_squared_error_loss(out1)
     lc.define_linked_parameters((w, b1), approximation="diagonal")
-    with pytest.warns(gs.GraphSearchWarning, match="b0 as generic"):
+    with pytest.warns(search_errors.GraphSearchWarning, match="b0 as generic"):
       lc.auto_register_layers([w, b0, b1], batch_size=N)
     return _summary(lc)
 
@@ -498,7 +528,7 @@ def test_transposed_weights_raise_unless_registered_by_hand(world):
     lc = kfac.LayerCollection()
     lc.register_squared_error_loss(recon)
     lc.register_fully_connected_multi(w, [x], [code])  # the user's choice
-    with pytest.warns(gs.GraphSearchWarning, match="dec_b as generic"):
+    with pytest.warns(search_errors.GraphSearchWarning, match="dec_b as generic"):
       lc.auto_register_layers([w, b], batch_size=N)
     return _summary(lc)
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 import kfac
 from kfac.python.ops import fisher_blocks as fb
 from kfac.python.ops import fisher_factors as ff
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import default as lc_default
 from kfac.python.ops import losses as lf
 
 N, D_IN, D_OUT = 4, 3, 2
@@ -54,9 +54,9 @@ def graph():
 
 @pytest.fixture(autouse=True)
 def _no_default_collection():
-  lc_lib.set_default_layer_collection(None)
+  lc_default.set_default_layer_collection(None)
   yield
-  lc_lib.set_default_layer_collection(None)
+  lc_default.set_default_layer_collection(None)
 
 
 # ------------------------------------------------------- layer registration
@@ -418,28 +418,28 @@ def test_linked_parameters(graph):
 # ------------------------------------------------------------ default stack
 def test_default_layer_collection(graph):
   with pytest.raises(ValueError, match="No default LayerCollection"):
-    lc_lib.get_default_layer_collection()
+    lc_default.get_default_layer_collection()
   outer, inner = kfac.LayerCollection(name="outer"), kfac.LayerCollection()
   with outer.as_default() as got:
     assert got is outer
-    assert lc_lib.get_default_layer_collection() is outer
+    assert lc_default.get_default_layer_collection() is outer
     with inner.as_default():
-      assert lc_lib.get_default_layer_collection() is inner
-    assert lc_lib.get_default_layer_collection() is outer
+      assert lc_default.get_default_layer_collection() is inner
+    assert lc_default.get_default_layer_collection() is outer
   with pytest.raises(ValueError, match="No default LayerCollection"):
-    lc_lib.get_default_layer_collection()
-  lc_lib.set_default_layer_collection(inner)
-  assert lc_lib.get_default_layer_collection() is inner
+    lc_default.get_default_layer_collection()
+  lc_default.set_default_layer_collection(inner)
+  assert lc_default.get_default_layer_collection() is inner
   # Setting another while one is set raises (kfac 0.2.x); None clears.
   with pytest.raises(ValueError, match="already set"):
-    lc_lib.set_default_layer_collection(outer)
-  assert lc_lib.get_default_layer_collection() is inner
-  lc_lib.set_default_layer_collection(None)
-  lc_lib.set_default_layer_collection(outer)
-  assert lc_lib.get_default_layer_collection() is outer
-  lc_lib.set_default_layer_collection(None)
+    lc_default.set_default_layer_collection(outer)
+  assert lc_default.get_default_layer_collection() is inner
+  lc_default.set_default_layer_collection(None)
+  lc_default.set_default_layer_collection(outer)
+  assert lc_default.get_default_layer_collection() is outer
+  lc_default.set_default_layer_collection(None)
   with pytest.raises(ValueError, match="No default LayerCollection"):
-    lc_lib.get_default_layer_collection()
+    lc_default.get_default_layer_collection()
 
 
 # --------------------------------------------------------------- finalize

@@ -22,7 +22,7 @@ separate sources for its positive and negative parts with weights +1 / -1.
 import tensorflow as tf
 
 from kfac.python.ops.tensors import counter_random
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import losses as collection_losses
 
 ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop",
                     "curvature_prop_GGN", "exact", "exact_GGN")
@@ -107,7 +107,7 @@ def _curvature_prop_sources(layer_collection, ggn, seeds=None):
   by_sign = {1.0: ([], []), -1.0: ([], [])}
   for i, (loss, coeff) in enumerate(layer_collection.losses_with_coeffs()):
     multiply, _, inner_shape, _, signs = _factor_ops(loss, ggn)
-    scale = lc_lib.sqrt_coeff(coeff, loss.dtype)
+    scale = collection_losses.sqrt_coeff(coeff, loss.dtype)
     rademacher = _rademacher(inner_shape, loss.dtype,
                              None if seeds is None else seeds(i))
     if signs is None:
@@ -134,7 +134,7 @@ def _exact_sources(layer_collection, ggn):
           "The exact modes loop over output coordinates and need a static "
           "[batch, d] factor shape; %s has %s." %
           (type(loss).__name__, static_shape))
-    scale = lc_lib.sqrt_coeff(coeff, loss.dtype)
+    scale = collection_losses.sqrt_coeff(coeff, loss.dtype)
     for k in range(int(static_shape[-1])):
       grad_ys = [tf.stop_gradient(scale * v) for v in _as_list(one_hot([k]))]
       weight = 1.0 if signs is None else float(signs[k])

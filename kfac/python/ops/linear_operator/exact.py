@@ -27,7 +27,7 @@ import weakref
 import tensorflow as tf
 
 from kfac.python.ops import curvature_matrix_vector_products as cmvp_lib
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import layer_collection as lc_lib
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import flat
 

@@ -25,7 +25,7 @@ import time
 import tensorflow as tf
 
 from kfac.python.ops.estimation import estimator as estimator_lib
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import layer_collection as lc_lib
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import spectral

@@ -16,7 +16,7 @@ layout and the views with one gather (or none) for any number of columns.
 import numpy as np
 import tensorflow as tf
 
-from kfac.python.ops import layer_collection as lc_lib
+from kfac.python.ops.collection import layer_collection as lc_lib
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.linear_operator import spectral
 

@@ -41,6 +41,12 @@ def ensure_sequence(obj):
   return (obj,)
 
 
+def variable_refs(variables):
+  """The frozenset of the graph keys (`tensorflow_graph_util.node_key`) of
+  `variables` (variables or their refs)."""
+  return frozenset(graph_util.node_key(v) for v in variables)
+
+
 def describe(params):
   """Variable names of `params`, for messages."""
   names = [utils.variable_name(v) for v in ensure_sequence(params)]

@@ -36,7 +36,8 @@ def _series(option):
   return make
 
 
-# Approximation names (the APPROX_*_NAME constants of layer_collection.py).
+# Approximation names (the APPROX_*_NAME constants of
+# layers/base/approximations.py).
 _FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK = {
     "kron_indep": _indep(False, False),
     "kron_indep_in_diag": _indep(True, False),

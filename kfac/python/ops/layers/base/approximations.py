@@ -1,0 +1,20 @@
+"""The names of the approximations a layer can be registered with (the
+`approx=` arguments of the LayerCollection's register_* methods; kfac
+0.2.4's APPROX_*_NAME constants of layer_collection)."""
+
+APPROX_KRONECKER_NAME = "kron"
+APPROX_KRONECKER_IN_DIAG_NAME = "kron_in_diag"
+APPROX_KRONECKER_OUT_DIAG_NAME = "kron_out_diag"
+APPROX_KRONECKER_BOTH_DIAG_NAME = "kron_both_diag"
+APPROX_DIAGONAL_NAME = "diagonal"
+APPROX_FULL_NAME = "full"
+APPROX_KRONECKER_INDEP_NAME = "kron_indep"
+APPROX_KRONECKER_INDEP_IN_DIAG_NAME = "kron_indep_in_diag"
+APPROX_KRONECKER_INDEP_OUT_DIAG_NAME = "kron_indep_out_diag"
+APPROX_KRONECKER_INDEP_BOTH_DIAG_NAME = "kron_indep_both_diag"
+APPROX_KRONECKER_SERIES_1_NAME = "kron_series_1"
+APPROX_KRONECKER_SERIES_2_NAME = "kron_series_2"
+APPROX_KRONECKER_SUA_NAME = "kron_sua"
+APPROX_EKFAC_NAME = "ekfac"
+APPROX_KRONECKER_REDUCE_NAME = "kron_reduce"
+APPROX_EKFAC_REDUCE_NAME = "ekfac_reduce"
