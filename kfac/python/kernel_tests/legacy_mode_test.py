@@ -44,7 +44,7 @@ from kfac.python.ops.numerics import xla_linalg
 _PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                         "legacy_mode_program.py")
 FAST = ("inverse_thresholds", "float32_bound", "factored_choice",
-        "wide_training", "factored_fixed_dynamic", "plain_fixed_dynamic",
+        "wide_training", "cond_uses", "factored_fixed_dynamic", "plain_fixed_dynamic",
         "kinds_fast")
 SLOW = ("factored_fixed_static", "plain_fixed_static",
         "factored_adaptive_dynamic", "plain_adaptive_dynamic", "kinds_slow")
@@ -153,6 +153,16 @@ def test_float32_bound(world, legacy):
 def test_factored_limit(world, legacy):
   _check_factored_choice(legacy if world == "legacy" else
                          scenarios.factored_choice(world))
+
+
+def test_use_count_of_a_variable_read_in_both_branches(legacy):
+  # Control flow v1 (legacy) puts a Switch per branch; v2 one If op: either
+  # way one use per execution. Two reads outside a conditional stay two.
+  want = {"uses/both_branches": 0, "uses/outside_twice": 1}
+  tf2 = scenarios.cond_uses()
+  for key, problems in want.items():
+    assert int(legacy[key]) == problems, (key, legacy[key])
+    assert int(tf2[key]) == problems, (key, tf2[key])
 
 
 def test_legacy_wide_training_equals_tf2_behaviour(legacy):

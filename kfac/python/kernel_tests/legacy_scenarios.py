@@ -264,12 +264,39 @@ def layer_kinds(specs):
   return out
 
 
+def cond_uses():
+  """The registration check's use count of a variable that a conditional
+  reads: in both branches (one use per execution; with control flow v1 the
+  variable feeds a Switch in each branch, as a fused BatchNormalization with
+  no learning phase set does), and twice outside any conditional (two uses,
+  registered once: a problem). {"uses/<case>": number of problems}."""
+  out = {}
+  for case in ("both_branches", "outside_twice"):
+    with tf.Graph().as_default():
+      x = tf.constant(np.arange(12.0).reshape(4, 3))
+      pred = tf.compat.v1.placeholder_with_default(True, [])
+      w = tf.compat.v1.get_variable("w", initializer=np.ones((3, 2)),
+                                    use_resource=True)
+      if case == "both_branches":
+        y = tf.cond(pred, lambda: tf.matmul(x, w),
+                    lambda: 2.0 * tf.matmul(x, w))
+      else:
+        y = tf.matmul(x, w) + tf.matmul(2.0 * x, w)
+      lc = kfac.LayerCollection()
+      lc.register_fully_connected(w, x, y)
+      lc.register_squared_error_loss(y)
+      problems = lc._use_problems([w])  # pylint: disable=protected-access
+      out["uses/" + case] = np.asarray(len(problems))
+  return out
+
+
 # Scenario name -> builder; legacy_mode_program.py takes names from here.
 SCENARIOS = {
     "inverse_thresholds": inverse_thresholds,
     "float32_bound": float32_bound,
     "factored_choice": factored_choice,
     "wide_training": wide_training,
+    "cond_uses": cond_uses,
     "kinds_fast": lambda: layer_kinds(LAYER_KINDS_FAST),
     "kinds_slow": lambda: layer_kinds(LAYER_KINDS_SLOW),
 }

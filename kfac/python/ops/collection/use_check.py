@@ -51,7 +51,11 @@ class UseCheckMixin:
     that reads the variable (a gather counts as one use however many ops
     consume the rows it gathered). More registered uses than ops are fine
     when every registered output leads to the losses: the uses were folded
-    into one op and split after it. Only in TF1 graphs: in a tf.function
+    into one op and split after it. Uses in the two branches of one
+    conditional count as the larger branch's, since one branch runs (with
+    control flow v1, e.g. under disable_v2_behavior, a fused
+    BatchNormalization whose learning phase is not set reads its scale in
+    both; kfac 0.2.x added a use for that case). Only in TF1 graphs: in a tf.function
     trace (and under several replicas) variables are read differently, and
     graph search registers the uses it finds."""
     if not _in_tf1_graph() or tf.distribute.has_strategy():
@@ -68,7 +72,7 @@ class UseCheckMixin:
       registered = self._uses.get(utils.hashable_key(var), 0)
       if not registered:
         continue  # reported as not registered
-      found = subgraph.variable_uses(var)
+      found = exclusive_uses(subgraph.variable_consumers(var))
       if registered == found:
         continue
       stray = self._outputs_off_the_losses(var, subgraph)
@@ -129,6 +133,35 @@ class UseCheckMixin:
       if problems:
         raise ValueError("Variable registration does not match the graph: " +
                          "; ".join(problems) + ".")
+
+
+def _cond_path(op):
+  """[(predicate name, branch)] of the control flow v1 conditionals that
+  hold `op`, outermost first."""
+  path = []
+  ctx = op._control_flow_context  # pylint: disable=protected-access
+  while ctx is not None:
+    pred, branch = getattr(ctx, "pred", None), getattr(ctx, "branch", None)
+    if pred is not None and branch is not None:
+      path.append((pred.name, branch))
+    ctx = ctx.outer_context
+  return path[::-1]
+
+
+def exclusive_uses(ops):
+  """How many of `ops` can run in one execution: ops outside
+  conditionals count one each; for each conditional, the branch with the
+  most uses (recursively for nested ones)."""
+  def count(paths):
+    total = sum(1 for p in paths if not p)
+    by_cond = collections.defaultdict(lambda: collections.defaultdict(list))
+    for p in paths:
+      if p:
+        by_cond[p[0][0]][p[0][1]].append(p[1:])
+    for branches in by_cond.values():
+      total += max(count(rest) for rest in branches.values())
+    return total
+  return count([_cond_path(op) for op in ops])
 
 
 def _in_tf1_graph():

@@ -64,9 +64,9 @@ class SubGraph(object):
       else:
         found.add(consumer)
 
-  def variable_uses(self, var):
-    """How many ops of this subgraph use `var`'s value (through identity
-    and read ops).
+  def variable_consumers(self, var):
+    """The ops of this subgraph that use `var`'s value (through identity
+    and read ops), as a list in a stable order.
 
     Raises:
       ValueError: if `var` is not a variable.
@@ -84,4 +84,14 @@ class SubGraph(object):
         self._consumers(handle, consumers)
     else:  # a TF1 reference variable
       self._consumers(var.value(), consumers)
-    return len(self._members.intersection(consumers))
+    return sorted((op for op in consumers if _key(op) in self._members),
+                  key=lambda op: op.name)
+
+  def variable_uses(self, var):
+    """How many ops of this subgraph use `var`'s value (through identity
+    and read ops).
+
+    Raises:
+      ValueError: if `var` is not a variable.
+    """
+    return len(self.variable_consumers(var))
