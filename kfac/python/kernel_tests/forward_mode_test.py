@@ -218,3 +218,40 @@ def test_bad_arguments():
     x = tf.constant(1.0)
     with pytest.raises(ValueError, match="one tangent per x"):
       forward_mode.jvp(x * 2, [x, x], [tf.constant(1.0)])
+
+
+def test_ops_without_a_rule_take_their_gradient_locally(monkeypatch):
+  """The generic path calls an op's registered gradient function itself:
+  tf.gradients from the op's inputs would first mark every op downstream of
+  them (the rest of the network), so building the products op by op grew
+  with the square of the depth. The only tf.gradients calls left
+  differentiate the local gradient with respect to the dummy cotangents."""
+  from kfac.python.ops.forward_mode import walk  # pylint: disable=g-import-not-at-top
+  p = _params()
+  tangents = {k: RNG.randn(*v.shape) for k, v in p.items()}
+  x, ids = _inputs()
+  xs_of_calls = []
+  real = tf.gradients
+
+  def spy(ys, xs, **kwargs):
+    xs_of_calls.append(list(xs))
+    return real(ys, xs, **kwargs)
+
+  monkeypatch.setattr(walk.tf, "gradients", spy)
+  with tf.Graph().as_default():
+    variables = {k: tf.Variable(v) for k, v in p.items()}
+    ys = _model(tf.constant(x), tf.constant(ids), variables)
+    model_ops = set(tf.compat.v1.get_default_graph().get_operations())
+    got = forward_mode.jvp(ys, [variables[k] for k in sorted(p)],
+                           [tf.constant(tangents[k]) for k in sorted(p)])
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got = sess.run(got)
+  # MaxPool, Softmax, ConcatV2, SquaredDifference, Sin, Square, Pack took
+  # the generic path; none differentiated from a tensor of the model.
+  assert len(xs_of_calls) >= 7, xs_of_calls
+  for xs in xs_of_calls:
+    assert not any(t.op in model_ops for t in xs), [t.name for t in xs]
+  want = _reference(p, tangents, x, ids)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, **TOL)

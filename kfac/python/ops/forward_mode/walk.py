@@ -23,6 +23,8 @@ through the whole-graph method, which handles them.
 """
 
 import tensorflow as tf
+# The registry of gradient functions (tf.gradients looks them up there).
+from tensorflow.python.framework import ops as tf_ops  # pylint: disable=g-direct-tensorflow-import
 
 from kfac.python.ops.forward_mode import rules
 
@@ -31,6 +33,14 @@ from kfac.python.ops.forward_mode import rules
 _V1_CONTROL_FLOW = frozenset([
     "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
     "RefExit", "NextIteration", "RefNextIteration", "LoopCond"])
+
+
+# Ops whose gradient function needs TensorFlow's gradient machinery
+# (function calls and functional control flow, differentiated through their
+# function graphs): their local gradient is built by tf.gradients.
+_NEEDS_GRADIENTS_MACHINERY = frozenset([
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "SymbolicGradient"])
 
 
 class UnsupportedGraph(Exception):
@@ -99,25 +109,57 @@ def _read_rule(op, tangent):
   raise UnsupportedGraph("%s reads a variable" % op.type)
 
 
+def _input_grads(op, dummies):
+  """The gradients of `op`'s inputs for the cotangents `dummies` (one per
+  differentiable output, None for the others).
+
+  The op's registered gradient function is called directly: tf.gradients
+  would first mark every op reachable from the op's inputs (the rest of
+  the network downstream), so calling it op by op made building the
+  products quadratic in the depth of the network. Ops that need the
+  gradients machinery, and gradient functions that fail outside it, go
+  through tf.gradients (with stop_gradients on the op's own inputs, so that
+  another path from an input to this op is not added in)."""
+  grad_fn = None
+  if op.type not in _NEEDS_GRADIENTS_MACHINERY:
+    try:
+      grad_fn = tf_ops.get_gradient_function(op)
+    except LookupError as e:  # no gradient registered
+      raise UnsupportedGraph(str(e)) from e
+    if grad_fn is None:  # registered as not differentiable
+      return [None] * len(op.inputs)
+  if grad_fn is not None:
+    out_grads = [dummies.get(o.ref()) for o in op.outputs]
+    try:
+      with tf.name_scope(op.name.split("/")[-1] + "_jvp"):
+        grads = grad_fn(op, *out_grads)
+      grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+      if len(grads) == len(op.inputs):
+        return grads
+    except (TypeError, ValueError, AttributeError, NotImplementedError):
+      pass  # e.g. a gradient function that wants None replaced by zeros
+  outs = [o for o in op.outputs if o.ref() in dummies]
+  try:
+    return tf.gradients(outs, list(op.inputs),
+                        grad_ys=[dummies[o.ref()] for o in outs],
+                        stop_gradients=list(op.inputs))
+  except LookupError as e:  # no gradient registered
+    raise UnsupportedGraph(str(e)) from e
+
+
 def _generic(op, tangents):
   """The op's forward derivative from its gradient (module docstring)."""
   outs = [o for o in op.outputs if _differentiable(o)]
-  ins = [(x, t) for x, t in zip(op.inputs, tangents) if t is not None]
-  if not outs or not ins:
+  if not outs or all(t is None for t in tangents):
     return [None] * len(op.outputs)
-  dummies = [tf.zeros_like(o) for o in outs]
-  try:
-    # stop_gradients keeps the gradient to this op's own inputs (another
-    # path from an input to this op would otherwise be added in).
-    grads = tf.gradients(outs, [x for x, _ in ins], grad_ys=dummies,
-                         stop_gradients=list(op.inputs))
-  except LookupError as e:  # no gradient registered
-    raise UnsupportedGraph(str(e)) from e
-  pairs = [(tf.convert_to_tensor(g), t) for g, (_, t) in zip(grads, ins)
-           if g is not None]
+  dummies = {o.ref(): tf.zeros_like(o) for o in outs}
+  grads = _input_grads(op, dummies)
+  pairs = [(tf.convert_to_tensor(g), t) for g, t in zip(grads, tangents)
+           if g is not None and t is not None]
   if not pairs:
     return [None] * len(op.outputs)
-  jvps = tf.gradients([g for g, _ in pairs], dummies,
+  dummy_list = [dummies[o.ref()] for o in outs]
+  jvps = tf.gradients([g for g, _ in pairs], dummy_list,
                       grad_ys=[tf.cast(t, g.dtype) for g, t in pairs])
   by_out = dict(zip([o.ref() for o in outs], jvps))
   return [by_out.get(o.ref()) for o in op.outputs]
