@@ -13,7 +13,12 @@ Supported layers and what K-FAC sees:
     register_fully_connected_multi (kron_indep)
   Conv1D/2D/3D (groups=1)   register_conv1d / register_convolution; a Conv2D
                             called several times: register_conv2d_multi
+  Conv1D/2D/3D (groups>1)   register_grouped_convolution (KFC block-diagonal
+                            over the groups)
   DepthwiseConv2D           register_depthwise_conv2d
+  SeparableConv2D (channels_last)  register_separable_conv2d: the depthwise
+                            outputs are found in the traced graph as the
+                            input of the pointwise Conv2D (conv_variants)
   Embedding                 register_embedding; called several times with
                             one id per example and call:
                             register_fully_connected_multi(dense_inputs=False)
@@ -22,7 +27,7 @@ Supported layers and what K-FAC sees:
                             (recomputed from the layer's input as the layer
                             does) and the layer's outputs
 Anything else with trainable weights (and any case above the layer's options
-put out of reach: grouped or transposed convolutions, masks, renorm,
+put out of reach: transposed convolutions, SeparableConv1D, masks, renorm,
 BatchNormalization over another axis, layers called several times on inputs
 with positions, other layers called several times) falls back to
 `register_generic` with the GENERIC_FALLBACK approximation, and a warning
@@ -38,6 +43,7 @@ import warnings
 
 import tensorflow as tf
 
+from kfac.python.keras import conv_variants
 from kfac.python.keras import keras_flavor
 
 GENERIC_FALLBACK = "diagonal"
@@ -170,11 +176,15 @@ def _kind_of(layer):
         return "dense", None
     return "generic", ("EinsumDense equation %r is not a dense layer" %
                        getattr(layer, "equation", None))
+  if conv_variants.is_separable(layer):
+    if "SeparableConv2D" not in names:
+      return "generic", "%s has no K-FAC block (only SeparableConv2D)" % name
+    return "separable_conv", None
   if "DepthwiseConv2D" in names:
     return "depthwise_conv", None
   if any(n in names for n in _CONV_CLASSES):
     if getattr(layer, "groups", 1) != 1:
-      return "generic", "grouped convolution (groups=%d)" % layer.groups
+      return "grouped_conv", None
     return "conv", None
   if "Embedding" in names:
     return "embedding", None
@@ -197,7 +207,7 @@ def _kind_of(layer):
 
 def _layer_params(layer, kind):
   """The layer's parameters in the order the registration takes them."""
-  if kind == "dense" or kind == "conv":
+  if kind in ("dense", "conv", "grouped_conv"):
     params = [layer.kernel, getattr(layer, "bias", None)]
   elif kind == "depthwise_conv":
     # tf_keras names the filter depthwise_kernel, Keras 3 kernel.
@@ -205,6 +215,8 @@ def _layer_params(layer, kind):
     if kernel is None:
       kernel = layer.kernel
     params = [kernel, getattr(layer, "bias", None)]
+  elif kind == "separable_conv":
+    params = conv_variants.separable_params(layer)
   elif kind == "embedding":
     params = [layer.embeddings]
   elif kind in ("batch_norm", "layer_norm"):
@@ -253,14 +265,8 @@ def _param_arg(params):
 
 
 # ---------------------------------------------------------------- registering
-def _conv_data_format(layer, rank):
-  if getattr(layer, "data_format", "channels_last") == "channels_first":
-    return {1: "NCW", 2: "NCHW", 3: "NCDHW"}[rank]
-  return None
-
-
-def _padding(layer):
-  return layer.padding.upper()
+_conv_data_format = conv_variants.conv_data_format
+_padding = conv_variants.padding_of
 
 
 def _check_multi_use_positions(plan, calls, shapes):
@@ -421,21 +427,17 @@ def _undo_scale_and_shift(plan, outputs):
   return tf.stop_gradient(shifted / gamma)
 
 
-class _Fallback(Exception):
-  """Raised by a registration that must fall back to the generic block."""
-
-
-def _single_call(plan, calls):
-  if len(calls) != 1:
-    raise _Fallback("%s called %d times in one step" %
-                    (type(plan.layer).__name__, len(calls)))
-  return calls[0]
+# Raised by a registration that must fall back to the generic block.
+_Fallback = conv_variants.Fallback
+_single_call = conv_variants.single_call
 
 
 _REGISTER = {
     "dense": _register_dense,
     "conv": _register_conv,
     "depthwise_conv": _register_depthwise,
+    "separable_conv": conv_variants.register_separable,
+    "grouped_conv": conv_variants.register_grouped,
     "embedding": _register_embedding,
     "batch_norm": _register_batch_norm,
     "layer_norm": _register_layer_norm,
@@ -483,7 +485,9 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
            "approximation: %s." % (keras_flavor.layer_path(layer),
                                    type(layer).__name__, approx, reason))
     rows.append(Row(keras_flavor.layer_path(layer), type(layer).__name__,
-                    type(block).__name__, approx or "default",
+                    "+".join(type(b).__name__ for b in
+                             (block if isinstance(block, tuple) else
+                              (block,))), approx or "default",
                     ", ".join(p.name for p in plan.params), len(calls),
                     "fallback: " + reason if kind == "generic" else
                     ", ".join("%s=%r" % kv for kv in sorted(options.items()))))

@@ -426,11 +426,49 @@ def _fisher_approx_branches(r):
                   "mid": "FullyConnectedDiagonalFB"})]
 
 
+def _separable_grouped_branches(r):
+  out = []
+
+  # SeparableConv2D, depth_multiplier 2, same, dilation 2, fused relu: the
+  # reference computes the depthwise and the pointwise convolutions
+  # separately and registers the pair by hand.
+  def ref(lc, v, xs):
+    dk, pk, b = v["separable"]
+    mid = tf.nn.depthwise_conv2d(xs[0], dk, [1, 1, 1, 1], "SAME",
+                                 dilations=[2, 2])
+    pre = tf.nn.conv2d(mid, pk, [1, 1, 1, 1], "VALID") + b
+    lc.register_separable_conv2d(dk, (pk, b), xs[0], mid, pre, 1, "SAME",
+                                 rate=2)
+    return tf.nn.relu(pre)
+  out.append(Branch(
+      [r.randn(N, 5, 5, 2)],
+      lambda K, x: K.layers.SeparableConv2D(
+          3, 2, depth_multiplier=2, padding="same", dilation_rate=2,
+          activation="relu", name="separable")(x[0]),
+      ref, {"separable": "DepthwiseConvDiagonalFB+ConvKFCBasicFB"}))
+
+  # Conv2D with groups=2 (4 input channels, 4 outputs): the reference is two
+  # convolutions of channel slices, concatenated.
+  def ref(lc, v, xs):
+    k, b = v["grouped"]
+    pre = tf.concat([tf.nn.conv2d(xj, kj, [1, 1, 1, 1], "VALID")
+                     for xj, kj in zip(tf.split(xs[0], 2, axis=-1),
+                                       tf.split(k, 2, axis=-1))], -1) + b
+    lc.register_grouped_convolution((k, b), xs[0], pre, "VALID", 2)
+    return pre
+  out.append(Branch(
+      [r.randn(N, 3, 3, 4)],
+      lambda K, x: K.layers.Conv2D(4, 2, groups=2, name="grouped")(x[0]),
+      ref, {"grouped": "GroupedConvKFCBasicFB"}))
+  return out
+
+
 # "head" (the last Dense) is diagonal only in the fisher_approx group, whose
 # "__class__:Dense" key covers it.
 ZOO = {
     "dense": (_dense_branches, None),
     "conv": (_conv_branches, None),
+    "separable_grouped": (_separable_grouped_branches, None),
     "lookup_and_norm": (_lookup_and_norm_branches, None),
     "fisher_approx": (_fisher_approx_branches, {
         "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
@@ -559,7 +597,9 @@ def test_layer_zoo_two_fit_steps_match_hand_registration(group):
     expected.update(branch.blocks)
     fallbacks.update(branch.fallback)
   assert _report_blocks(report) == expected, report
-  assert sorted(expected.values()) == ref_blocks
+  # (a SeparableConv2D's row names its two blocks, joined by "+")
+  assert sorted(n for v in expected.values() for n in v.split("+")) == \
+      ref_blocks
 
   messages = [str(w.message) for w in caught
               if issubclass(w.category, UserWarning) and
@@ -950,3 +990,34 @@ def test_fisher_approx_on_a_fallback_layer_and_generic_full():
   messages = [str(w.message) for w in caught]
   assert any("generic 'full'" in m and "deconv" in m for m in messages), (
       messages)
+
+
+def test_grouped_and_separable_out_of_reach_fall_back_naming_the_layer():
+  """A grouped Conv2D asked for an approximation its block lacks, and a
+  SeparableConv1D (no block), get the generic diagonal with a warning
+  naming the layer and the reason; registration_options on a grouped
+  convolution is an error naming it."""
+  inputs = keras.Input((4, 4, 4))
+  h = keras.layers.Conv2D(4, 2, groups=2, name="gconv")(inputs)
+  h = keras.layers.Reshape((9, 4))(h)
+  h = keras.layers.SeparableConv1D(2, 2, name="sep1d")(h)
+  model = keras.Model(inputs, keras.layers.Flatten()(h))
+  signature = tf.TensorSpec([None, 4, 4, 4], tf.float64)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    report = _trace_registration(model, "mse", signature=signature,
+                                 fisher_approx={"gconv": "kron_reduce"})
+  assert _report_blocks(report) == {"gconv": "NaiveDiagonalFB",
+                                    "sep1d": "NaiveDiagonalFB"}, report
+  messages = [str(w.message) for w in caught
+              if str(w.message).startswith("kfac: layer")]
+  assert len(messages) == 2, messages
+  assert any("'gconv'" in m and "no 'kron_reduce' approximation" in m
+             for m in messages), messages
+  assert any("'sep1d'" in m and "only SeparableConv2D" in m
+             for m in messages), messages
+  with pytest.raises(layer_registration.RegistrationError,
+                     match="gconv.*only Conv1D/2D/3D"):
+    _trace_registration(model, "mse", signature=signature,
+                        registration_options={"gconv": {
+                            "sub_sample_inputs": 2}})

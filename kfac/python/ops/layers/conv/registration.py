@@ -14,6 +14,9 @@ Approximations of a convolution (register_conv1d / conv2d / convolution):
   "ekfac" / "ekfac_reduce"  EKFAC in the KFC / KFAC-reduce eigenbasis
                  (George et al. 2018; ekfac/blocks.py)
 Depthwise convolutions: "diagonal" (default) or "kron" (per-channel KFC).
+Grouped convolutions (register_grouped_convolution; filter [k.., C/G, O] on
+inputs with C channels): "kron" (KFC block-diagonal over the G groups,
+layers/conv/grouped.py).
 A conv2d used several times (register_conv2d_multi): "kron_indep".
 
 strides / dilations accept an int, one int per spatial dimension, or the
@@ -26,6 +29,7 @@ pairs (per spatial dimension, or TensorFlow's per-dimension list), and
 import numpy as np
 
 from kfac.python.ops.layers.conv import blocks as conv_blocks
+from kfac.python.ops.layers.conv import grouped as grouped_conv
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.tensors import utils
@@ -58,6 +62,9 @@ _DEPTHWISE_APPROXIMATIONS = {
     _KRON: conv_blocks.DepthwiseConvKFCBasicFB,
 }
 _DEFAULT_DEPTHWISE_APPROXIMATION = _DIAGONAL
+_GROUPED_APPROXIMATIONS = {
+    _KRON: grouped_conv.GroupedConvKFCBasicFB,
+}
 
 # Which approximations accept the optional statistics arguments.
 _ACCEPTS = {
@@ -87,9 +94,10 @@ def _make_spec(filt, strides, dilations, padding, data_format):
     raise ValueError("Convolution with filter %s: %s" % (_name(filt), e))
 
 
-def _check_shapes(filt, bias, inputs, outputs, spec, out_channels, what):
+def _check_shapes(filt, bias, inputs, outputs, spec, out_channels, what,
+                  in_channels=None):
   """Ranks, channels, bias and output spatial sizes (ValueError naming the
-  filter)."""
+  filter). in_channels: the inputs' channels (default the filter's)."""
   d = spec.num_spatial
   first = spec.channels_first
   fname = _name(filt)
@@ -100,10 +108,11 @@ def _check_shapes(filt, bias, inputs, outputs, spec, out_channels, what):
           "spatial x %d, channels] or channels-first), got shape %s." %
           (what, fname, filt.shape, role, d + 2, d, tensor.shape))
   in_c = inputs.shape[1 if first else -1]
-  if in_c is not None and in_c != filt.shape[-2]:
+  want_in = filt.shape[-2] if in_channels is None else in_channels
+  if in_c is not None and in_c != want_in:
     raise ValueError("%s with filter %s expects %d input channels (filter "
                      "shape %s), but its inputs have shape %s." %
-                     (what, fname, filt.shape[-2], filt.shape, inputs.shape))
+                     (what, fname, want_in, filt.shape, inputs.shape))
   out_c = outputs.shape[1 if first else -1]
   if out_c is not None and out_c != out_channels:
     raise ValueError("%s with filter %s produces %d output channels (filter "
@@ -354,6 +363,58 @@ class ConvRegistrationMixin:
         self, params, spec.strides, spec.padding, spec.dilations, data_format)
     return self._finish_registration(params, block, reuse, inputs, outputs,
                                      ("depthwise", approx, spec))
+
+  def register_grouped_convolution(self, params, inputs, outputs, padding,
+                                   groups, strides=None, dilation_rate=None,
+                                   data_format=None, approx=None,
+                                   reuse=_VARIABLE_SCOPE):
+    """Registers a grouped convolution (tf.nn.convolution with a filter
+    whose input channels are 1/groups of the inputs'; any number d of
+    spatial dimensions, from the filter's rank d + 2).
+
+    Args:
+      params: the filter [k1, ..., kd, C/groups, O], or (filter, bias [O]).
+      inputs: [batch, spatial..., C] (or channels-first).
+      outputs: the pre-activations [batch, spatial'..., O].
+      padding, strides, dilation_rate, data_format: as in
+        register_convolution.
+      groups: G >= 1, dividing O; the inputs must have G * C/G channels.
+      approx: "kron" (default): KFC block-diagonal over the groups
+        (grouped.GroupedConvKFCBasicFB); with groups=1 it equals the KFC
+        block of register_convolution.
+      reuse: True adds a tower.
+    """
+    what = "Grouped convolution layer"
+    filt, bias = _split_params(params, what)
+    if filt.shape.rank is None or filt.shape.rank < 3:
+      raise ValueError("%s filter %s must have rank >= 3 [k.., in/groups, "
+                       "out], got shape %s." % (what, _name(filt),
+                                                filt.shape))
+    if (not utils.is_python_number(groups) or int(groups) != groups or
+        groups < 1):
+      raise ValueError("%s %s: groups must be a positive int, got %r." %
+                       (what, _name(filt), groups))
+    groups = int(groups)
+    out_c = int(filt.shape[-1])
+    if out_c % groups:
+      raise ValueError("%s %s: its %d output channels (filter shape %s) are "
+                       "not divisible by groups=%d." %
+                       (what, _name(filt), out_c, filt.shape, groups))
+    spec = _make_spec(filt, strides, dilation_rate, padding, data_format)
+    _check_shapes(filt, bias, inputs, outputs, spec, out_c, what,
+                  in_channels=groups * int(filt.shape[-2]))
+    if approx is None:
+      approx = self._linked_approx(params) or _KRON
+    if approx not in _GROUPED_APPROXIMATIONS:
+      raise ValueError("Unknown approximation %r for grouped convolution "
+                       "layer (%s); expected one of %s." %
+                       (approx, _describe(params),
+                        sorted(_GROUPED_APPROXIMATIONS)))
+    block = _GROUPED_APPROXIMATIONS[approx](
+        self, params, groups, spec.padding, spec.strides, spec.dilations,
+        data_format)
+    return self._finish_registration(params, block, reuse, inputs, outputs,
+                                     ("grouped", approx, spec, groups))
 
   def register_separable_conv2d(self, depthwise_params, pointwise_params,
                                 inputs, depthwise_outputs, pointwise_outputs,
