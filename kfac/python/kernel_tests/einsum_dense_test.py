@@ -237,3 +237,43 @@ def test_bad_shapes_name_the_weight():
       lc.register_fully_connected(w, x2, tf.einsum("ndh,dhk->nk", x2, w),
                                   output_axes=1, reuse=True)
 
+
+def test_which_einsum_equations_are_dense_maps():
+  from kfac.python.keras import einsum_equation  # pylint: disable=g-import-not-at-top
+  axes = einsum_equation.dense_axes
+  assert axes("abc,cde->abde") == (1, 2)     # query / key / value
+  assert axes("abcd,cde->abe") == (2, 1)     # attention output
+  assert axes("ab,bc->ac") == (1, 1)
+  assert axes("...b,bc->...c") == (1, 1)
+  assert axes("...bc,bcd->...d") == (2, 1)
+  assert axes("bcd,cde->be") == (2, 1)
+  assert axes("abc,bcd->ad") == (2, 1)     # [N, T, D] flattened: a dense map
+  for not_dense in ("abc,dc->abd",      # kernel axes [out, in]
+                    "abc,cd->abdc",     # output keeps the contracted axis
+                    "ab,bc->ca",        # output axes before shared ones
+                    "abc,cd->bd",       # the batch axis dropped
+                    "ab,ab->ab", "ab,bc", "a,b,c->d", None, "ab,bc->...c"):
+    assert axes(not_dense) is None, not_dense
+  bias = einsum_equation.bias_is_dense
+  assert bias("abc,cde->abde", "de", (2, 3), (4, 2, 3))
+  assert not bias("abc,cde->abde", "e", (3,), (4, 2, 3))
+
+
+def test_keras_einsum_dense_plans():
+  """Dense maps plan as "dense"; others keep the generic fallback, with
+  the reason."""
+  from kfac.python.keras import keras_flavor  # pylint: disable=g-import-not-at-top
+  from kfac.python.keras import layer_registration  # pylint: disable=g-import-not-at-top
+  keras = keras_flavor.keras_module()
+  cases = [("abc,cde->abde", (None, 2, 3), "de", "dense", None),
+           ("abcd,cde->abe", (None, 4), "e", "dense", None),
+           ("abc,cde->abde", (None, 2, 3), "e", "generic", "bias axes"),
+           ("abc,cd->abdc", (None, 4, 3), None, "generic", "dense map")]
+  for equation, out_shape, bias_axes, kind, reason in cases:
+    layer = keras.layers.EinsumDense(equation, output_shape=out_shape,
+                                     bias_axes=bias_axes)
+    layer.build((2, 3, 3) if equation.startswith("abc,") else (2, 3, 2, 2))
+    plan = layer_registration.plan_layer(layer)
+    assert plan.kind == kind, (equation, plan)
+    if reason:
+      assert reason in plan.reason, plan.reason
