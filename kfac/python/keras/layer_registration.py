@@ -6,11 +6,15 @@ then registers them on a `LayerCollection` with the tensors a
 `ModelRecorder` captured in the current trace.
 
 Supported layers and what K-FAC sees:
-  Dense, EinsumDense (when it is a dense layer: a 2-d kernel contracting the
-    input's last axis, bias on the output axis)  register_fully_connected,
-    inputs [batch, ..., in] and the pre-activations (fused activations are
-    skipped); called several times in one step on [batch, in] inputs:
-    register_fully_connected_multi (kron_indep)
+  Dense, EinsumDense (when its equation is a dense map over shared leading
+    axes, bias on the output axes: einsum_equation.py; e.g. the four
+    projections of MultiHeadAttention, whose sublayers are recorded as
+    layers of their own)  register_fully_connected, inputs [batch, ...,
+    in axes...] (flattened to [batch, ..., in]) and the pre-activations
+    [batch, ..., out axes...] (fused activations are skipped; the kernel's
+    output axes are `output_axes`); called several times in one step on
+    [batch, in] inputs (2-d kernels): register_fully_connected_multi
+    (kron_indep)
   Conv1D/2D/3D (groups=1)   register_conv1d / register_convolution; a Conv2D
                             called several times: register_conv2d_multi
   Conv1D/2D/3D (groups>1)   register_grouped_convolution (KFC block-diagonal
@@ -38,12 +42,12 @@ would silently be zero.
 """
 
 import collections
-import re
 import warnings
 
 import tensorflow as tf
 
 from kfac.python.keras import conv_variants
+from kfac.python.keras import einsum_equation
 from kfac.python.keras import keras_flavor
 
 GENERIC_FALLBACK = "diagonal"
@@ -66,7 +70,6 @@ Plan = collections.namedtuple(
     "Plan", ["layer", "kind", "approx", "params", "reason"])
 
 _CONV_CLASSES = ("Conv1D", "Conv2D", "Conv3D")
-_DENSE_EQUATION = re.compile(r"^(\.\.\.|[a-z]*)([a-z]),\2([a-z])->\1\3$")
 
 
 class RegistrationError(ValueError):
@@ -166,16 +169,20 @@ def _kind_of(layer):
   if "Dense" in names:
     return "dense", None
   if "EinsumDense" in names:
+    equation = getattr(layer, "equation", None)
     kernel = getattr(layer, "kernel", None)
-    if (_DENSE_EQUATION.match(getattr(layer, "equation", "") or "")
-        and kernel is not None and len(kernel.shape) == 2):
-      bias = getattr(layer, "bias", None)
-      bias_axes = getattr(layer, "bias_axes", None)
-      if bias is None or (tuple(bias.shape) == (kernel.shape[-1],) and
-                          bias_axes == layer.equation[-1]):
-        return "dense", None
-    return "generic", ("EinsumDense equation %r is not a dense layer" %
-                       getattr(layer, "equation", None))
+    axes = einsum_equation.dense_axes(equation)
+    if axes is None or kernel is None or (
+        len(kernel.shape) != axes.input_axes + axes.output_axes):
+      return "generic", ("EinsumDense equation %r is not a dense map over "
+                         "shared leading axes" % (equation,))
+    bias = getattr(layer, "bias", None)
+    if bias is not None and not einsum_equation.bias_is_dense(
+        equation, getattr(layer, "bias_axes", None), bias.shape,
+        kernel.shape):
+      return "generic", ("EinsumDense bias axes %r of equation %r are not "
+                         "its output axes" % (layer.bias_axes, equation))
+    return "dense", None
   if conv_variants.is_separable(layer):
     if "SeparableConv2D" not in names:
       return "generic", "%s has no K-FAC block (only SeparableConv2D)" % name
@@ -285,10 +292,18 @@ def _check_multi_use_positions(plan, calls, shapes):
 
 def _register_dense(lc, plan, calls):
   params = _param_arg(plan.params)
+  axes = einsum_equation.dense_axes(getattr(plan.layer, "equation", None))
   if len(calls) == 1:
-    return lc.register_fully_connected(params, calls[0].inputs,
-                                       calls[0].preactivations,
-                                       approx=plan.approx)
+    # An EinsumDense kernel [in axes..., out axes...] is the dense weight
+    # [prod(in), prod(out)]: its inputs are flattened over the input axes
+    # by the registration, its outputs stay the layer's (the loss's).
+    return lc.register_fully_connected(
+        params, calls[0].inputs, calls[0].preactivations, approx=plan.approx,
+        output_axes=axes.output_axes if axes else 1)
+  if axes is not None and axes != (1, 1):
+    raise _Fallback(
+        "EinsumDense %r called %d times in one step; multi-use blocks take "
+        "2-d kernels" % (plan.layer.equation, len(calls)))
   _check_multi_use_positions(
       plan, calls, [tf.convert_to_tensor(c.preactivations).shape
                     for c in calls])

@@ -18,7 +18,9 @@ the optimizer keeps them in):
   route than Keras's "SAME" / "CAUSAL"). The new weights agree to 1e-10
   relative to the largest weight change (measured: <= 3e-15); the
   registration report names the expected block class for every layer.
-  Layers: Dense (fused relu, rank-2 and rank-3 inputs, no bias), EinsumDense,
+  Layers: Dense (fused relu, rank-2 and rank-3 inputs, no bias), EinsumDense
+  (2-d kernel; and MultiHeadAttention's four projections in a transformer
+  block, kernels [D, H, K] / [H, K, D] registered with output_axes),
   Conv2D (strides 2, same, relu), Conv1D (causal, dilation 2), Conv3D,
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
   LayerNormalization (last axis; two axes without center), a shared Dense,
@@ -463,6 +465,53 @@ def _separable_grouped_branches(r):
   return out
 
 
+def _attention_branches(r):
+  # A transformer block: MultiHeadAttention (its query / key / value
+  # projections EinsumDense 'abc,cde->abde', the output projection
+  # 'abcd,cde->abe': dense maps over [batch, T] with kernels [D, H, K] and
+  # [H, K, D]), a residual, LayerNormalization and a per-position Dense.
+  # The reference registers the projections with output_axes (2 for the
+  # query / key / value kernels) and the attention's [N, T, H, K] output
+  # as the output projection's inputs (flattened by the registration).
+  # key_dim 4: the scale 1/sqrt(key_dim) = 0.5 is exact in float32 (Keras
+  # 3's attention casts a Python float scale through a float32 constant).
+  heads, key_dim = 2, 4
+
+  def ref(lc, v, xs):
+    x = xs[0]
+    wq, bq, wk, bk, wv, bv, wo, bo = v["mha"]
+    proj = []
+    for w, b in ((wq, bq), (wk, bk), (wv, bv)):
+      pre = tf.einsum("abc,cde->abde", x, w) + b
+      lc.register_fully_connected((w, b), x, pre, output_axes=2)
+      proj.append(pre)
+    q, k, val = proj
+    scores = tf.einsum("aecd,abcd->acbe", k, q / np.sqrt(key_dim))
+    att = tf.einsum("acbe,aecd->abcd", tf.nn.softmax(scores, axis=-1), val)
+    out = tf.einsum("abcd,cde->abe", att, wo) + bo
+    lc.register_fully_connected((wo, bo), att, out)
+    gamma, beta = v["ln"]
+    h = x + out
+    mean, var = tf.nn.moments(h, [2], keepdims=True)
+    normalized = (h - mean) / tf.sqrt(var + 1e-3)
+    h = normalized * gamma + beta
+    lc.register_scale_and_shift((gamma, beta), normalized, h)
+    w, b = v["ffn"]
+    pre = tf.einsum("ntd,de->nte", h, w) + b
+    lc.register_fully_connected((w, b), h, pre)
+    return tf.nn.relu(pre)
+
+  def body(K, x):
+    att = K.layers.MultiHeadAttention(heads, key_dim, name="mha")(x[0], x[0])
+    h = K.layers.LayerNormalization(name="ln")(K.layers.Add()([x[0], att]))
+    return K.layers.Dense(3, activation="relu", name="ffn")(h)
+  dense = "FullyConnectedKFACBasicFB"
+  return [Branch([r.randn(N, 3, 4)], body, ref,
+                 {"query": dense, "key": dense, "value": dense,
+                  "attention_output": dense, "ln": "ScaleAndShiftFullFB",
+                  "ffn": dense})]
+
+
 # "head" (the last Dense) is diagonal only in the fisher_approx group, whose
 # "__class__:Dense" key covers it.
 ZOO = {
@@ -470,6 +519,7 @@ ZOO = {
     "conv": (_conv_branches, None),
     "separable_grouped": (_separable_grouped_branches, None),
     "lookup_and_norm": (_lookup_and_norm_branches, None),
+    "attention": (_attention_branches, None),
     "fisher_approx": (_fisher_approx_branches, {
         "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
         layer_registration.CLASS_KEY_PREFIX + "Dense": "diagonal"}),

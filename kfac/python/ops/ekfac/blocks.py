@@ -24,6 +24,7 @@ from kfac.python.ops.layers.conv import blocks as conv_blocks
 from kfac.python.ops.layers.conv import patches as conv_patches
 from kfac.python.ops.layers.conv import statistics as conv_stats
 from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.base.factors import merge_trailing_axes
 from kfac.python.ops.layers.dense import blocks as dense_blocks
 from kfac.python.ops.layers.embedding import blocks as embedding_blocks
 from kfac.python.ops.numerics import linalg
@@ -201,15 +202,18 @@ class _DenseViews:
 
   def ekfac_shape(self):
     first = self._inputs[0]
+    out = self._outputs[0].shape[-self._output_axes:]
     return [int(first.shape[-1]) + (1 if self._has_bias else 0),
-            int(self._outputs[0].shape[-1])]
+            int(out.num_elements())]
 
   def ekfac_inputs(self):
     x = _positions_view(_concat(self._inputs))
     return _with_ones(x) if self._has_bias else x
 
   def ekfac_grads(self, source):
-    return _positions_view(_concat(source))
+    # Several output axes (set_output_axes) are flattened into one.
+    return _positions_view(_concat(
+        merge_trailing_axes(g, self._output_axes) for g in source))
 
 
 class FullyConnectedEKFACFB(_DenseViews, EKFACMixin,

@@ -51,6 +51,27 @@ def concat_towers(towers, has_bias=False):
   return utils.append_homog(x) if has_bias else x
 
 
+def merge_trailing_axes(x, num_axes=1):
+  """x [..., d_1, ..., d_k] -> [..., d_1 * ... * d_k] (k = num_axes, the
+  trailing dims static): the output axes of a dense layer whose weight has
+  several of them (register_fully_connected's output_axes), flattened in
+  the weight's row-major order. x itself when k == 1."""
+  if num_axes == 1:
+    return x
+  trailing = x.shape[-num_axes:]
+  if x.shape.rank is None or not trailing.is_fully_defined():
+    raise ValueError("Tensor %s needs %d static trailing (output) axes, got "
+                     "shape %s." % (x.name if hasattr(x, "name") else x,
+                                    num_axes, x.shape))
+  width = int(trailing.num_elements())
+  lead = x.shape[:-num_axes]
+  if lead.is_fully_defined():
+    return tf.reshape(x, lead.as_list() + [width])
+  flat = tf.reshape(x, tf.concat([tf.shape(x)[:-num_axes], [width]], 0))
+  flat.set_shape(lead.concatenate([width]))
+  return flat
+
+
 def weighted_sum(terms, weights):
   total = None
   for term, w in zip(terms, weights):

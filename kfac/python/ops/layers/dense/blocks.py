@@ -15,18 +15,50 @@ from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 
 class _DenseLayerBlock(InputsOutputsTowersMixin, FisherBlock):
   """Shared plumbing of blocks for dense layers: towers of (inputs, outputs)
-  and the (W, b) <-> [in(+1), out] matrix view of vectors."""
+  and the (W, b) <-> [in(+1), out] matrix view of vectors.
+
+  `output_axes` (set by the registration, `set_output_axes`) is the number
+  of trailing axes of the weight and of the outputs that are output axes
+  (1 but for e.g. EinsumDense kernels [in, heads, head_dim]): the matrix
+  view flattens them into `out`, and the factors flatten the output
+  gradients the same way (the registered outputs keep their shape: they
+  are the tensors the loss depends on)."""
+
+  _output_axes = 1
 
   def __init__(self, layer_collection, has_bias=False, params=None):
     super().__init__(layer_collection, params)
     self._has_bias = has_bias
     self._init_towers()
 
+  def set_output_axes(self, output_axes):
+    """Sets the number of output axes (before the first tower; every tower
+    of the block must agree)."""
+    if self._inputs and output_axes != self._output_axes:
+      raise ValueError(
+          "Towers of layer %s must have the same number of output axes: the "
+          "first has %d, this one %d." % (self.name, self._output_axes,
+                                          output_axes))
+    self._output_axes = output_axes
+
+  def _grads_factor_args(self, grads, has_bias, weights):
+    """Arguments of a dense factor of output gradients (output_axes is
+    passed only when > 1, so the factors of ordinary layers keep their
+    keys)."""
+    if self._output_axes == 1:
+      return (grads, has_bias, weights)
+    return (grads, has_bias, weights, None, self._output_axes)
+
   def _to_mat(self, vector):
     if self._has_bias:
       if not isinstance(vector, (list, tuple)) or len(vector) != 2:
         raise ValueError("Block %s has a bias and takes (W, b) vectors." %
                          self.name)
+    if self._output_axes != 1:
+      w = vector[0] if self._has_bias else vector
+      width = int(w.shape[-self._output_axes:].num_elements())
+      w = tf.reshape(w, [-1, width])
+      vector = (w, vector[1]) if self._has_bias else w
     return utils.params_to_mat(vector)
 
   def _from_mat(self, mat, template):
@@ -44,7 +76,7 @@ class _DenseLayerBlock(InputsOutputsTowersMixin, FisherBlock):
         in_cls, (inputs, self._has_bias), "A")
     weights = None if weights is None else tuple(weights)
     self._output_factor = self._make_factor(
-        out_cls, (grads, False, weights), "G")
+        out_cls, self._grads_factor_args(grads, False, weights), "G")
 
 
 class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
@@ -100,7 +132,7 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
     # A gradient that the graph formed as X^T d is multiplied through its
     # two factors where that is cheaper (factored_grads/match.py).
     pair = None
-    if not (self._diag_in or self._diag_out):
+    if not (self._diag_in or self._diag_out or self._output_axes != 1):
       pair = factored_grads.gradient_factors(vector, self._has_bias)
     if pair is None:
       return super().multiply_matpower(vector, exp)
@@ -133,7 +165,7 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
     `vector` (W, or (W, b)), when multiply_matpower may precondition it
     through them without reading the product (a run-time choice or the
     factored form); else None (the product is read)."""
-    if self._diag_in or self._diag_out:
+    if self._diag_in or self._diag_out or self._output_axes != 1:
       return None
     pair = factored_grads.gradient_factors(vector, self._has_bias)
     if pair is None or factored_grads.static_choice(*pair) == "plain":
@@ -167,10 +199,12 @@ class FullyConnectedDiagonalFB(ElementwiseDiagonalBlockMixin,
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     weights = None if weights is None else tuple(weights)
+    args = (tuple(self._inputs), tuple(tuple(g) for g in grads_list),
+            self._has_bias, weights)
+    if self._output_axes != 1:
+      args += (None, self._output_axes)
     self._factor = self._make_factor(
-        dense_factors.FullyConnectedDiagonalFactor,
-        (tuple(self._inputs), tuple(tuple(g) for g in grads_list),
-         self._has_bias, weights), "diag")
+        dense_factors.FullyConnectedDiagonalFactor, args, "diag")
     self._damping_func = damping_lib.as_damping_func(damping)
 
   def _to_view(self, vector):

@@ -8,6 +8,7 @@ from kfac.python.ops.layers.base.factors import DenseSquareFactor
 from kfac.python.ops.layers.base.factors import DiagonalFactor
 from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
 from kfac.python.ops.layers.base.factors import concat_towers
+from kfac.python.ops.layers.base.factors import merge_trailing_axes
 from kfac.python.ops.layers.base.factors import normalize_sources
 from kfac.python.ops.layers.base.factors import normalize_weights
 from kfac.python.ops.layers.base.factors import weighted_sum
@@ -16,28 +17,41 @@ from kfac.python.ops.layers.base.factors import weighted_sum
 class _SecondMomentMixin:
   """Shared set-up of factors over [batch, n] tensors from several sources."""
 
-  def _init_sources(self, tensors, has_bias, weights):
+  def _init_sources(self, tensors, has_bias, weights, output_axes=1):
     self._sources = normalize_sources(tensors)
     self._weights = normalize_weights(weights, len(self._sources))
     self._has_bias = has_bias
+    # Output gradients of a weight with several output axes are flattened
+    # here, when the statistics are computed (not when registered: the
+    # lazy statistics rebuild the gradients themselves inside the update's
+    # branch, and a reshape made outside it would be read every step).
+    self._output_axes = output_axes
     first = self._sources[0][0]
-    self._n = int(first.shape[-1]) + (1 if has_bias else 0)
+    self._n = (int(first.shape[-output_axes:].num_elements()) +
+               (1 if has_bias else 0))
     self._tensor_dtype = first.dtype
 
   @property
   def _dtype(self):
     return self._tensor_dtype
 
+  def _flat(self, x):
+    return merge_trailing_axes(x, self._output_axes)
+
   def _source_matrices(self):
-    return [concat_towers(towers, self._has_bias) for towers in self._sources]
+    return [concat_towers([self._flat(t) for t in towers], self._has_bias)
+            for towers in self._sources]
 
 
 class FullyConnectedKroneckerFactor(_SecondMomentMixin, DenseSquareFactor):
   """Second moment E[x x^T] of [batch, n] tensors (layer inputs, with a ones
-  column when `has_bias`, or output gradients summed over sources)."""
+  column when `has_bias`, or output gradients summed over sources).
+  `output_axes` > 1: the tensors' last `output_axes` axes are flattened
+  into n (the output gradients of a weight with several output axes)."""
 
-  def __init__(self, tensors, has_bias=False, weights=None, name=None):
-    self._init_sources(tensors, has_bias, weights)
+  def __init__(self, tensors, has_bias=False, weights=None, name=None,
+               output_axes=1):
+    self._init_sources(tensors, has_bias, weights, output_axes)
     DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
   def _compute_new_cov(self):
@@ -52,8 +66,9 @@ class DiagonalKroneckerFactor(_SecondMomentMixin, DiagonalFactor):
   """Diagonal of the second moment, diag(E[x x^T]) = E[x^2] (an [n] vector):
   the cheap factor behind the kron_*_diag approximations."""
 
-  def __init__(self, tensors, has_bias=False, weights=None, name=None):
-    self._init_sources(tensors, has_bias, weights)
+  def __init__(self, tensors, has_bias=False, weights=None, name=None,
+               output_axes=1):
+    self._init_sources(tensors, has_bias, weights, output_axes)
     DiagonalFactor.__init__(self, name=name)
 
   @property
@@ -75,26 +90,31 @@ class FullyConnectedDiagonalFactor(InputsGradsDiagonalFactor):
   gradient is the sum over positions, v_n = sum_p a_np g_np^T, so the
   statistic is E_n[v_n^2] (elementwise square; summed over sources): the
   exact diagonal whatever the weight-sharing structure (positions are not
-  treated as examples).
+  treated as examples). `output_axes` > 1: the gradients' last
+  `output_axes` axes are flattened into the output width.
   """
 
   def __init__(self, inputs, outputs_grads, has_bias=False, weights=None,
-               name=None):
+               name=None, output_axes=1):
     first_input = utils.ensure_sequence(inputs)[0]
     first_grad = normalize_sources(outputs_grads)[0][0]
     super().__init__(inputs, outputs_grads, weights,
                      [int(first_input.shape[-1]) + (1 if has_bias else 0),
-                      int(first_grad.shape[-1])], name=name)
+                      int(first_grad.shape[-output_axes:].num_elements())],
+                     name=name)
     self._has_bias = has_bias
+    self._output_axes = output_axes
 
   def _compute_new_cov(self):
+    grads = [tuple(merge_trailing_axes(t, self._output_axes) for t in g)
+             for g in self._grads]
     if all(x.shape.rank == 2 for x in self._inputs):
       a_sq = tf.square(concat_towers(self._inputs, self._has_bias))
       n = tf.cast(tf.shape(a_sq)[0], a_sq.dtype)
       terms = [tf.matmul(a_sq, tf.square(concat_towers(g)),
-                         transpose_a=True) / n for g in self._grads]
+                         transpose_a=True) / n for g in grads]
       return weighted_sum(terms, self._weights)
-    return weighted_sum([self._shared_positions_stat(g) for g in self._grads],
+    return weighted_sum([self._shared_positions_stat(g) for g in grads],
                         self._weights)
 
   def _shared_positions_stat(self, grads_towers):

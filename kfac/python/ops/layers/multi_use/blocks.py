@@ -50,9 +50,10 @@ class FullyConnectedKFACReduceFB(_DenseLayerBlock, KroneckerProductFB):
     self._input_factor = self._make_factor(
         cls, (tuple(self._inputs), "mean", self._has_bias), "A")
     weights = None if weights is None else tuple(weights)
-    self._output_factor = self._make_factor(
-        cls, (tuple(tuple(g) for g in grads_list), "sum", False, weights),
-        "G")
+    args = (tuple(tuple(g) for g in grads_list), "sum", False, weights)
+    if self._output_axes != 1:
+      args += (None, self._output_axes)
+    self._output_factor = self._make_factor(cls, args, "G")
     self._setup_damping(damping)
 
 

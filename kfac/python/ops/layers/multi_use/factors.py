@@ -40,12 +40,12 @@ class FullyConnectedReduceKroneckerFactor(FullyConnectedKroneckerFactor):
   """
 
   def __init__(self, tensors, reduction="mean", has_bias=False, weights=None,
-               name=None):
+               name=None, output_axes=1):
     if reduction not in ("mean", "sum"):
       raise ValueError("reduction must be 'mean' or 'sum', got %r." %
                        (reduction,))
     self._reduction = reduction
-    super().__init__(tensors, has_bias, weights, name)
+    super().__init__(tensors, has_bias, weights, name, output_axes)
 
   def _reduce(self, x):
     rank = x.shape.rank
@@ -61,7 +61,7 @@ class FullyConnectedReduceKroneckerFactor(FullyConnectedKroneckerFactor):
   def _source_matrices(self):
     out = []
     for towers in self._sources:
-      parts = [self._reduce(t) for t in towers]
+      parts = [self._reduce(self._flat(t)) for t in towers]
       x = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
       out.append(utils.append_homog(x) if self._has_bias else x)
     return out
