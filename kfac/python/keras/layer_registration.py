@@ -18,12 +18,14 @@ Supported layers and what K-FAC sees:
                             one id per example and call:
                             register_fully_connected_multi(dense_inputs=False)
   BatchNormalization (channel axis last), LayerNormalization (trailing
-    normalised axes)        register_scale_and_shift on the normalised inputs
+    normalised axes), GroupNormalization (channel axis last)
+                            register_scale_and_shift on the normalised inputs
                             (recomputed from the layer's input as the layer
                             does) and the layer's outputs
 Anything else with trainable weights (and any case above the layer's options
 put out of reach: grouped or transposed convolutions, masks, renorm,
-BatchNormalization over another axis, layers called several times on inputs
+BatchNormalization / GroupNormalization over another axis, norms without
+scale, layers called several times on inputs
 with positions, other layers called several times) falls back to
 `register_generic` with the GENERIC_FALLBACK approximation, and a warning
 names the layer and the reason. Every registered tensor is one the loss
@@ -39,6 +41,7 @@ import warnings
 import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import normalized_inputs
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
@@ -192,6 +195,13 @@ def _kind_of(layer):
     if not getattr(layer, "scale", True):
       return "generic", "LayerNormalization without scale"
     return "layer_norm", None
+  if "GroupNormalization" in names:
+    if not getattr(layer, "scale", True):
+      return "generic", "GroupNormalization without scale"
+    if not isinstance(getattr(layer, "axis", -1), int):
+      return "generic", "GroupNormalization over several axes %s" % (
+          layer.axis,)
+    return "group_norm", None
   return "generic", "no K-FAC block for layer class %s" % name
 
 
@@ -207,7 +217,7 @@ def _layer_params(layer, kind):
     params = [kernel, getattr(layer, "bias", None)]
   elif kind == "embedding":
     params = [layer.embeddings]
-  elif kind in ("batch_norm", "layer_norm"):
+  elif kind in ("batch_norm", "layer_norm", "group_norm"):
     params = [layer.gamma, getattr(layer, "beta", None)]
     if kind == "layer_norm" and getattr(layer, "rms_scaling", False):
       params = [layer.gamma]
@@ -410,6 +420,29 @@ def _register_layer_norm(lc, plan, calls):
                                      outputs, approx=plan.approx)
 
 
+def _register_group_norm(lc, plan, calls):
+  layer = plan.layer
+  call = _single_call(plan, calls)
+  if call.mask is not None:
+    raise _Fallback("GroupNormalization called with a mask")
+  x = tf.convert_to_tensor(call.inputs)
+  rank = x.shape.rank
+  if rank is None or layer.axis % rank != rank - 1:
+    # As for BatchNormalization: the block's [C] parameters broadcast over
+    # the last axis, and a transpose of the outputs would be off the loss's
+    # path.
+    raise _Fallback("GroupNormalization over axis %d, not the last axis of "
+                    "its inputs %s" % (layer.axis, x.shape))
+  # Keras computes in float32 at least (float16 overflows).
+  compute = x.dtype if x.dtype.size >= 4 else tf.float32
+  normalized = normalized_inputs.group_normalized(
+      tf.cast(x, compute), layer.groups, layer.epsilon)
+  outputs = tf.convert_to_tensor(call.outputs)
+  normalized = tf.cast(tf.stop_gradient(normalized), outputs.dtype)
+  return lc.register_scale_and_shift(_param_arg(plan.params), normalized,
+                                     outputs, approx=plan.approx)
+
+
 def _undo_scale_and_shift(plan, outputs):
   """The normalised inputs of a scale-and-shift layer recovered from its
   outputs: (outputs - beta) / gamma (kfac 0.2.x's registration)."""
@@ -439,6 +472,7 @@ _REGISTER = {
     "embedding": _register_embedding,
     "batch_norm": _register_batch_norm,
     "layer_norm": _register_layer_norm,
+    "group_norm": _register_group_norm,
 }
 
 Row = collections.namedtuple(

@@ -21,10 +21,13 @@ the optimizer keeps them in):
   Layers: Dense (fused relu, rank-2 and rank-3 inputs, no bias), EinsumDense,
   Conv2D (strides 2, same, relu), Conv1D (causal, dilation 2), Conv3D,
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
-  LayerNormalization (last axis; two axes without center), a shared Dense,
+  LayerNormalization (last axis; two axes without center),
+  GroupNormalization (a small conv net with 2 groups; groups=-1 with the
+  "diagonal" approximation by name), a shared Dense,
   Conv2D and Embedding (multi-use blocks), and the generic diagonal
-  fallbacks (Conv2DTranspose, BatchNormalization(axis=1), a Dense shared by
-  two sequences) with their UserWarning and "fallback" report line.
+  fallbacks (Conv2DTranspose, BatchNormalization(axis=1),
+  GroupNormalization(axis=1) and without scale, a Dense shared by two
+  sequences) with their UserWarning and "fallback" report line.
   fisher_approx by layer name, class and "__class__:Name" key.
   Conv2D channels_first cannot run on CPU (asserted); its traced
   registration is checked to be the NCHW convolution.
@@ -397,6 +400,90 @@ def _lookup_and_norm_branches(r):
   return out
 
 
+def _group_norm(x, groups, eps=1e-3):
+  """Group normalisation by hand: channels (last axis) in `groups`
+  consecutive groups, moments per example over a group's channels and the
+  spatial axes."""
+  shape = x.shape.as_list()
+  grouped = tf.reshape(x, shape[:-1] + [groups, shape[-1] // groups])
+  axes = list(range(1, len(shape) - 1)) + [len(shape)]
+  mean, var = tf.nn.moments(grouped, axes, keepdims=True)
+  return tf.reshape((grouped - mean) / tf.sqrt(var + eps), shape)
+
+
+def _group_norm_branches(r):
+  out = []
+
+  # A small conv net: Conv2D -> GroupNormalization(2 groups of 2 channels)
+  # -> relu -> Conv2D.
+  def ref(lc, v, xs):
+    k1, b1 = v["gn_conv1"]
+    gamma, beta = v["group_norm"]
+    k2, b2 = v["gn_conv2"]
+    pre = tf.nn.conv2d(xs[0], k1, [1, 1, 1, 1], "VALID") + b1
+    lc.register_conv2d((k1, b1), [1, 1, 1, 1], "VALID", xs[0], pre)
+    normalized = _group_norm(pre, 2)
+    h = normalized * gamma + beta
+    lc.register_scale_and_shift((gamma, beta), normalized, h)
+    h = tf.nn.relu(h)
+    pre2 = tf.nn.conv2d(h, k2, [1, 1, 1, 1], "VALID") + b2
+    lc.register_conv2d((k2, b2), [1, 1, 1, 1], "VALID", h, pre2)
+    return pre2
+
+  def body(K, x):
+    h = K.layers.Conv2D(4, 2, name="gn_conv1")(x[0])
+    h = K.layers.GroupNormalization(groups=2, name="group_norm")(h)
+    h = K.layers.Activation("relu")(h)
+    return K.layers.Conv2D(2, 2, name="gn_conv2")(h)
+  out.append(Branch(
+      [r.randn(N, 4, 4, 2)], body, ref,
+      {"gn_conv1": "ConvKFCBasicFB", "group_norm": "ScaleAndShiftFullFB",
+       "gn_conv2": "ConvKFCBasicFB"}))
+
+  # Instance normalisation (groups=-1: one channel per group) of a
+  # sequence, "diagonal" by name.
+  def ref(lc, v, xs):
+    gamma, beta = v["instance_norm"]
+    normalized = _group_norm(xs[0], 3)
+    h = normalized * gamma + beta
+    lc.register_scale_and_shift((gamma, beta), normalized, h,
+                                approx="diagonal")
+    return h
+  out.append(Branch(
+      [r.randn(N, 4, 3)],
+      lambda K, x: K.layers.GroupNormalization(groups=-1,
+                                               name="instance_norm")(x[0]),
+      ref, {"instance_norm": "ScaleAndShiftDiagonalFB"}))
+
+  # Channel axis 1 of [N, C, L]: the block cannot take it (generic).
+  def ref(lc, v, xs):
+    gamma, beta = v["gn_axis1"]
+    x = tf.transpose(xs[0], [0, 2, 1])
+    h = _group_norm(x, 2) * gamma + beta
+    lc.register_generic((gamma, beta), N, approx="diagonal")
+    return tf.transpose(h, [0, 2, 1])
+  out.append(Branch(
+      [r.randn(N, 4, 3)],
+      lambda K, x: K.layers.GroupNormalization(groups=2, axis=1,
+                                               name="gn_axis1")(x[0]),
+      ref, {"gn_axis1": "NaiveDiagonalFB"},
+      {"gn_axis1": ("GroupNormalization", "axis 1, not the last axis")}))
+
+  # Without scale: only beta, no scale-and-shift block (generic).
+  def ref(lc, v, xs):
+    (beta,) = v["gn_noscale"]
+    h = _group_norm(xs[0], 2) + beta
+    lc.register_generic(beta, N, approx="diagonal")
+    return h
+  out.append(Branch(
+      [r.randn(N, 3, 4)],
+      lambda K, x: K.layers.GroupNormalization(groups=2, scale=False,
+                                               name="gn_noscale")(x[0]),
+      ref, {"gn_noscale": "NaiveDiagonalFB"},
+      {"gn_noscale": ("GroupNormalization", "without scale")}))
+  return out
+
+
 def _fisher_approx_branches(r):
   # fisher_approx (see ZOO): "kron_reduce" for every Conv2D by class, but
   # "diagonal" for conv_b by name (a name wins over a class), and
@@ -432,6 +519,7 @@ ZOO = {
     "dense": (_dense_branches, None),
     "conv": (_conv_branches, None),
     "lookup_and_norm": (_lookup_and_norm_branches, None),
+    "group_norm": (_group_norm_branches, {"instance_norm": "diagonal"}),
     "fisher_approx": (_fisher_approx_branches, {
         "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
         layer_registration.CLASS_KEY_PREFIX + "Dense": "diagonal"}),
@@ -536,7 +624,8 @@ def _reference_steps(branches, init, head_approx=None, steps=2):
 @pytest.mark.parametrize("group", sorted(ZOO))
 def test_layer_zoo_two_fit_steps_match_hand_registration(group):
   branches, fisher_approx = _zoo_group(group)
-  head_approx = "diagonal" if fisher_approx else None
+  # Only the fisher_approx group's "__class__:Dense" key covers the head.
+  head_approx = "diagonal" if group == "fisher_approx" else None
   init, keras_new, report, caught = _keras_steps(branches, fisher_approx)
   ref_new, ref_blocks = _reference_steps(branches, init, head_approx)
   assert sorted(keras_new) == sorted(ref_new) == sorted(init)
@@ -552,7 +641,7 @@ def test_layer_zoo_two_fit_steps_match_hand_registration(group):
       errors["%s[%d]" % (name, i)] = np.abs(k - r).max() / scale
   assert max(errors.values()) < STEP_REL, errors
 
-  expected = {"head": ("FullyConnectedDiagonalFB" if fisher_approx
+  expected = {"head": ("FullyConnectedDiagonalFB" if head_approx
                        else "FullyConnectedKFACBasicFB")}
   fallbacks = {}
   for branch in branches:
