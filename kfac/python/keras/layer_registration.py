@@ -59,8 +59,24 @@ def class_key_name(key):
       return key[len(prefix):]
   return None
 
+# params: the tf.Variables; names: their Keras paths (for the report).
 Plan = collections.namedtuple(
-    "Plan", ["layer", "kind", "approx", "params", "reason"])
+    "Plan", ["layer", "kind", "approx", "params", "reason", "names"])
+Plan.__new__.__defaults__ = (None,)
+
+
+def variable_name(var):
+  """A variable's own path for reports: a Keras 3 variable's `path`
+  ("outer/dense_1/kernel"; the tf.Variable behind it is named after the
+  outermost model only: "outer/kernel:0"), else its name."""
+  return getattr(var, "path", None) or keras_flavor.unwrap_variable(var).name
+
+
+def param_names(plan):
+  """The names of a plan's parameters for the report."""
+  if plan.names is not None:
+    return list(plan.names)
+  return [p.name for p in plan.params]
 
 _CONV_CLASSES = ("Conv1D", "Conv2D", "Conv3D")
 _DENSE_EQUATION = re.compile(r"^(\.\.\.|[a-z]*)([a-z]),\2([a-z])->\1\3$")
@@ -246,7 +262,8 @@ def plan_layer(layer, fisher_approx=None, trainable=None):
   if kind == "generic" and approx is None:
     approx = GENERIC_FALLBACK
   return Plan(layer, kind, approx, [keras_flavor.unwrap_variable(p)
-                                    for p in params], reason)
+                                    for p in params], reason,
+              [variable_name(p) for p in params])
 
 
 def plan_layers(model, fisher_approx=None, trainable=None):
@@ -518,7 +535,7 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
                                    type(layer).__name__, approx, reason))
     rows.append(Row(keras_flavor.layer_path(layer), type(layer).__name__,
                     type(block).__name__, approx or "default",
-                    ", ".join(p.name for p in plan.params), len(calls),
+                    ", ".join(param_names(plan)), len(calls),
                     "fallback: " + reason if kind == "generic" else
                     ", ".join("%s=%r" % kv for kv in sorted(options.items()))))
   return rows

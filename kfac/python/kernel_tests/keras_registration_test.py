@@ -1039,3 +1039,35 @@ def test_fisher_approx_on_a_fallback_layer_and_generic_full():
   messages = [str(w.message) for w in caught]
   assert any("generic 'full'" in m and "deconv" in m for m in messages), (
       messages)
+
+
+def test_report_names_each_parameter_of_layers_in_a_subclassed_model():
+  """The parameter column shows each variable's own path: the tf.Variables
+  behind Keras 3 variables of layers nested in a subclassed model are all
+  named after the outer model ("subclassed/kernel:0")."""
+
+  class Outer(keras.Model):
+
+    def __init__(self):
+      super().__init__(name="subclassed")
+      self.first = keras.layers.Dense(3, name="inner_a")
+      self.second = keras.layers.Dense(2, name="inner_b")
+      self.extra = self.add_weight(shape=(2,), name="extra")
+
+    def call(self, x):
+      return self.second(self.first(x)) + self.extra
+
+  model = Outer()
+  model(np.zeros((1, 2)))
+  planned = kfac.keras.optimizers.Kfac(
+      learning_rate=LR, damping=DAMPING, model=model,
+      loss="mse").registration_report
+  traced = _trace_registration(model, "mse")
+  for report in (planned, traced):
+    for name in ("inner_a", "inner_b"):
+      params = _report_line(report, name).split()[5:7]
+      assert [re.sub(r":0,?$", "", p.rstrip(",")).split("/")[-2:]
+              for p in params] == [[name, "kernel"], [name, "bias"]], report
+  # The model's own weight (an orphan, generic) by its own name too.
+  assert _report_line(traced, "subclassed").split()[5].startswith(
+      "subclassed/extra"), traced
