@@ -16,7 +16,11 @@ Supported layers and what K-FAC sees:
   DepthwiseConv2D           register_depthwise_conv2d
   Embedding                 register_embedding; called several times with
                             one id per example and call:
-                            register_fully_connected_multi(dense_inputs=False)
+                            register_fully_connected_multi(dense_inputs=False);
+                            a position embedding (ids without a batch axis,
+                            added to [batch, ...] tensors): on the ids
+                            tiled over the batch and the sum (see
+                            position_embedding)
   BatchNormalization (channel axis last), LayerNormalization (trailing
     normalised axes), GroupNormalization (channel axis last)
                             register_scale_and_shift on the normalised inputs
@@ -42,6 +46,7 @@ import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
 from kfac.python.keras import normalized_inputs
+from kfac.python.keras import position_embedding
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
@@ -365,6 +370,15 @@ def _register_embedding(lc, plan, calls):
     inputs = tf.convert_to_tensor(call.inputs)
     return inputs if inputs.dtype.is_integer else tf.cast(inputs, tf.int32)
   if len(calls) == 1:
+    if position_embedding.example_independent(calls[0].inputs):
+      # ids without a batch axis (see position_embedding).
+      total, reason = position_embedding.broadcast_sum(
+          tf.convert_to_tensor(calls[0].outputs))
+      if total is None:
+        raise _Fallback(reason)
+      return lc.register_embedding(
+          plan.params[0], position_embedding.tiled_ids(ids(calls[0]), total),
+          total, approx=plan.approx)
     return lc.register_embedding(plan.params[0], ids(calls[0]),
                                  calls[0].outputs, approx=plan.approx)
   _check_multi_use_positions(

@@ -23,11 +23,12 @@ the optimizer keeps them in):
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
   LayerNormalization (last axis; two axes without center),
   GroupNormalization (a small conv net with 2 groups; groups=-1 with the
-  "diagonal" approximation by name), a shared Dense,
+  "diagonal" approximation by name), a position embedding added to token
+  embeddings (ids tf.range(T) without a batch axis), a shared Dense,
   Conv2D and Embedding (multi-use blocks), and the generic diagonal
   fallbacks (Conv2DTranspose, BatchNormalization(axis=1),
-  GroupNormalization(axis=1) and without scale, a Dense shared by two
-  sequences) with their UserWarning and "fallback" report line.
+  GroupNormalization(axis=1) and without scale, a position embedding
+  multiplied with the tokens, a Dense shared by two sequences) with their UserWarning and "fallback" report line.
   fisher_approx by layer name, class and "__class__:Name" key.
   Conv2D channels_first cannot run on CPU (asserted); its traced
   registration is checked to be the NCHW convolution.
@@ -484,6 +485,65 @@ def _group_norm_branches(r):
   return out
 
 
+class _TokenAndPosition:
+  """The keras.io transformer pattern: tokens [N, T] -> token embedding +
+  position embedding of tf.range(T) (ids without a batch axis); `combine`
+  is how the positions join the tokens."""
+
+  def __init__(self, name, combine):
+    self.name, self.combine = name, combine
+
+  def __call__(self, K, x):
+    combine, name = self.combine, self.name
+
+    class TokPos(K.layers.Layer):
+
+      def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tok = K.layers.Embedding(6, 2, name=name + "_tok")
+        self.pos = K.layers.Embedding(4, 2, name=name + "_pos")
+
+      def call(self, tokens):
+        positions = self.pos(tf.range(tf.shape(tokens)[1]))
+        return combine(self.tok(tokens), positions)
+
+    return TokPos(name=self.name)(x[0])
+
+
+def _position_branches(r):
+  out = []
+  tokens = r.randint(0, 6, size=(N, 3)).astype(np.int32)
+
+  # Added to the tokens: the position table registered on the ids tiled
+  # over the batch and the sum (its gradient is each example's own).
+  def ref(lc, v, xs):
+    tok, pos = v["tok_pos"]
+    ids = tf.range(3)
+    total = tf.gather(tok, xs[0]) + tf.gather(pos, ids)
+    lc.register_embedding(tok, xs[0], total)
+    lc.register_embedding(pos, tf.broadcast_to(ids, [N, 3]), total)
+    return total
+  out.append(Branch([tokens], _TokenAndPosition("tok_pos", tf.add), ref,
+                    {"tok_pos_tok": "EmbeddingKFACFB",
+                     "tok_pos_pos": "EmbeddingKFACFB"}))
+
+  # Multiplied with the tokens: no per-example gradient of the lookup
+  # (generic).
+  def ref(lc, v, xs):
+    tok, pos = v["tok_times_pos"]
+    looked_up = tf.gather(tok, xs[0])
+    lc.register_embedding(tok, xs[0], looked_up)
+    lc.register_generic(pos, N, approx="diagonal")
+    return looked_up * tf.gather(pos, tf.range(3))
+  out.append(Branch([tokens], _TokenAndPosition("tok_times_pos",
+                                                tf.multiply), ref,
+                    {"tok_times_pos_tok": "EmbeddingKFACFB",
+                     "tok_times_pos_pos": "NaiveDiagonalFB"},
+                    {"tok_times_pos_pos": ("Embedding", "used by Mul, not "
+                                           "by one addition")}))
+  return out
+
+
 def _fisher_approx_branches(r):
   # fisher_approx (see ZOO): "kron_reduce" for every Conv2D by class, but
   # "diagonal" for conv_b by name (a name wins over a class), and
@@ -520,6 +580,7 @@ ZOO = {
     "conv": (_conv_branches, None),
     "lookup_and_norm": (_lookup_and_norm_branches, None),
     "group_norm": (_group_norm_branches, {"instance_norm": "diagonal"}),
+    "position": (_position_branches, None),
     "fisher_approx": (_fisher_approx_branches, {
         "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
         layer_registration.CLASS_KEY_PREFIX + "Dense": "diagonal"}),
