@@ -25,14 +25,20 @@ Supported layers and what K-FAC sees:
                             input of the pointwise Conv2D (conv_variants)
   Embedding                 register_embedding; called several times with
                             one id per example and call:
-                            register_fully_connected_multi(dense_inputs=False)
+                            register_fully_connected_multi(dense_inputs=False);
+                            a position embedding (ids without a batch axis,
+                            added to [batch, ...] tensors): on the ids
+                            tiled over the batch and the sum (see
+                            position_embedding)
   BatchNormalization (channel axis last), LayerNormalization (trailing
-    normalised axes)        register_scale_and_shift on the normalised inputs
+    normalised axes), GroupNormalization (channel axis last)
+                            register_scale_and_shift on the normalised inputs
                             (recomputed from the layer's input as the layer
                             does) and the layer's outputs
 Anything else with trainable weights (and any case above the layer's options
 put out of reach: transposed convolutions, SeparableConv1D, masks, renorm,
-BatchNormalization over another axis, layers called several times on inputs
+BatchNormalization / GroupNormalization over another axis, norms without
+scale, layers called several times on inputs
 with positions, other layers called several times) falls back to
 `register_generic` with the GENERIC_FALLBACK approximation, and a warning
 names the layer and the reason. Every registered tensor is one the loss
@@ -49,6 +55,8 @@ import tensorflow as tf
 from kfac.python.keras import conv_variants
 from kfac.python.keras import einsum_equation
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import normalized_inputs
+from kfac.python.keras import position_embedding
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
@@ -66,8 +74,24 @@ def class_key_name(key):
       return key[len(prefix):]
   return None
 
+# params: the tf.Variables; names: their Keras paths (for the report).
 Plan = collections.namedtuple(
-    "Plan", ["layer", "kind", "approx", "params", "reason"])
+    "Plan", ["layer", "kind", "approx", "params", "reason", "names"])
+Plan.__new__.__defaults__ = (None,)
+
+
+def variable_name(var):
+  """A variable's own path for reports: a Keras 3 variable's `path`
+  ("outer/dense_1/kernel"; the tf.Variable behind it is named after the
+  outermost model only: "outer/kernel:0"), else its name."""
+  return getattr(var, "path", None) or keras_flavor.unwrap_variable(var).name
+
+
+def param_names(plan):
+  """The names of a plan's parameters for the report."""
+  if plan.names is not None:
+    return list(plan.names)
+  return [p.name for p in plan.params]
 
 _CONV_CLASSES = ("Conv1D", "Conv2D", "Conv3D")
 
@@ -209,6 +233,13 @@ def _kind_of(layer):
     if not getattr(layer, "scale", True):
       return "generic", "LayerNormalization without scale"
     return "layer_norm", None
+  if "GroupNormalization" in names:
+    if not getattr(layer, "scale", True):
+      return "generic", "GroupNormalization without scale"
+    if not isinstance(getattr(layer, "axis", -1), int):
+      return "generic", "GroupNormalization over several axes %s" % (
+          layer.axis,)
+    return "group_norm", None
   return "generic", "no K-FAC block for layer class %s" % name
 
 
@@ -226,7 +257,7 @@ def _layer_params(layer, kind):
     params = conv_variants.separable_params(layer)
   elif kind == "embedding":
     params = [layer.embeddings]
-  elif kind in ("batch_norm", "layer_norm"):
+  elif kind in ("batch_norm", "layer_norm", "group_norm"):
     params = [layer.gamma, getattr(layer, "beta", None)]
     if kind == "layer_norm" and getattr(layer, "rms_scaling", False):
       params = [layer.gamma]
@@ -255,7 +286,8 @@ def plan_layer(layer, fisher_approx=None, trainable=None):
   if kind == "generic" and approx is None:
     approx = GENERIC_FALLBACK
   return Plan(layer, kind, approx, [keras_flavor.unwrap_variable(p)
-                                    for p in params], reason)
+                                    for p in params], reason,
+              [variable_name(p) for p in params])
 
 
 def plan_layers(model, fisher_approx=None, trainable=None):
@@ -359,6 +391,15 @@ def _register_embedding(lc, plan, calls):
     inputs = tf.convert_to_tensor(call.inputs)
     return inputs if inputs.dtype.is_integer else tf.cast(inputs, tf.int32)
   if len(calls) == 1:
+    if position_embedding.example_independent(calls[0].inputs):
+      # ids without a batch axis (see position_embedding).
+      total, reason = position_embedding.broadcast_sum(
+          tf.convert_to_tensor(calls[0].outputs))
+      if total is None:
+        raise _Fallback(reason)
+      return lc.register_embedding(
+          plan.params[0], position_embedding.tiled_ids(ids(calls[0]), total),
+          total, approx=plan.approx)
     return lc.register_embedding(plan.params[0], ids(calls[0]),
                                  calls[0].outputs, approx=plan.approx)
   _check_multi_use_positions(
@@ -431,6 +472,29 @@ def _register_layer_norm(lc, plan, calls):
                                      outputs, approx=plan.approx)
 
 
+def _register_group_norm(lc, plan, calls):
+  layer = plan.layer
+  call = _single_call(plan, calls)
+  if call.mask is not None:
+    raise _Fallback("GroupNormalization called with a mask")
+  x = tf.convert_to_tensor(call.inputs)
+  rank = x.shape.rank
+  if rank is None or layer.axis % rank != rank - 1:
+    # As for BatchNormalization: the block's [C] parameters broadcast over
+    # the last axis, and a transpose of the outputs would be off the loss's
+    # path.
+    raise _Fallback("GroupNormalization over axis %d, not the last axis of "
+                    "its inputs %s" % (layer.axis, x.shape))
+  # Keras computes in float32 at least (float16 overflows).
+  compute = x.dtype if x.dtype.size >= 4 else tf.float32
+  normalized = normalized_inputs.group_normalized(
+      tf.cast(x, compute), layer.groups, layer.epsilon)
+  outputs = tf.convert_to_tensor(call.outputs)
+  normalized = tf.cast(tf.stop_gradient(normalized), outputs.dtype)
+  return lc.register_scale_and_shift(_param_arg(plan.params), normalized,
+                                     outputs, approx=plan.approx)
+
+
 def _undo_scale_and_shift(plan, outputs):
   """The normalised inputs of a scale-and-shift layer recovered from its
   outputs: (outputs - beta) / gamma (kfac 0.2.x's registration)."""
@@ -456,6 +520,7 @@ _REGISTER = {
     "embedding": _register_embedding,
     "batch_norm": _register_batch_norm,
     "layer_norm": _register_layer_norm,
+    "group_norm": _register_group_norm,
 }
 
 Row = collections.namedtuple(
@@ -503,7 +568,7 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
                     "+".join(type(b).__name__ for b in
                              (block if isinstance(block, tuple) else
                               (block,))), approx or "default",
-                    ", ".join(p.name for p in plan.params), len(calls),
+                    ", ".join(param_names(plan)), len(calls),
                     "fallback: " + reason if kind == "generic" else
                     ", ".join("%s=%r" % kv for kv in sorted(options.items()))))
   return rows

@@ -171,23 +171,26 @@ def _source_of_calls(model, what):
       "this TF1 graph needs no watch." % model.name)
 
 
-def _register_generic_orphans(lc, model, tf_vars, plans, batch_size, warn,
-                              rows):
+def _register_generic_orphans(lc, model, variables, tf_vars, plans,
+                              batch_size, warn, rows):
   covered = {p.ref() for plan in plans for p in plan.params}
+  names = {keras_flavor.unwrap_variable(v).ref():
+           layer_registration.variable_name(v) for v in variables}
   orphans = [v for v in tf_vars if v.ref() not in covered]
   if not orphans:
     return
+  orphan_names = ", ".join(names.get(v.ref(), v.name) for v in orphans)
   lc.register_generic(orphans[0] if len(orphans) == 1 else tuple(orphans),
                       batch_size, approx=layer_registration.GENERIC_FALLBACK)
   message = ("kfac: variables %s belong to no layer of %r; registered with "
              "the generic %r approximation." %
-             (", ".join(v.name for v in orphans), model.name,
+             (orphan_names, model.name,
               layer_registration.GENERIC_FALLBACK))
   (warn or (lambda k, m: warnings.warn(m, stacklevel=3)))("orphans", message)
   rows.append(layer_registration.Row(
       model.name, "(model)", "NaiveDiagonalFB",
       layer_registration.GENERIC_FALLBACK,
-      ", ".join(v.name for v in orphans), 0, "fallback: no owning layer"))
+      orphan_names, 0, "fallback: no owning layer"))
 
 
 def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
@@ -223,7 +226,8 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
   rows = layer_registration.register_layers(
       lc, plans, source, batch_size, warn,
       registration_options=registration_options)
-  _register_generic_orphans(lc, model, tf_vars, plans, batch_size, warn, rows)
+  _register_generic_orphans(lc, model, variables, tf_vars, plans, batch_size,
+                            warn, rows)
 
   target_list = ([None] * len(pairs) if targets is None else
                  tf.nest.flatten(targets) if len(pairs) > 1 else [targets])

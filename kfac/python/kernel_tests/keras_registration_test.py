@@ -23,10 +23,14 @@ the optimizer keeps them in):
   block, kernels [D, H, K] / [H, K, D] registered with output_axes),
   Conv2D (strides 2, same, relu), Conv1D (causal, dilation 2), Conv3D,
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
-  LayerNormalization (last axis; two axes without center), a shared Dense,
+  LayerNormalization (last axis; two axes without center),
+  GroupNormalization (a small conv net with 2 groups; groups=-1 with the
+  "diagonal" approximation by name), a position embedding added to token
+  embeddings (ids tf.range(T) without a batch axis), a shared Dense,
   Conv2D and Embedding (multi-use blocks), and the generic diagonal
-  fallbacks (Conv2DTranspose, BatchNormalization(axis=1), a Dense shared by
-  two sequences) with their UserWarning and "fallback" report line.
+  fallbacks (Conv2DTranspose, BatchNormalization(axis=1),
+  GroupNormalization(axis=1) and without scale, a position embedding
+  multiplied with the tokens, a Dense shared by two sequences) with their UserWarning and "fallback" report line.
   fisher_approx by layer name, class and "__class__:Name" key.
   Conv2D channels_first cannot run on CPU (asserted); its traced
   registration is checked to be the NCHW convolution.
@@ -399,6 +403,149 @@ def _lookup_and_norm_branches(r):
   return out
 
 
+def _group_norm(x, groups, eps=1e-3):
+  """Group normalisation by hand: channels (last axis) in `groups`
+  consecutive groups, moments per example over a group's channels and the
+  spatial axes."""
+  shape = x.shape.as_list()
+  grouped = tf.reshape(x, shape[:-1] + [groups, shape[-1] // groups])
+  axes = list(range(1, len(shape) - 1)) + [len(shape)]
+  mean, var = tf.nn.moments(grouped, axes, keepdims=True)
+  return tf.reshape((grouped - mean) / tf.sqrt(var + eps), shape)
+
+
+def _group_norm_branches(r):
+  out = []
+
+  # A small conv net: Conv2D -> GroupNormalization(2 groups of 2 channels)
+  # -> relu -> Conv2D.
+  def ref(lc, v, xs):
+    k1, b1 = v["gn_conv1"]
+    gamma, beta = v["group_norm"]
+    k2, b2 = v["gn_conv2"]
+    pre = tf.nn.conv2d(xs[0], k1, [1, 1, 1, 1], "VALID") + b1
+    lc.register_conv2d((k1, b1), [1, 1, 1, 1], "VALID", xs[0], pre)
+    normalized = _group_norm(pre, 2)
+    h = normalized * gamma + beta
+    lc.register_scale_and_shift((gamma, beta), normalized, h)
+    h = tf.nn.relu(h)
+    pre2 = tf.nn.conv2d(h, k2, [1, 1, 1, 1], "VALID") + b2
+    lc.register_conv2d((k2, b2), [1, 1, 1, 1], "VALID", h, pre2)
+    return pre2
+
+  def body(K, x):
+    h = K.layers.Conv2D(4, 2, name="gn_conv1")(x[0])
+    h = K.layers.GroupNormalization(groups=2, name="group_norm")(h)
+    h = K.layers.Activation("relu")(h)
+    return K.layers.Conv2D(2, 2, name="gn_conv2")(h)
+  out.append(Branch(
+      [r.randn(N, 4, 4, 2)], body, ref,
+      {"gn_conv1": "ConvKFCBasicFB", "group_norm": "ScaleAndShiftFullFB",
+       "gn_conv2": "ConvKFCBasicFB"}))
+
+  # Instance normalisation (groups=-1: one channel per group) of a
+  # sequence, "diagonal" by name.
+  def ref(lc, v, xs):
+    gamma, beta = v["instance_norm"]
+    normalized = _group_norm(xs[0], 3)
+    h = normalized * gamma + beta
+    lc.register_scale_and_shift((gamma, beta), normalized, h,
+                                approx="diagonal")
+    return h
+  out.append(Branch(
+      [r.randn(N, 4, 3)],
+      lambda K, x: K.layers.GroupNormalization(groups=-1,
+                                               name="instance_norm")(x[0]),
+      ref, {"instance_norm": "ScaleAndShiftDiagonalFB"}))
+
+  # Channel axis 1 of [N, C, L]: the block cannot take it (generic).
+  def ref(lc, v, xs):
+    gamma, beta = v["gn_axis1"]
+    x = tf.transpose(xs[0], [0, 2, 1])
+    h = _group_norm(x, 2) * gamma + beta
+    lc.register_generic((gamma, beta), N, approx="diagonal")
+    return tf.transpose(h, [0, 2, 1])
+  out.append(Branch(
+      [r.randn(N, 4, 3)],
+      lambda K, x: K.layers.GroupNormalization(groups=2, axis=1,
+                                               name="gn_axis1")(x[0]),
+      ref, {"gn_axis1": "NaiveDiagonalFB"},
+      {"gn_axis1": ("GroupNormalization", "axis 1, not the last axis")}))
+
+  # Without scale: only beta, no scale-and-shift block (generic).
+  def ref(lc, v, xs):
+    (beta,) = v["gn_noscale"]
+    h = _group_norm(xs[0], 2) + beta
+    lc.register_generic(beta, N, approx="diagonal")
+    return h
+  out.append(Branch(
+      [r.randn(N, 3, 4)],
+      lambda K, x: K.layers.GroupNormalization(groups=2, scale=False,
+                                               name="gn_noscale")(x[0]),
+      ref, {"gn_noscale": "NaiveDiagonalFB"},
+      {"gn_noscale": ("GroupNormalization", "without scale")}))
+  return out
+
+
+class _TokenAndPosition:
+  """The keras.io transformer pattern: tokens [N, T] -> token embedding +
+  position embedding of tf.range(T) (ids without a batch axis); `combine`
+  is how the positions join the tokens."""
+
+  def __init__(self, name, combine):
+    self.name, self.combine = name, combine
+
+  def __call__(self, K, x):
+    combine, name = self.combine, self.name
+
+    class TokPos(K.layers.Layer):
+
+      def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tok = K.layers.Embedding(6, 2, name=name + "_tok")
+        self.pos = K.layers.Embedding(4, 2, name=name + "_pos")
+
+      def call(self, tokens):
+        positions = self.pos(tf.range(tf.shape(tokens)[1]))
+        return combine(self.tok(tokens), positions)
+
+    return TokPos(name=self.name)(x[0])
+
+
+def _position_branches(r):
+  out = []
+  tokens = r.randint(0, 6, size=(N, 3)).astype(np.int32)
+
+  # Added to the tokens: the position table registered on the ids tiled
+  # over the batch and the sum (its gradient is each example's own).
+  def ref(lc, v, xs):
+    tok, pos = v["tok_pos"]
+    ids = tf.range(3)
+    total = tf.gather(tok, xs[0]) + tf.gather(pos, ids)
+    lc.register_embedding(tok, xs[0], total)
+    lc.register_embedding(pos, tf.broadcast_to(ids, [N, 3]), total)
+    return total
+  out.append(Branch([tokens], _TokenAndPosition("tok_pos", tf.add), ref,
+                    {"tok_pos_tok": "EmbeddingKFACFB",
+                     "tok_pos_pos": "EmbeddingKFACFB"}))
+
+  # Multiplied with the tokens: no per-example gradient of the lookup
+  # (generic).
+  def ref(lc, v, xs):
+    tok, pos = v["tok_times_pos"]
+    looked_up = tf.gather(tok, xs[0])
+    lc.register_embedding(tok, xs[0], looked_up)
+    lc.register_generic(pos, N, approx="diagonal")
+    return looked_up * tf.gather(pos, tf.range(3))
+  out.append(Branch([tokens], _TokenAndPosition("tok_times_pos",
+                                                tf.multiply), ref,
+                    {"tok_times_pos_tok": "EmbeddingKFACFB",
+                     "tok_times_pos_pos": "NaiveDiagonalFB"},
+                    {"tok_times_pos_pos": ("Embedding", "used by Mul, not "
+                                           "by one addition")}))
+  return out
+
+
 def _fisher_approx_branches(r):
   # fisher_approx (see ZOO): "kron_reduce" for every Conv2D by class, but
   # "diagonal" for conv_b by name (a name wins over a class), and
@@ -520,6 +667,8 @@ ZOO = {
     "separable_grouped": (_separable_grouped_branches, None),
     "lookup_and_norm": (_lookup_and_norm_branches, None),
     "attention": (_attention_branches, None),
+    "group_norm": (_group_norm_branches, {"instance_norm": "diagonal"}),
+    "position": (_position_branches, None),
     "fisher_approx": (_fisher_approx_branches, {
         "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
         layer_registration.CLASS_KEY_PREFIX + "Dense": "diagonal"}),
@@ -624,7 +773,8 @@ def _reference_steps(branches, init, head_approx=None, steps=2):
 @pytest.mark.parametrize("group", sorted(ZOO))
 def test_layer_zoo_two_fit_steps_match_hand_registration(group):
   branches, fisher_approx = _zoo_group(group)
-  head_approx = "diagonal" if fisher_approx else None
+  # Only the fisher_approx group's "__class__:Dense" key covers the head.
+  head_approx = "diagonal" if group == "fisher_approx" else None
   init, keras_new, report, caught = _keras_steps(branches, fisher_approx)
   ref_new, ref_blocks = _reference_steps(branches, init, head_approx)
   assert sorted(keras_new) == sorted(ref_new) == sorted(init)
@@ -640,7 +790,7 @@ def test_layer_zoo_two_fit_steps_match_hand_registration(group):
       errors["%s[%d]" % (name, i)] = np.abs(k - r).max() / scale
   assert max(errors.values()) < STEP_REL, errors
 
-  expected = {"head": ("FullyConnectedDiagonalFB" if fisher_approx
+  expected = {"head": ("FullyConnectedDiagonalFB" if head_approx
                        else "FullyConnectedKFACBasicFB")}
   fallbacks = {}
   for branch in branches:
@@ -1071,3 +1221,36 @@ def test_grouped_and_separable_out_of_reach_fall_back_naming_the_layer():
     _trace_registration(model, "mse", signature=signature,
                         registration_options={"gconv": {
                             "sub_sample_inputs": 2}})
+
+
+def test_report_names_each_parameter_of_layers_in_a_subclassed_model():
+  """The parameter column shows each variable's own path: the tf.Variables
+  behind Keras 3 variables of layers nested in a subclassed model are all
+  named after the outer model ("subclassed/kernel:0")."""
+
+  class Outer(keras.Model):
+
+    def __init__(self):
+      super().__init__(name="subclassed")
+      self.first = keras.layers.Dense(3, name="inner_a")
+      self.second = keras.layers.Dense(2, name="inner_b")
+      self.extra = self.add_weight(shape=(2,), name="extra")
+
+    def call(self, x):
+      return self.second(self.first(x)) + self.extra
+
+  model = Outer()
+  model(np.zeros((1, 2)))
+  planned = kfac.keras.optimizers.Kfac(
+      learning_rate=LR, damping=DAMPING, model=model,
+      loss="mse").registration_report
+  traced = _trace_registration(model, "mse")
+  for report in (planned, traced):
+    for name in ("inner_a", "inner_b"):
+      params = _report_line(report, name).split()[5:7]
+      assert [re.sub(r":0,?$", "", p.rstrip(",")).split("/")[-2:]
+              for p in params] == [[name, "kernel"], [name, "bias"]], report
+  # The model's own weight (an orphan, generic) by its own name too.
+  # (Keras 3: its path "subclassed/extra"; tf_keras: "extra:0".)
+  assert re.match(r"(subclassed/)?extra(:0)?$",
+                  _report_line(traced, "subclassed").split()[5]), traced

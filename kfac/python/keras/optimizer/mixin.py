@@ -228,7 +228,7 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     rows = [layer_registration.Row(
         keras_flavor.layer_path(p.layer), type(p.layer).__name__,
         "(" + p.kind + ")", p.approx or "default",
-        ", ".join(v.name for v in p.params), 0,
+        ", ".join(layer_registration.param_names(p)), 0,
         "fallback: " + p.reason if p.kind == "generic" else "")
             for p in plans]
     return layer_registration.format_report(rows) + (
