@@ -33,6 +33,7 @@ from kfac.python.ops.layers.conv import factors as conv_factors
 from kfac.python.ops.layers.conv import sua_factor
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.layers.conv import statistics
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.layers.base.blocks import FisherBlock
@@ -413,15 +414,8 @@ class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
 
   def full_fisher_block(self):
     self._check_instantiated()
-    a = tf.convert_to_tensor(self._input_factor.get_cov())
-    g = tf.convert_to_tensor(self._output_factor.get_cov())
-    n_a, n_g = a.shape[-1], g.shape[-1]
-    kron = (a[:, :, tf.newaxis, :, tf.newaxis] *
-            g[:, tf.newaxis, :, tf.newaxis, :])
-    kron = tf.reshape(kron, [self._channels, n_a * n_g, n_a * n_g])
-    dense = tf.linalg.LinearOperatorBlockDiag(
-        [tf.linalg.LinearOperatorFullMatrix(kron[i])
-         for i in range(self._channels)]).to_dense()
-    perm = self._param_permutation()
-    dense = tf.gather(tf.gather(dense, perm, axis=0), perm, axis=1)
+    dense = statistics.block_diag_kron(
+        tf.convert_to_tensor(self._input_factor.get_cov()),
+        tf.convert_to_tensor(self._output_factor.get_cov()),
+        self._param_permutation())
     return self._scaled(dense, 1)

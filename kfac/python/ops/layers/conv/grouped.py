@@ -34,6 +34,7 @@ from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
 from kfac.python.ops.layers.base.blocks import TwoFactorKroneckerMixin
 from kfac.python.ops.layers.conv import depthwise_factors
 from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.layers.conv import statistics
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
 from kfac.python.ops.layers.conv.statistics import conv_spec
 from kfac.python.ops.tensors import utils
@@ -180,15 +181,8 @@ class GroupedConvKFCBasicFB(TwoFactorKroneckerMixin, InputsOutputsTowersMixin,
 
   def full_fisher_block(self):
     self._check_instantiated()
-    a = tf.convert_to_tensor(self._input_factor.get_cov())
-    g = tf.convert_to_tensor(self._output_factor.get_cov())
-    n_a, n_g = a.shape[-1], g.shape[-1]
-    kron = (a[:, :, tf.newaxis, :, tf.newaxis] *
-            g[:, tf.newaxis, :, tf.newaxis, :])
-    kron = tf.reshape(kron, [self._groups, n_a * n_g, n_a * n_g])
-    dense = tf.linalg.LinearOperatorBlockDiag(
-        [tf.linalg.LinearOperatorFullMatrix(kron[i])
-         for i in range(self._groups)]).to_dense()
-    perm = self._param_permutation()
-    dense = tf.gather(tf.gather(dense, perm, axis=0), perm, axis=1)
+    dense = statistics.block_diag_kron(
+        tf.convert_to_tensor(self._input_factor.get_cov()),
+        tf.convert_to_tensor(self._output_factor.get_cov()),
+        self._param_permutation())
     return self._scaled(dense, 1)

@@ -95,3 +95,17 @@ class OutputGradsMixin:
   def _source_tensors(self):
     return [concat_channels_last(towers, self._channels_first)
             for towers in self._grads]
+
+
+def block_diag_kron(a, g, perm):
+  """The dense matrix with kron(a[i], g[i]) on its diagonal (a [n, p, p],
+  g [n, q, q]: one pair per channel or group), rows and columns taken in
+  the order `perm` (the block's flat parameter order)."""
+  n_a, n_g = a.shape[-1], g.shape[-1]
+  kron = (a[:, :, tf.newaxis, :, tf.newaxis] *
+          g[:, tf.newaxis, :, tf.newaxis, :])
+  kron = tf.reshape(kron, [a.shape[0], n_a * n_g, n_a * n_g])
+  dense = tf.linalg.LinearOperatorBlockDiag(
+      [tf.linalg.LinearOperatorFullMatrix(kron[i])
+       for i in range(a.shape[0])]).to_dense()
+  return tf.gather(tf.gather(dense, perm, axis=0), perm, axis=1)
