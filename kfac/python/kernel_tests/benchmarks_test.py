@@ -339,3 +339,30 @@ def test_autoencoder_step_time_small(tmp_path):
   assert "| train_op + loss ms/step |" in text
   assert "| kfac_session_legacy | legacy |" in text
   _png(tmp_path / "autoencoder_step_time_b16.png")
+
+
+def test_keras_zoo_tiny(tmp_path):
+  """keras_zoo.py on the tiny GPT and BN ResNet, 8 steps, K-FAC and Adam
+  (~2 min): one result per run, every step timed, the losses finite, the
+  coverage read from the registration report (every layer under a
+  Kronecker or full block), and the table, JSON and plot written."""
+  _run("keras_zoo.py", ["--size=tiny", "--steps=8", "--val_examples=64",
+                        "--models=gpt,bn_resnet", "--optimizers=kfac,adam"],
+       tmp_path)
+  with open(tmp_path / "keras_zoo.json") as f:
+    runs = json.load(f)
+  assert [(r["model"], r["optimizer"]) for r in runs] == [
+      ("gpt", "kfac"), ("gpt", "adam"), ("bn_resnet", "kfac"),
+      ("bn_resnet", "adam")]
+  for r in runs:
+    assert "error" not in r, r
+    assert len(r["losses"]) == len(r["elapsed"]) == 8, r
+    assert all(math.isfinite(v) for v in r["losses"]), r
+    assert r["first_call_s"] > 0 and r["ms_per_step"] > 0, r
+    assert 0 <= r["val_accuracy"] <= 1, r
+    if r["optimizer"] == "kfac":
+      assert r["kron_share"] == pytest.approx(1.0), r["report"]
+      assert r["fallbacks"] == [] and r["diagonal"] == [], r["report"]
+  table = (tmp_path / "keras_zoo.md").read_text()
+  assert "| gpt |" in table and "| bn_resnet |" in table
+  _png(tmp_path / "keras_zoo.png")
