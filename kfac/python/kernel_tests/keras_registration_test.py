@@ -1280,6 +1280,35 @@ def test_grouped_and_separable_out_of_reach_fall_back_naming_the_layer():
                             "sub_sample_inputs": 2}})
 
 
+def test_conv_transpose_out_of_reach_falls_back_naming_the_layer():
+  """A Conv2DTranspose asked for an approximation its block lacks gets the
+  generic diagonal with a warning naming the layer and the reason (the
+  same layer without it gets its block and no warning); registration_options
+  on it are an error naming it."""
+  inputs = keras.Input((3, 3, 2))
+  h = keras.layers.Conv2DTranspose(2, 2, strides=2, name="deconv")(inputs)
+  model = keras.Model(inputs, keras.layers.Flatten()(h))
+  signature = tf.TensorSpec([None, 3, 3, 2], tf.float64)
+  for approx, block, warned in ((None, "ConvTransposeKFCBasicBiasFB", 0),
+                                ("kron_reduce", "NaiveDiagonalFB", 1)):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      report = _trace_registration(model, "mse", signature=signature,
+                                   fisher_approx={"deconv": approx})
+    assert _report_blocks(report) == {"deconv": block}, report
+    messages = [str(w.message) for w in caught
+                if str(w.message).startswith("kfac: layer")]
+    assert len(messages) == warned, messages
+  assert ("'deconv'" in messages[0] and "Conv2DTranspose" in messages[0] and
+          "no 'kron_reduce' approximation (only 'kron')" in messages[0]), (
+              messages)
+  with pytest.raises(layer_registration.RegistrationError,
+                     match="deconv.*only Conv1D/2D/3D"):
+    _trace_registration(model, "mse", signature=signature,
+                        registration_options={"deconv": {
+                            "sub_sample_inputs": 2}})
+
+
 def test_report_names_each_parameter_of_layers_in_a_subclassed_model():
   """The parameter column shows each variable's own path: the tf.Variables
   behind Keras 3 variables of layers nested in a subclassed model are all
