@@ -22,8 +22,10 @@ import tensorflow as tf
 import kfac
 from kfac.python.kernel_tests import conv_blocks_test as cbt
 from kfac.python.kernel_tests import conv_factors_test as cft
+from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
 from kfac.python.ops.layers.conv import transpose
+from kfac.python.ops.linear_operator import CurvatureOperator
 
 TOL = cbt.TOL
 PTOL = cbt.PTOL
@@ -333,3 +335,38 @@ def test_registration_errors_name_the_filter():
     assert isinstance(block, transpose.ConvTransposeKFCBasicBiasFB)
     with pytest.raises(ValueError, match="convt_w"):
       lc.register_conv2d_transpose((w, b), x, y, 2, "SAME", reuse=False)
+
+
+@pytest.mark.parametrize("name", ["2d_stride2_same",
+                                  "2d_dilation2_valid_nobias"])
+def test_curvature_operator_is_the_damped_block(name):
+  """kfac.linear_operator.CurvatureOperator of the estimator (the filter-only
+  block through its Kronecker eigenbasis, the block with bias through its
+  dense products) is the dense damped block; its inverse the dense
+  inverse."""
+  layer = CONFIGS[name]
+  inits, x = layer.inits(12), layer.data(13)
+  labels = np.random.RandomState(14).randint(0, 3, len(x))
+  damping = 0.03
+  build_model = _build(layer, x, labels)
+  store = util.new_store()
+
+  def build(vs):
+    lc = kfac.LayerCollection()
+    build_model(lc, vs)
+    est, ops = util.estimator_stages(store, lc, vs, "empirical",
+                                         damping=damping)
+    with tf.control_dependencies(ops):
+      op = CurvatureOperator.from_estimator(est)
+      refresh = op.refresh()
+    with tf.control_dependencies([refresh]):
+      return [{"dense": op.to_dense(), "inverse": op.inverse().to_dense(),
+               "factors": [tf.identity(f.get_cov())
+                           for f in est.blocks[0].factors()]}]
+
+  out = ref.run_stages("graph", inits, build)[-1]
+  factors = out["factors"]
+  dense = layer.dense(factors[0], factors[1],
+                      factors[2] if layer.bias else None, damping)
+  np.testing.assert_allclose(out["dense"], dense, **PTOL)
+  np.testing.assert_allclose(out["inverse"], np.linalg.inv(dense), **PTOL)
