@@ -1,7 +1,7 @@
 """Transposed convolutions (register_conv2d_transpose / conv1d_transpose /
-conv_transpose, "kron": KFC with the patches on the output-gradient side,
-an exact block for the bias; layers/conv/transpose.py) against float64
-references.
+conv_transpose; "kron": KFC with the patches on the output-gradient side,
+an exact block for the bias; "diagonal": the exact diagonal;
+layers/conv/transpose.py) against float64 references.
 
 References (never kfac code): output-gradient patches by numpy loops
 (conv_factors_test.np_patches of the gradient w.r.t. the layer's outputs,
@@ -297,6 +297,32 @@ def test_bias_block_is_the_exact_bias_fisher_and_filter_block_differs():
   assert rel > 0.05, rel
 
 
+@pytest.mark.parametrize("world,name", cbt.worlds_for(
+    ["2d_stride2_same", "2d_dilation2_valid_nobias", "2d_nchw_stride2_same",
+     "1d_stride3_same"], both=("2d_stride2_same",)))
+def test_diagonal_equals_exact_fisher_diagonal(world, name):
+  """"diagonal", "exact" mode, several examples and positions: the block is
+  the exact Fisher's diagonal (per-example tape Jacobians) and nothing
+  else; its damped powers are elementwise."""
+  layer = CONFIGS[name]
+  inits, x = layer.inits(15), layer.data(16)
+  forward = lambda vs, xs: (cbt.forward_from_pre(layer.apply(vs, xs)), None)
+  damping, exps = 0.03, (-1, -0.5)
+  build_model = _build(layer, x, [0] * len(x), approx="diagonal")
+  out = cbt.run_estimator(
+      world, inits, build_model, "exact", damping=damping, exps=exps,
+      extra=lambda est, vs: cbt._product_fetches(est, vs, exps, 17))
+  assert type(build_model.blocks[0]) is transpose.ConvTransposeDiagonalFB
+  diag = np.diag(cbt.exact_fisher(forward, inits, x))
+  got = out["blocks"][0]
+  np.testing.assert_allclose(np.diag(got), diag, **TOL)
+  assert np.count_nonzero(got - np.diag(np.diag(got))) == 0
+  vec = ref.flat(out["extra"]["vecs"])
+  for e in (1,) + exps:
+    np.testing.assert_allclose(ref.flat(out["extra"]["pow%s" % e]),
+                               (diag + damping)**e * vec, **PTOL)
+
+
 def _var(shape, name):
   return tf.Variable(np.zeros(shape), name=name)
 
@@ -318,8 +344,8 @@ def test_registration_errors_name_the_filter():
         ((w, x, tf.zeros([2, 8, 8, 4], tf.float64), 2, "SAME"), {},
          "are not what inputs of spatial shape [3, 3] give"),
         ((w, x, y, 2, "CAUSAL"), {}, "CAUSAL padding"),
-        ((w, x, y, 2, "SAME"), dict(approx="diagonal"),
-         "Unknown approximation 'diagonal' for transposed convolution"),
+        ((w, x, y, 2, "SAME"), dict(approx="kron_reduce"),
+         "Unknown approximation 'kron_reduce' for transposed convolution"),
         ((w, x, y, 2, "SAME"), dict(data_format="NCDHW"),
          "does not describe a 2-d convolution"),
         ((w, tf.zeros([2, 3, 2], tf.float64), y, 2, "SAME"), {},
@@ -337,18 +363,19 @@ def test_registration_errors_name_the_filter():
       lc.register_conv2d_transpose((w, b), x, y, 2, "SAME", reuse=False)
 
 
-@pytest.mark.parametrize("name", ["2d_stride2_same",
-                                  "2d_dilation2_valid_nobias"])
-def test_curvature_operator_is_the_damped_block(name):
+@pytest.mark.parametrize("name,approx", [
+    ("2d_stride2_same", "kron"), ("2d_dilation2_valid_nobias", "kron"),
+    ("2d_stride2_same", "diagonal")])
+def test_curvature_operator_is_the_damped_block(name, approx):
   """kfac.linear_operator.CurvatureOperator of the estimator (the filter-only
   block through its Kronecker eigenbasis, the block with bias through its
-  dense products) is the dense damped block; its inverse the dense
-  inverse."""
+  dense products, the diagonal elementwise) is the dense damped block; its
+  inverse the dense inverse."""
   layer = CONFIGS[name]
   inits, x = layer.inits(12), layer.data(13)
   labels = np.random.RandomState(14).randint(0, 3, len(x))
   damping = 0.03
-  build_model = _build(layer, x, labels)
+  build_model = _build(layer, x, labels, approx=approx)
   store = util.new_store()
 
   def build(vs):
@@ -366,7 +393,10 @@ def test_curvature_operator_is_the_damped_block(name):
 
   out = ref.run_stages("graph", inits, build)[-1]
   factors = out["factors"]
-  dense = layer.dense(factors[0], factors[1],
-                      factors[2] if layer.bias else None, damping)
+  if approx == "diagonal":
+    dense = factors[0] + damping * np.eye(len(factors[0]))
+  else:
+    dense = layer.dense(factors[0], factors[1],
+                        factors[2] if layer.bias else None, damping)
   np.testing.assert_allclose(out["dense"], dense, **PTOL)
   np.testing.assert_allclose(out["inverse"], np.linalg.inv(dense), **PTOL)

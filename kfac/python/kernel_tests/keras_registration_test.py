@@ -22,8 +22,8 @@ the optimizer keeps them in):
   (2-d kernel; and MultiHeadAttention's four projections in a transformer
   block, kernels [D, H, K] / [H, K, D] registered with output_axes),
   Conv2D (strides 2, same, relu), Conv1D (causal, dilation 2), Conv3D,
-  Conv2DTranspose (strides 2, same, relu), Conv1DTranspose (valid,
-  output_padding 1),
+  Conv2DTranspose (strides 2, same, relu; and "diagonal" by name),
+  Conv1DTranspose (valid, output_padding 1),
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
   LayerNormalization (last axis; two axes without center),
   GroupNormalization (a small conv net with 2 groups; groups=-1 with the
@@ -587,9 +587,25 @@ def _fisher_approx_branches(r):
     h = K.layers.Conv2D(2, 2, name="conv_a")(x[0])
     h = K.layers.Conv2D(2, 2, name="conv_b")(h)
     return K.layers.Dense(3, name="mid")(K.layers.Flatten()(h))
-  return [Branch([r.randn(N, 4, 4, 2)], body, ref,
-                 {"conv_a": "ConvKFCReduceFB", "conv_b": "ConvDiagonalFB",
-                  "mid": "FullyConnectedDiagonalFB"})]
+  out = [Branch([r.randn(N, 4, 4, 2)], body, ref,
+                {"conv_a": "ConvKFCReduceFB", "conv_b": "ConvDiagonalFB",
+                 "mid": "FullyConnectedDiagonalFB"})]
+
+  # A Conv2DTranspose with "diagonal" by name (tf_keras's Conv2DTranspose
+  # is a Conv2D: the name wins over the Conv2D class key).
+  def ref(lc, v, xs):
+    k, b = v["deconv_diag"]
+    pre = tf.nn.conv2d_transpose(xs[0], k, [N, 4, 4, 2], [1, 2, 2, 1],
+                                 "VALID") + b
+    lc.register_conv2d_transpose((k, b), xs[0], pre, 2, "VALID",
+                                 approx="diagonal")
+    return pre
+  out.append(Branch(
+      [r.randn(N, 2, 2, 3)],
+      lambda K, x: K.layers.Conv2DTranspose(2, 2, strides=2,
+                                            name="deconv_diag")(x[0]),
+      ref, {"deconv_diag": "ConvTransposeDiagonalFB"}))
+  return out
 
 
 def _separable_grouped_branches(r):
@@ -687,7 +703,8 @@ ZOO = {
     "group_norm": (_group_norm_branches, {"instance_norm": "diagonal"}),
     "position": (_position_branches, None),
     "fisher_approx": (_fisher_approx_branches, {
-        "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
+        "conv_b": "diagonal", "deconv_diag": "diagonal",
+        keras.layers.Conv2D: "kron_reduce",
         layer_registration.CLASS_KEY_PREFIX + "Dense": "diagonal"}),
 }
 LABELS = np.array([0, 1, 2, 1], dtype=np.int32)
@@ -1300,7 +1317,8 @@ def test_conv_transpose_out_of_reach_falls_back_naming_the_layer():
                 if str(w.message).startswith("kfac: layer")]
     assert len(messages) == warned, messages
   assert ("'deconv'" in messages[0] and "Conv2DTranspose" in messages[0] and
-          "no 'kron_reduce' approximation (only 'kron')" in messages[0]), (
+          "no 'kron_reduce' approximation (only 'kron' and 'diagonal')" in
+          messages[0]), (
               messages)
   with pytest.raises(layer_registration.RegistrationError,
                      match="deconv.*only Conv1D/2D/3D"):

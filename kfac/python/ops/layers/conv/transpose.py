@@ -40,15 +40,24 @@ conv_factors.ConvOutputReduceKroneckerFactor), damped by adding the damping
 to its diagonal. The coupling between W and b is dropped: the block is
 blockdiag(L * (A (x) G) + damping, F_b + damping), the filter's part split
 with the pi rule like every Kronecker block (damping / L per factor pair).
+
+`ConvTransposeDiagonalFB` ("diagonal") is the exact diagonal of the
+layer's Fisher over (filter, bias): sum_s w_s mean over n of the squared
+per-example gradients (dW_n above, db_n = sum_t g_{n,t}), plus the
+damping (times L^(1-p) with the collection's normalize_damping_power p,
+as ConvDiagonalFB).
 """
 
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
 from kfac.python.ops.layers.base.blocks import FisherBlock
 from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
 from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 from kfac.python.ops.layers.base.factors import DenseSquareFactor
+from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
 from kfac.python.ops.layers.base.factors import weighted_sum
 from kfac.python.ops.layers.conv import factors as conv_factors
 from kfac.python.ops.layers.conv import patches as patches_lib
@@ -62,6 +71,8 @@ __all__ = [
     "ConvTransposeOutputKroneckerFactor",
     "ConvTransposeKFCBasicFB",
     "ConvTransposeKFCBasicBiasFB",
+    "ConvTransposeDiagonalFactor",
+    "ConvTransposeDiagonalFB",
 ]
 
 
@@ -235,3 +246,95 @@ class ConvTransposeKFCBasicBiasFB(ConvTransposeKFCBasicFB):
         [tf.linalg.LinearOperatorFullMatrix(filt),
          tf.linalg.LinearOperatorFullMatrix(tf.cast(bias, filt.dtype))]
     ).to_dense()
+
+
+class ConvTransposeDiagonalFactor(InputsGradsDiagonalFactor):
+  """Exact diagonal of a transposed convolution's Fisher as the column of
+  the flat (filter (tap, o, c), bias) vector: sum_s w_s mean over n of the
+  squared per-example gradients."""
+
+  def __init__(self, inputs, outputs_grads, filter_shape, padding,
+               strides=None, dilations=None, data_format=None,
+               has_bias=False, weights=None, name=None):
+    self._spec = patches_lib.make_conv_spec(tuple(filter_shape)[:-2],
+                                            strides, dilations, padding,
+                                            data_format)
+    self._out, self._in = int(filter_shape[-2]), int(filter_shape[-1])
+    self._patch_size = self._spec.num_taps * self._out
+    self._has_bias = has_bias
+    size = self._patch_size * self._in + (self._out if has_bias else 0)
+    # A column, the shape of the block's view of its vectors.
+    super().__init__(inputs, outputs_grads, weights, [size, 1], name=name)
+
+  def _compute_new_cov(self):
+    first = self._spec.channels_first
+    x = concat_channels_last(self._inputs, first)
+    x = tf.reshape(x, [tf.shape(x)[0], -1, self._in])
+    terms = []
+    for towers in self._grads:
+      g = concat_channels_last(towers, first)
+      q = patches_lib.extract_patches(g, self._spec)
+      q = tf.reshape(q, [tf.shape(q)[0], -1, self._patch_size])
+      per_example = tf.reshape(tf.einsum("npk,npc->nkc", q, x),
+                               [tf.shape(x)[0], -1])
+      if self._has_bias:
+        sums = tf.reduce_sum(tf.reshape(g, [tf.shape(g)[0], -1, self._out]),
+                             axis=1)
+        per_example = tf.concat([per_example, sums], axis=1)
+      terms.append(tf.reduce_mean(tf.square(per_example), axis=0)[:, None])
+    return weighted_sum(terms, self._weights)
+
+
+class ConvTransposeDiagonalFB(ElementwiseDiagonalBlockMixin,
+                              InputsOutputsTowersMixin, FisherBlock):
+  """Exact diagonal of a transposed convolution's Fisher, plus damping
+  (see the module docstring)."""
+
+  def __init__(self, layer_collection, params, padding, strides=None,
+               dilation_rate=None, data_format=None):
+    FisherBlock.__init__(self, layer_collection, params)
+    self._has_bias = isinstance(params, (list, tuple))
+    self._filter_shape = tuple(
+        int(n) for n in utils.ensure_sequence(params)[0].shape)
+    self._spec = patches_lib.make_conv_spec(
+        self._filter_shape[:-2], strides, dilation_rate, padding, data_format)
+    self._factor = None
+    self._init_towers()
+
+  num_locations = ConvTransposeKFCBasicFB.num_locations
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    fmt = "channels_first" if self._spec.channels_first else "channels_last"
+    self._factor = self._make_factor(
+        ConvTransposeDiagonalFactor,
+        (tuple(self._inputs), tuple(tuple(g) for g in grads_list),
+         self._filter_shape, self._spec.padding, self._spec.strides,
+         self._spec.dilations, fmt, self._has_bias,
+         None if weights is None else tuple(weights)), "diag")
+    self._damping_func = self.damping_func_for(damping)
+
+  def damping_func_for(self, damping):
+    """damping * L^(1-p) (the damping itself for p = 1, the default)."""
+    damping_func = damping_lib.as_damping_func(damping)
+    options = self.curvature_options
+    if options.normalize_damping_power == 1:
+      return damping_func
+    return damping_lib.scaled_damping_func(
+        damping_func, options.diagonal_damping_scale(self.num_locations))
+
+  def _to_view(self, vector):
+    parts = utils.ensure_sequence(vector)
+    if len(parts) != (2 if self._has_bias else 1):
+      raise ValueError("Block %s takes %s vectors." % (
+          self.name, "(filter, bias)" if self._has_bias else "filter"))
+    return tf.concat([tf.reshape(p, [-1, 1]) for p in parts], axis=0)
+
+  def _from_view(self, view, template):
+    view = tf.reshape(view, [-1])
+    if not self._has_bias:
+      return tf.reshape(view, tf.shape(template))
+    w, b = template
+    size = int(np.prod(self._filter_shape))
+    return (tf.reshape(view[:size], tf.shape(w)),
+            tf.reshape(view[size:], tf.shape(b)))
+

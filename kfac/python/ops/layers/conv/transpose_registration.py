@@ -2,9 +2,9 @@
 tf.nn.conv2d_transpose / conv1d_transpose / conv3d_transpose; Keras
 Conv1DTranspose / Conv2DTranspose / Conv3DTranspose) on the LayerCollection.
 
-Approximation: "kron" (the only one): KFC with the patches on the
-output-gradient side, the bias in an exact block of its own
-(layers/conv/transpose.py).
+Approximations (layers/conv/transpose.py): "kron" (default): KFC with the
+patches on the output-gradient side, the bias in an exact block of its
+own; "diagonal": the exact diagonal.
 
 The filter is TensorFlow's and Keras' [k1, ..., kd, out_channels,
 in_channels]; strides / dilations / padding / data_format are the
@@ -20,7 +20,8 @@ from kfac.python.ops.tensors import utils
 _VARIABLE_SCOPE = registration_base.VARIABLE_SCOPE
 _describe = registration_base.describe
 _KRON = "kron"
-_APPROXIMATIONS = (_KRON,)
+_DIAGONAL = "diagonal"
+_APPROXIMATIONS = (_KRON, _DIAGONAL)
 
 
 def _check(filt, bias, inputs, outputs, spec, what):
@@ -92,14 +93,15 @@ class ConvTransposeRegistrationMixin:
         to tf.nn.conv_transpose.
       data_format: None / channels-last ("NWC", "NHWC", "NDHWC") or
         channels-first ("NCW", "NCHW", "NCDHW").
-      approx: "kron" (default): see layers/conv/transpose.py.
+      approx: "kron" (default) or "diagonal": see
+        layers/conv/transpose.py.
       reuse: True adds a tower to an existing registration of `params`.
       num_spatial: d, checked against the filter's rank (default: the
         filter's rank - 2).
 
     Returns:
       The layer's FisherBlock (transpose.ConvTransposeKFCBasicFB, or
-      ConvTransposeKFCBasicBiasFB with a bias).
+      ConvTransposeKFCBasicBiasFB with a bias; ConvTransposeDiagonalFB).
     """
     what = "Transposed convolution layer"
     seq = utils.ensure_sequence(params)
@@ -133,8 +135,12 @@ class ConvTransposeRegistrationMixin:
       raise ValueError("Unknown approximation %r for transposed convolution "
                        "layer (%s); expected one of %s." %
                        (approx, _describe(params), list(_APPROXIMATIONS)))
-    cls = (transpose.ConvTransposeKFCBasicBiasFB if bias is not None else
-           transpose.ConvTransposeKFCBasicFB)
+    if approx == _DIAGONAL:
+      cls = transpose.ConvTransposeDiagonalFB
+    elif bias is not None:
+      cls = transpose.ConvTransposeKFCBasicBiasFB
+    else:
+      cls = transpose.ConvTransposeKFCBasicFB
     block = cls(self, params, spec.padding, spec.strides, spec.dilations,
                 data_format)
     return self._finish_registration(params, block, reuse, inputs, outputs,
