@@ -18,7 +18,7 @@ A transposed convolution (kernel [k.., filters, in_channels]; strides,
 padding, output_padding, dilation_rate, either data format) is registered
 with register_conv_transpose ("kron": KFC with the output-gradient patches
 as G and the bias in an exact block of its own; "diagonal": the exact
-diagonal; layers/conv/transpose.py)
+diagonal; "ekfac"; layers/conv/transpose.py)
 on its inputs and pre-activations; output_padding needs no argument: it
 only sets the outputs' size, which the registration checks.
 
@@ -27,7 +27,7 @@ block and a warning): a layer called several times, channels_first
 separable convolutions (Keras transposes them around a channels-last
 computation on CPU), a graph without exactly one such pointwise Conv2D, a
 grouped convolution asked for an approximation other than "kron", a
-transposed one asked for one other than "kron" and "diagonal", a
+transposed one asked for one other than "kron", "diagonal" and "ekfac", a
 transposed convolution with groups > 1.
 """
 
@@ -148,9 +148,9 @@ def is_separable(layer):
 def register_transpose(lc, plan, calls):
   layer = plan.layer
   call = single_call(plan, calls)
-  if plan.approx not in (None, "kron", "diagonal"):
+  if plan.approx not in (None, "kron", "diagonal", "ekfac"):
     raise Fallback("transposed convolution has no %r approximation (only "
-                   "'kron' and 'diagonal')" % (plan.approx,))
+                   "'kron', 'diagonal' and 'ekfac')" % (plan.approx,))
   if getattr(layer, "groups", 1) != 1:
     raise Fallback("transposed convolution with groups=%d" % layer.groups)
   rank = len(layer.kernel.shape) - 2

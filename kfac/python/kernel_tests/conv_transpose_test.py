@@ -1,7 +1,8 @@
 """Transposed convolutions (register_conv2d_transpose / conv1d_transpose /
 conv_transpose; "kron": KFC with the patches on the output-gradient side,
-an exact block for the bias; "diagonal": the exact diagonal;
-layers/conv/transpose.py) against float64 references.
+an exact block for the bias; "diagonal": the exact diagonal; "ekfac":
+EKFAC of the filter in the KFC eigenbasis; layers/conv/transpose.py,
+ekfac/blocks.py) against float64 references.
 
 References (never kfac code): output-gradient patches by numpy loops
 (conv_factors_test.np_patches of the gradient w.r.t. the layer's outputs,
@@ -22,8 +23,10 @@ import tensorflow as tf
 import kfac
 from kfac.python.kernel_tests import conv_blocks_test as cbt
 from kfac.python.kernel_tests import conv_factors_test as cft
+from kfac.python.kernel_tests import ekfac_test as et
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
+from kfac.python.ops.ekfac import blocks as ekfac_blocks
 from kfac.python.ops.layers.conv import transpose
 from kfac.python.ops.linear_operator import CurvatureOperator
 
@@ -323,6 +326,70 @@ def test_diagonal_equals_exact_fisher_diagonal(world, name):
                                (diag + damping)**e * vec, **PTOL)
 
 
+@pytest.mark.parametrize("world,name", [
+    ("graph", "2d_stride2_same"), ("function", "2d_stride2_same"),
+    ("graph", "2d_dilation2_valid_nobias"), ("graph", "1d_stride3_same")])
+def test_ekfac_scalings_block_and_products(world, name):
+  """"ekfac", "exact" mode: the filter's scalings are the diagonal of the
+  brute-force Fisher filter block in the KFC eigenbasis (1e-9), the block
+  is Q diag(S) Q^T there, closer to the Fisher than KFC's; the bias block
+  is the exact bias block; damped products, powers and Cholesky factors
+  equal dense algebra on blockdiag(Q (S + damping) Q^T, F_b + damping)."""
+  layer = CONFIGS[name]
+  inits, x = layer.inits(20), layer.data(21)
+  labels = np.random.RandomState(22).randint(0, 3, len(x))
+  forward = lambda vs, xs: cbt.forward_from_pre(layer.apply(vs, xs))
+  blocks = []
+
+  def forward_register(vs, xt, lc):
+    pre = layer.apply(vs, xt)
+    blocks.append(layer.register_layer(lc, vs, xt, pre, approx="ekfac"))
+    return cbt.forward_from_pre(pre)
+
+  (item,) = et._run(world, inits, forward_register, x, labels, "exact",
+                    fetch_products=True)
+  assert type(blocks[0]) is (ekfac_blocks.ConvTransposeEKFACBiasFB
+                             if layer.bias else
+                             ekfac_blocks.ConvTransposeEKFACFB)
+  fisher = et._reference(forward, inits, x, labels, "exact")
+  nw = inits[0].size
+  perm = layer.filter_perm()  # flat filter entry -> view position
+  inv = np.argsort(perm)
+  view = lambda m: m[np.ix_(inv, inv)]
+  item_view = dict(item, block=view(item["block"][:nw, :nw]))
+  et._check_scalings(item_view, view(fisher[:nw, :nw]))
+  ekfac_err, kfac_err = et._errors(item_view, view(fisher[:nw, :nw]))
+  assert ekfac_err < kfac_err, (ekfac_err, kfac_err)
+  q, d = et._dense_products(item)
+  dense = np.zeros((len(item["v"]),) * 2)
+  dense[:nw, :nw] = ((q * d) @ q.T)[np.ix_(perm, perm)]
+  if layer.bias:
+    np.testing.assert_allclose(item["block"][nw:, nw:], fisher[nw:, nw:],
+                               **TOL)
+    assert np.count_nonzero(item["block"][:nw, nw:]) == 0
+    dense[nw:, nw:] = fisher[nw:, nw:] + et.DAMPING * np.eye(len(dense) - nw)
+  np.testing.assert_allclose(dense, item["block"] + et.DAMPING * np.eye(
+      len(dense)), **TOL)
+  v = item["v"]
+  np.testing.assert_allclose(item["mul"], dense @ v, **TOL)
+  np.testing.assert_allclose(item["inv"], np.linalg.solve(dense, v), **TOL)
+  np.testing.assert_allclose(item["sqrt"], ref.sym_matpower(dense, 0.5) @ v,
+                             **TOL)
+  # The filter's C (C C^T its damped block): Q diag(sqrt(S + damping)) on
+  # the [C, K*O] views of vectors and of the eigen-coordinates.
+  chol = (q * np.sqrt(d))[np.ix_(perm, perm)]
+  for key, mat in (("chol", chol), ("cholT", chol.T),
+                   ("cholinv", np.linalg.inv(chol)),
+                   ("cholinvT", np.linalg.inv(chol.T))):
+    np.testing.assert_allclose(item[key][:nw], mat @ v[:nw], **TOL)
+  if layer.bias:  # ||C^T u||^2 = u^T (F_b + damping) u, and for C^-1
+    u, damped_b = v[nw:], dense[nw:, nw:]
+    np.testing.assert_allclose(np.sum(item["cholT"][nw:]**2),
+                               u @ damped_b @ u, **TOL)
+    np.testing.assert_allclose(np.sum(item["cholinv"][nw:]**2),
+                               u @ np.linalg.solve(damped_b, u), **TOL)
+
+
 def _var(shape, name):
   return tf.Variable(np.zeros(shape), name=name)
 
@@ -365,12 +432,13 @@ def test_registration_errors_name_the_filter():
 
 @pytest.mark.parametrize("name,approx", [
     ("2d_stride2_same", "kron"), ("2d_dilation2_valid_nobias", "kron"),
-    ("2d_stride2_same", "diagonal")])
+    ("2d_stride2_same", "diagonal"), ("2d_stride2_same", "ekfac"),
+    ("2d_dilation2_valid_nobias", "ekfac")])
 def test_curvature_operator_is_the_damped_block(name, approx):
   """kfac.linear_operator.CurvatureOperator of the estimator (the filter-only
   block through its Kronecker eigenbasis, the block with bias through its
-  dense products, the diagonal elementwise) is the dense damped block; its
-  inverse the dense inverse."""
+  dense products, the diagonal elementwise, EKFAC through its eigenbasis)
+  is the dense damped block; its inverse the dense inverse."""
   layer = CONFIGS[name]
   inits, x = layer.inits(12), layer.data(13)
   labels = np.random.RandomState(14).randint(0, 3, len(x))
@@ -389,12 +457,13 @@ def test_curvature_operator_is_the_damped_block(name, approx):
     with tf.control_dependencies([refresh]):
       return [{"dense": op.to_dense(), "inverse": op.inverse().to_dense(),
                "factors": [tf.identity(f.get_cov())
-                           for f in est.blocks[0].factors()]}]
+                           for f in est.blocks[0].factors()],
+               "block": tf.identity(est.blocks[0].full_fisher_block())}]
 
   out = ref.run_stages("graph", inits, build)[-1]
   factors = out["factors"]
-  if approx == "diagonal":
-    dense = factors[0] + damping * np.eye(len(factors[0]))
+  if approx in ("diagonal", "ekfac"):  # the damping on the diagonal / S
+    dense = out["block"] + damping * np.eye(len(out["block"]))
   else:
     dense = layer.dense(factors[0], factors[1],
                         factors[2] if layer.bias else None, damping)

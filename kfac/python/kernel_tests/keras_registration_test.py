@@ -1317,8 +1317,8 @@ def test_conv_transpose_out_of_reach_falls_back_naming_the_layer():
                 if str(w.message).startswith("kfac: layer")]
     assert len(messages) == warned, messages
   assert ("'deconv'" in messages[0] and "Conv2DTranspose" in messages[0] and
-          "no 'kron_reduce' approximation (only 'kron' and 'diagonal')" in
-          messages[0]), (
+          "no 'kron_reduce' approximation (only 'kron', 'diagonal' and "
+          "'ekfac')" in messages[0]), (
               messages)
   with pytest.raises(layer_registration.RegistrationError,
                      match="deconv.*only Conv1D/2D/3D"):

@@ -70,6 +70,7 @@ __all__ = [
     "ConvTransposeInputKroneckerFactor",
     "ConvTransposeOutputKroneckerFactor",
     "ConvTransposeKFCBasicFB",
+    "ExactBiasBlockMixin",
     "ConvTransposeKFCBasicBiasFB",
     "ConvTransposeDiagonalFactor",
     "ConvTransposeDiagonalFB",
@@ -183,18 +184,22 @@ class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
         self._in_channels, self._patch_size)
     return grid.T.reshape(-1)
 
-  def _filter_block(self):
-    block = KroneckerProductFB.full_fisher_block(self)
+  def _in_filter_order(self, block):
+    """A [(c, tap, o)]^2 matrix in the filter's (tap, o, c) order."""
     perm = self._filter_permutation()
     return tf.gather(tf.gather(block, perm, axis=0), perm, axis=1)
 
   def full_fisher_block(self):
-    return self._filter_block()
+    return self._in_filter_order(KroneckerProductFB.full_fisher_block(self))
 
 
-class ConvTransposeKFCBasicBiasFB(ConvTransposeKFCBasicFB):
-  """blockdiag(L * (A (x) G), F_b) of a transposed convolution with bias
-  (see the module docstring); vectors are (filter, bias) pairs."""
+class ExactBiasBlockMixin:
+  """The bias's exact block F_b + damping next to the filter's block of the
+  host class (put it first in the bases): vectors are (filter, bias) pairs,
+  the filter part goes to the host's products. The block has no spectral
+  view of its own (the curvature operator uses its dense products)."""
+
+  spectral_view = None
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     super().instantiate_factors(grads_list, damping, weights)
@@ -204,7 +209,7 @@ class ConvTransposeKFCBasicBiasFB(ConvTransposeKFCBasicFB):
          None if weights is None else tuple(weights)), "F_bias")
 
   def factors(self):
-    return [self._input_factor, self._output_factor, self._bias_factor]
+    return list(super().factors()) + [self._bias_factor]
 
   def _split(self, vector):
     if not isinstance(vector, (list, tuple)) or len(vector) != 2:
@@ -240,12 +245,18 @@ class ConvTransposeKFCBasicBiasFB(ConvTransposeKFCBasicFB):
             tf.reshape(col, tf.shape(b)))
 
   def full_fisher_block(self):
-    filt = self._filter_block()
+    filt = tf.convert_to_tensor(super().full_fisher_block())
     bias = tf.convert_to_tensor(self._bias_factor.get_cov())
     return tf.linalg.LinearOperatorBlockDiag(
         [tf.linalg.LinearOperatorFullMatrix(filt),
          tf.linalg.LinearOperatorFullMatrix(tf.cast(bias, filt.dtype))]
     ).to_dense()
+
+
+class ConvTransposeKFCBasicBiasFB(ExactBiasBlockMixin,
+                                  ConvTransposeKFCBasicFB):
+  """blockdiag(L * (A (x) G), F_b) of a transposed convolution with bias
+  (see the module docstring); vectors are (filter, bias) pairs."""
 
 
 class ConvTransposeDiagonalFactor(InputsGradsDiagonalFactor):

@@ -4,7 +4,8 @@ Conv1DTranspose / Conv2DTranspose / Conv3DTranspose) on the LayerCollection.
 
 Approximations (layers/conv/transpose.py): "kron" (default): KFC with the
 patches on the output-gradient side, the bias in an exact block of its
-own; "diagonal": the exact diagonal.
+own; "diagonal": the exact diagonal; "ekfac": EKFAC of the filter in the
+KFC eigenbasis (ekfac/blocks.py), the bias's exact block as with "kron".
 
 The filter is TensorFlow's and Keras' [k1, ..., kd, out_channels,
 in_channels]; strides / dilations / padding / data_format are the
@@ -12,6 +13,7 @@ transposed convolution's own (those of the convolution it is the gradient
 of), in any form register_conv2d accepts, except "CAUSAL".
 """
 
+from kfac.python.ops.ekfac import blocks as ekfac_blocks
 from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.conv import transpose
@@ -21,7 +23,8 @@ _VARIABLE_SCOPE = registration_base.VARIABLE_SCOPE
 _describe = registration_base.describe
 _KRON = "kron"
 _DIAGONAL = "diagonal"
-_APPROXIMATIONS = (_KRON, _DIAGONAL)
+_EKFAC = "ekfac"
+_APPROXIMATIONS = (_KRON, _DIAGONAL, _EKFAC)
 
 
 def _check(filt, bias, inputs, outputs, spec, what):
@@ -93,7 +96,7 @@ class ConvTransposeRegistrationMixin:
         to tf.nn.conv_transpose.
       data_format: None / channels-last ("NWC", "NHWC", "NDHWC") or
         channels-first ("NCW", "NCHW", "NCDHW").
-      approx: "kron" (default) or "diagonal": see
+      approx: "kron" (default), "diagonal" or "ekfac": see
         layers/conv/transpose.py.
       reuse: True adds a tower to an existing registration of `params`.
       num_spatial: d, checked against the filter's rank (default: the
@@ -101,7 +104,8 @@ class ConvTransposeRegistrationMixin:
 
     Returns:
       The layer's FisherBlock (transpose.ConvTransposeKFCBasicFB, or
-      ConvTransposeKFCBasicBiasFB with a bias; ConvTransposeDiagonalFB).
+      ConvTransposeKFCBasicBiasFB with a bias; ConvTransposeDiagonalFB;
+      ekfac_blocks.ConvTransposeEKFACFB / ConvTransposeEKFACBiasFB).
     """
     what = "Transposed convolution layer"
     seq = utils.ensure_sequence(params)
@@ -137,6 +141,9 @@ class ConvTransposeRegistrationMixin:
                        (approx, _describe(params), list(_APPROXIMATIONS)))
     if approx == _DIAGONAL:
       cls = transpose.ConvTransposeDiagonalFB
+    elif approx == _EKFAC:
+      cls = (ekfac_blocks.ConvTransposeEKFACBiasFB if bias is not None else
+             ekfac_blocks.ConvTransposeEKFACFB)
     elif bias is not None:
       cls = transpose.ConvTransposeKFCBasicBiasFB
     else:
