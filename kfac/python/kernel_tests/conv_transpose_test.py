@@ -326,8 +326,11 @@ def test_diagonal_equals_exact_fisher_diagonal(world, name):
                                (diag + damping)**e * vec, **PTOL)
 
 
+# The tf.function run of this oracle (~10 s, traced twice) is in the slow
+# tier, as ekfac_test's (reference.WORLDS_TF2_SLOW).
 @pytest.mark.parametrize("world,name", [
-    ("graph", "2d_stride2_same"), ("function", "2d_stride2_same"),
+    ("graph", "2d_stride2_same"),
+    pytest.param("function", "2d_stride2_same", marks=pytest.mark.slow),
     ("graph", "2d_dilation2_valid_nobias"), ("graph", "1d_stride3_same")])
 def test_ekfac_scalings_block_and_products(world, name):
   """"ekfac", "exact" mode: the filter's scalings are the diagonal of the
