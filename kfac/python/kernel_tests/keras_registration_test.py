@@ -23,7 +23,7 @@ the optimizer keeps them in):
   block, kernels [D, H, K] / [H, K, D] registered with output_axes),
   Conv2D (strides 2, same, relu), Conv1D (causal, dilation 2), Conv3D,
   Conv2DTranspose (strides 2, same, relu; and "diagonal" by name),
-  Conv1DTranspose (valid, output_padding 1),
+  Conv1DTranspose (valid, output_padding 1), Conv3DTranspose,
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
   LayerNormalization (last axis; two axes without center),
   GroupNormalization (a small conv net with 2 groups; groups=-1 with the
@@ -327,6 +327,19 @@ def _conv_branches(r):
                                             output_padding=1,
                                             name="deconv1d")(x[0]),
       ref, {"deconv1d": "ConvTransposeKFCBasicBiasFB"}))
+
+  # Conv3DTranspose, strides (2, 1, 1), 'valid': 2x2x2 -> 4x3x3.
+  def ref(lc, v, xs):
+    k, b = v["deconv3d"]
+    pre = tf.nn.conv3d_transpose(xs[0], k, [N, 4, 3, 3, 2],
+                                 [1, 2, 1, 1, 1], "VALID") + b
+    lc.register_conv_transpose((k, b), xs[0], pre, [2, 1, 1], "VALID")
+    return pre
+  out.append(Branch(
+      [r.randn(N, 2, 2, 2, 1)],
+      lambda K, x: K.layers.Conv3DTranspose(2, 2, strides=(2, 1, 1),
+                                            name="deconv3d")(x[0]),
+      ref, {"deconv3d": "ConvTransposeKFCBasicBiasFB"}))
 
   return out
 
