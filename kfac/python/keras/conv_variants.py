@@ -1,4 +1,5 @@
-"""Keras SeparableConv2D and grouped Conv1D/2D/3D on a LayerCollection.
+"""Keras SeparableConv2D, grouped Conv1D/2D/3D and Conv1D/2D/3DTranspose on
+a LayerCollection.
 
 SeparableConv2D (depthwise_kernel [kh, kw, C, M], pointwise_kernel
 [1, 1, C*M, O], bias [O]) is computed by tf.nn.separable_conv2d: a depthwise
@@ -13,11 +14,21 @@ A convolution with groups > 1 (kernel [k.., C/groups, O]) is registered
 with register_grouped_convolution ("kron": KFC block-diagonal over the
 groups).
 
+A transposed convolution (kernel [k.., filters, in_channels]; strides,
+padding, output_padding, dilation_rate, either data format) is registered
+with register_conv_transpose ("kron": KFC with the output-gradient patches
+as G and the bias in an exact block of its own; "diagonal": the exact
+diagonal; "ekfac"; layers/conv/transpose.py)
+on its inputs and pre-activations; output_padding needs no argument: it
+only sets the outputs' size, which the registration checks.
+
 Cases out of reach raise `Fallback` (the layer gets the generic diagonal
 block and a warning): a layer called several times, channels_first
 separable convolutions (Keras transposes them around a channels-last
 computation on CPU), a graph without exactly one such pointwise Conv2D, a
-grouped convolution asked for an approximation other than "kron".
+grouped convolution asked for an approximation other than "kron", a
+transposed one asked for one other than "kron", "diagonal" and "ekfac", a
+transposed convolution with groups > 1.
 """
 
 import tensorflow as tf
@@ -132,3 +143,23 @@ def separable_params(layer):
 def is_separable(layer):
   return any(n.startswith("SeparableConv")
              for n in keras_flavor.class_names(layer))
+
+
+def register_transpose(lc, plan, calls):
+  layer = plan.layer
+  call = single_call(plan, calls)
+  if plan.approx not in (None, "kron", "diagonal", "ekfac"):
+    raise Fallback("transposed convolution has no %r approximation (only "
+                   "'kron', 'diagonal' and 'ekfac')" % (plan.approx,))
+  if getattr(layer, "groups", 1) != 1:
+    raise Fallback("transposed convolution with groups=%d" % layer.groups)
+  rank = len(layer.kernel.shape) - 2
+  return lc.register_conv_transpose(
+      _param_arg(plan.params), call.inputs, call.preactivations,
+      list(layer.strides), padding_of(layer),
+      data_format=conv_data_format(layer, rank),
+      dilations=list(layer.dilation_rate), approx=plan.approx)
+
+
+def is_transpose(layer):
+  return any("Transpose" in n for n in keras_flavor.class_names(layer))

@@ -31,7 +31,9 @@ from kfac.python.keras import keras_flavor
 # that K-FAC registers.
 FUSED_ACTIVATION_LAYERS = ("Dense", "EinsumDense", "Conv", "Conv1D", "Conv2D",
                            "Conv3D", "DepthwiseConv2D", "DepthwiseConv1D",
-                           "SeparableConv2D", "SeparableConv1D")
+                           "SeparableConv2D", "SeparableConv1D",
+                           "Conv1DTranspose", "Conv2DTranspose",
+                           "Conv3DTranspose")
 
 # from_node: the call was read from a built tf_keras model's graph node
 # (node_calls), not recorded; its `training` may be the learning-phase

@@ -23,6 +23,8 @@ Supported layers and what K-FAC sees:
   SeparableConv2D (channels_last)  register_separable_conv2d: the depthwise
                             outputs are found in the traced graph as the
                             input of the pointwise Conv2D (conv_variants)
+  Conv1D/2D/3DTranspose     register_conv_transpose (KFC, the patches on
+                            the output-gradient side; conv_variants)
   Embedding                 register_embedding; called several times with
                             one id per example and call:
                             register_fully_connected_multi(dense_inputs=False);
@@ -36,7 +38,7 @@ Supported layers and what K-FAC sees:
                             (recomputed from the layer's input as the layer
                             does) and the layer's outputs
 Anything else with trainable weights (and any case above the layer's options
-put out of reach: transposed convolutions, SeparableConv1D, masks, renorm,
+put out of reach: SeparableConv1D, masks, renorm,
 BatchNormalization / GroupNormalization over another axis, norms without
 scale, layers called several times on inputs
 with positions, other layers called several times) falls back to
@@ -188,8 +190,8 @@ def _kind_of(layer):
   if getattr(layer, "lora_enabled", False) or getattr(
       layer, "quantization_mode", None):
     return "generic", "LoRA / quantized %s" % name
-  if any("Transpose" in n for n in names):
-    return "generic", "%s (transposed convolution) has no K-FAC block" % name
+  if conv_variants.is_transpose(layer):
+    return "conv_transpose", None
   if "Dense" in names:
     return "dense", None
   if "EinsumDense" in names:
@@ -245,7 +247,7 @@ def _kind_of(layer):
 
 def _layer_params(layer, kind):
   """The layer's parameters in the order the registration takes them."""
-  if kind in ("dense", "conv", "grouped_conv"):
+  if kind in ("dense", "conv", "grouped_conv", "conv_transpose"):
     params = [layer.kernel, getattr(layer, "bias", None)]
   elif kind == "depthwise_conv":
     # tf_keras names the filter depthwise_kernel, Keras 3 kernel.
@@ -517,6 +519,7 @@ _REGISTER = {
     "depthwise_conv": _register_depthwise,
     "separable_conv": conv_variants.register_separable,
     "grouped_conv": conv_variants.register_grouped,
+    "conv_transpose": conv_variants.register_transpose,
     "embedding": _register_embedding,
     "batch_norm": _register_batch_norm,
     "layer_norm": _register_layer_norm,

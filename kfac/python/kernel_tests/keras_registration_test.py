@@ -22,18 +22,21 @@ the optimizer keeps them in):
   (2-d kernel; and MultiHeadAttention's four projections in a transformer
   block, kernels [D, H, K] / [H, K, D] registered with output_axes),
   Conv2D (strides 2, same, relu), Conv1D (causal, dilation 2), Conv3D,
+  Conv2DTranspose (strides 2, same, relu; and "diagonal" by name),
+  Conv1DTranspose (valid, output_padding 1), Conv3DTranspose,
   DepthwiseConv2D (multiplier 2), Embedding, BatchNormalization (training),
   LayerNormalization (last axis; two axes without center),
   GroupNormalization (a small conv net with 2 groups; groups=-1 with the
   "diagonal" approximation by name), a position embedding added to token
   embeddings (ids tf.range(T) without a batch axis), a shared Dense,
   Conv2D and Embedding (multi-use blocks), and the generic diagonal
-  fallbacks (Conv2DTranspose, BatchNormalization(axis=1),
+  fallbacks (BatchNormalization(axis=1),
   GroupNormalization(axis=1) and without scale, a position embedding
   multiplied with the tokens, a Dense shared by two sequences) with their UserWarning and "fallback" report line.
   fisher_approx by layer name, class and "__class__:Name" key.
   Conv2D channels_first cannot run on CPU (asserted); its traced
-  registration is checked to be the NCHW convolution.
+  registration is checked to be the NCHW convolution, and so is a
+  channels_first Conv2DTranspose's.
 - Losses. For mse, categorical, sparse categorical and binary
   cross-entropy, from_logits True and False (activation fused in the last
   Dense or a separate Activation layer; from_logits=True on a softmax /
@@ -298,19 +301,46 @@ def _conv_branches(r):
       [r.randn(N, 3, 3, 1), r.randn(N, 3, 3, 1)], body, ref,
       {"shared_conv": "ConvKFCBasicMultiIndepFB"}))
 
-  # Conv2DTranspose: no K-FAC block, the generic diagonal fallback.
+  # Conv2DTranspose, strides 2, 'same', fused relu: 3x3 -> 6x6.
   def ref(lc, v, xs):
     k, b = v["deconv"]
-    out = tf.nn.conv2d_transpose(xs[0], k, [N, 6, 6, 2], [1, 2, 2, 1],
-                                 "VALID") + b
-    lc.register_generic((k, b), N, approx="diagonal")
-    return out
+    pre = tf.nn.conv2d_transpose(xs[0], k, [N, 6, 6, 2], [1, 2, 2, 1],
+                                 "SAME") + b
+    lc.register_conv2d_transpose((k, b), xs[0], pre, 2, "SAME")
+    return tf.nn.relu(pre)
   out.append(Branch(
       [r.randn(N, 3, 3, 2)],
-      lambda K, x: K.layers.Conv2DTranspose(2, 2, strides=2,
+      lambda K, x: K.layers.Conv2DTranspose(2, 3, strides=2, padding="same",
+                                            activation="relu",
                                             name="deconv")(x[0]),
-      ref, {"deconv": "NaiveDiagonalFB"},
-      {"deconv": ("Conv2DTranspose", "transposed convolution")}))
+      ref, {"deconv": "ConvTransposeKFCBasicBiasFB"}))
+
+  # Conv1DTranspose, strides 2, 'valid', output_padding 1: 3 -> 7.
+  def ref(lc, v, xs):
+    k, b = v["deconv1d"]
+    pre = tf.nn.conv1d_transpose(xs[0], k, [N, 7, 2], 2, "VALID") + b
+    lc.register_conv1d_transpose((k, b), xs[0], pre, 2, "VALID")
+    return pre
+  out.append(Branch(
+      [r.randn(N, 3, 2)],
+      lambda K, x: K.layers.Conv1DTranspose(2, 2, strides=2,
+                                            output_padding=1,
+                                            name="deconv1d")(x[0]),
+      ref, {"deconv1d": "ConvTransposeKFCBasicBiasFB"}))
+
+  # Conv3DTranspose, strides (2, 1, 1), 'valid': 2x2x2 -> 4x3x3.
+  def ref(lc, v, xs):
+    k, b = v["deconv3d"]
+    pre = tf.nn.conv3d_transpose(xs[0], k, [N, 4, 3, 3, 2],
+                                 [1, 2, 1, 1, 1], "VALID") + b
+    lc.register_conv_transpose((k, b), xs[0], pre, [2, 1, 1], "VALID")
+    return pre
+  out.append(Branch(
+      [r.randn(N, 2, 2, 2, 1)],
+      lambda K, x: K.layers.Conv3DTranspose(2, 2, strides=(2, 1, 1),
+                                            name="deconv3d")(x[0]),
+      ref, {"deconv3d": "ConvTransposeKFCBasicBiasFB"}))
+
   return out
 
 
@@ -570,9 +600,25 @@ def _fisher_approx_branches(r):
     h = K.layers.Conv2D(2, 2, name="conv_a")(x[0])
     h = K.layers.Conv2D(2, 2, name="conv_b")(h)
     return K.layers.Dense(3, name="mid")(K.layers.Flatten()(h))
-  return [Branch([r.randn(N, 4, 4, 2)], body, ref,
-                 {"conv_a": "ConvKFCReduceFB", "conv_b": "ConvDiagonalFB",
-                  "mid": "FullyConnectedDiagonalFB"})]
+  out = [Branch([r.randn(N, 4, 4, 2)], body, ref,
+                {"conv_a": "ConvKFCReduceFB", "conv_b": "ConvDiagonalFB",
+                 "mid": "FullyConnectedDiagonalFB"})]
+
+  # A Conv2DTranspose with "diagonal" by name (tf_keras's Conv2DTranspose
+  # is a Conv2D: the name wins over the Conv2D class key).
+  def ref(lc, v, xs):
+    k, b = v["deconv_diag"]
+    pre = tf.nn.conv2d_transpose(xs[0], k, [N, 4, 4, 2], [1, 2, 2, 1],
+                                 "VALID") + b
+    lc.register_conv2d_transpose((k, b), xs[0], pre, 2, "VALID",
+                                 approx="diagonal")
+    return pre
+  out.append(Branch(
+      [r.randn(N, 2, 2, 3)],
+      lambda K, x: K.layers.Conv2DTranspose(2, 2, strides=2,
+                                            name="deconv_diag")(x[0]),
+      ref, {"deconv_diag": "ConvTransposeDiagonalFB"}))
+  return out
 
 
 def _separable_grouped_branches(r):
@@ -670,7 +716,8 @@ ZOO = {
     "group_norm": (_group_norm_branches, {"instance_norm": "diagonal"}),
     "position": (_position_branches, None),
     "fisher_approx": (_fisher_approx_branches, {
-        "conv_b": "diagonal", keras.layers.Conv2D: "kron_reduce",
+        "conv_b": "diagonal", "deconv_diag": "diagonal",
+        keras.layers.Conv2D: "kron_reduce",
         layer_registration.CLASS_KEY_PREFIX + "Dense": "diagonal"}),
 }
 LABELS = np.array([0, 1, 2, 1], dtype=np.int32)
@@ -1052,6 +1099,46 @@ def test_conv2d_channels_first_cannot_run_on_cpu_but_registers_as_nchw():
   assert found["towers"] == 2
 
 
+def test_conv2d_transpose_channels_first_registers_as_nchw():
+  """Keras 3's CPU kernel is NHWC only (tf_keras transposes around it), so
+  what is checked in both flavours is the traced registration: the NCHW
+  transposed convolution block, on the NCHW inputs and pre-activations
+  (the NHWC reading of the same tensors is an error naming the kernel)."""
+  inputs = keras.Input((2, 3, 3))
+  h = keras.layers.Conv2DTranspose(
+      3, 2, strides=2, activation="relu", data_format="channels_first",
+      name="deconv")(inputs)
+  model = keras.Model(inputs, keras.layers.Dense(3, name="head")(
+      keras.layers.Flatten()(h)))
+  keras_utils.watch(model)
+  deconv = model.get_layer("deconv")
+  params = tuple(keras_flavor.unwrap_variable(v)
+                 for v in deconv.trainable_weights)
+  found = {}
+
+  @tf.function(autograph=False)
+  def trace(x):
+    model(x, training=True)
+    lc, found["report"] = keras_utils.register_model(
+        model, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    (call,) = keras_utils.watch(model).calls(deconv)
+    found["pre"] = call.preactivations.shape.as_list()
+    block = lc.register_conv2d_transpose(
+        params, call.inputs, call.preactivations, 2, "VALID",
+        data_format="NCHW", reuse=True)
+    found["towers"] = block.num_registered_towers
+    with pytest.raises(ValueError, match="deconv.*needs inputs with 2 "
+                       "channels"):
+      lc.register_conv2d_transpose(params, call.inputs, call.preactivations,
+                                   2, "VALID", reuse=True)
+    return x
+
+  trace.get_concrete_function(tf.TensorSpec([None, 2, 3, 3], tf.float64))
+  assert (_report_blocks(found["report"])["deconv"] ==
+          "ConvTransposeKFCBasicBiasFB"), found["report"]
+  assert found["pre"] == [None, 3, 6, 6] and found["towers"] == 2
+
+
 # =========================================================== errors
 def _dense_model(classes=3, act=None, name="dense"):
   inputs = keras.Input((2,))
@@ -1177,18 +1264,18 @@ def test_fisher_approx_errors():
 def test_fisher_approx_on_a_fallback_layer_and_generic_full():
   """A generic layer takes the generic approximations; a layer that falls
   back ignores a specific approximation (and says so in the report)."""
-  inputs = keras.Input((3, 3, 1))
-  h = keras.layers.Conv2DTranspose(1, 2, name="deconv")(inputs)
+  inputs = keras.Input((4, 1))
+  h = keras.layers.SeparableConv1D(1, 2, name="sep1d")(inputs)
   model = keras.Model(inputs, keras.layers.Flatten()(h))
-  signature = tf.TensorSpec([None, 3, 3, 1], tf.float64)
+  signature = tf.TensorSpec([None, 4, 1], tf.float64)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     report = _trace_registration(model, "mse", signature=signature,
-                                 fisher_approx={"deconv": "full"})
-  assert _report_blocks(report) == {"deconv": "NaiveFullFB"}, report
-  assert "fallback: " in _report_line(report, "deconv")
+                                 fisher_approx={"sep1d": "full"})
+  assert _report_blocks(report) == {"sep1d": "NaiveFullFB"}, report
+  assert "fallback: " in _report_line(report, "sep1d")
   messages = [str(w.message) for w in caught]
-  assert any("generic 'full'" in m and "deconv" in m for m in messages), (
+  assert any("generic 'full'" in m and "sep1d" in m for m in messages), (
       messages)
 
 
@@ -1220,6 +1307,36 @@ def test_grouped_and_separable_out_of_reach_fall_back_naming_the_layer():
                      match="gconv.*only Conv1D/2D/3D"):
     _trace_registration(model, "mse", signature=signature,
                         registration_options={"gconv": {
+                            "sub_sample_inputs": 2}})
+
+
+def test_conv_transpose_out_of_reach_falls_back_naming_the_layer():
+  """A Conv2DTranspose asked for an approximation its block lacks gets the
+  generic diagonal with a warning naming the layer and the reason (the
+  same layer without it gets its block and no warning); registration_options
+  on it are an error naming it."""
+  inputs = keras.Input((3, 3, 2))
+  h = keras.layers.Conv2DTranspose(2, 2, strides=2, name="deconv")(inputs)
+  model = keras.Model(inputs, keras.layers.Flatten()(h))
+  signature = tf.TensorSpec([None, 3, 3, 2], tf.float64)
+  for approx, block, warned in ((None, "ConvTransposeKFCBasicBiasFB", 0),
+                                ("kron_reduce", "NaiveDiagonalFB", 1)):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      report = _trace_registration(model, "mse", signature=signature,
+                                   fisher_approx={"deconv": approx})
+    assert _report_blocks(report) == {"deconv": block}, report
+    messages = [str(w.message) for w in caught
+                if str(w.message).startswith("kfac: layer")]
+    assert len(messages) == warned, messages
+  assert ("'deconv'" in messages[0] and "Conv2DTranspose" in messages[0] and
+          "no 'kron_reduce' approximation (only 'kron', 'diagonal' and "
+          "'ekfac')" in messages[0]), (
+              messages)
+  with pytest.raises(layer_registration.RegistrationError,
+                     match="deconv.*only Conv1D/2D/3D"):
+    _trace_registration(model, "mse", signature=signature,
+                        registration_options={"deconv": {
                             "sub_sample_inputs": 2}})
 
 

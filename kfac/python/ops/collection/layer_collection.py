@@ -27,6 +27,7 @@ from kfac.python.ops.layers.base.approximations import APPROX_KRONECKER_NAME
 from kfac.python.ops.layers.base.registration import VARIABLE_SCOPE
 from kfac.python.ops.layers.base.registration import describe as _describe
 from kfac.python.ops.layers.conv import registration as conv_registration
+from kfac.python.ops.layers.conv import transpose_registration
 from kfac.python.ops.layers.dense import registration as dense_registration
 from kfac.python.ops.layers.embedding import registration as embedding_registration
 from kfac.python.ops.layers.generic import registration as generic_registration
@@ -56,6 +57,7 @@ BlocksByParams = LayerParametersDict
 class LayerCollection(dense_registration.DenseRegistrationMixin,
                       generic_registration.GenericRegistrationMixin,
                       conv_registration.ConvRegistrationMixin,
+                      transpose_registration.ConvTransposeRegistrationMixin,
                       embedding_registration.EmbeddingRegistrationMixin,
                       multi_use_registration.MultiUseRegistrationMixin,
                       scale_shift_registration.ScaleShiftRegistrationMixin,

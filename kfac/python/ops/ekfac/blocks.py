@@ -23,6 +23,7 @@ import tensorflow as tf
 from kfac.python.ops.layers.conv import blocks as conv_blocks
 from kfac.python.ops.layers.conv import patches as conv_patches
 from kfac.python.ops.layers.conv import statistics as conv_stats
+from kfac.python.ops.layers.conv import transpose as conv_transpose
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.base.factors import merge_trailing_axes
 from kfac.python.ops.layers.dense import blocks as dense_blocks
@@ -35,7 +36,8 @@ from kfac.python.ops.ekfac import scalings
 
 __all__ = ["EKFACMixin", "FullyConnectedEKFACFB", "FullyConnectedEKFACReduceFB",
            "FullyConnectedMultiEKFACFB", "ConvEKFACFB", "ConvEKFACReduceFB",
-           "EmbeddingEKFACFB"]
+           "EmbeddingEKFACFB", "ConvTransposeEKFACFB",
+           "ConvTransposeEKFACBiasFB"]
 
 
 def _to_basis(mat, q_in, q_out):
@@ -323,6 +325,35 @@ class ConvEKFACReduceFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCReduceFB):
     conv_blocks.ConvKFCReduceFB.__init__(
         self, layer_collection, params, padding, strides, dilation_rate,
         data_format, patch_mask=patch_mask)
+
+
+class ConvTransposeEKFACFB(EKFACMixin,
+                           conv_transpose.ConvTransposeKFCBasicFB):
+  """EKFAC of a transposed convolution's filter ("ekfac"), in the basis of
+  its KFC factors: the [C, K*O] view, per example the inputs [N, P, C] and
+  the output-gradient patches [N, P, K*O] over the P input positions."""
+
+  def ekfac_shape(self):
+    return [self._in_channels, self._patch_size]
+
+  def ekfac_inputs(self):
+    x = conv_stats.concat_channels_last(self._inputs,
+                                        self._spec.channels_first)
+    return tf.reshape(x, [tf.shape(x)[0], -1, self._in_channels])
+
+  def ekfac_grads(self, source):
+    g = conv_stats.concat_channels_last(source, self._spec.channels_first)
+    q = conv_patches.extract_patches(g, self._spec)
+    return tf.reshape(q, [tf.shape(q)[0], -1, self._patch_size])
+
+  def full_fisher_block(self):
+    return self._in_filter_order(EKFACMixin.full_fisher_block(self))
+
+
+class ConvTransposeEKFACBiasFB(conv_transpose.ExactBiasBlockMixin,
+                               ConvTransposeEKFACFB):
+  """EKFAC of a transposed convolution's filter and the bias's exact block
+  ("ekfac" with a bias)."""
 
 
 class EmbeddingEKFACFB(EKFACMixin, embedding_blocks.EmbeddingKFACFB):
