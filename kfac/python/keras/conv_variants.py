@@ -10,6 +10,13 @@ recomputed: a recomputed tensor is off the loss's path and its gradient
 would be zero) and calls register_separable_conv2d with the layer's
 strides, padding and dilations (the bias belongs to the pointwise output).
 
+Depthwise kernels (DepthwiseConv2D, SeparableConv2D's depthwise part) get
+DEPTHWISE_DEFAULT, "kron" (per-channel KFC, DepthwiseConvKFCBasicFB), when
+fisher_approx names none: the Keras default, chosen by measurement
+(docs/keras.md); the core's register_depthwise_conv2d keeps kfac 0.2.x's
+"diagonal". For SeparableConv2D `fisher_approx` is the pointwise layer's, or
+a pair (depthwise, pointwise).
+
 A convolution with groups > 1 (kernel [k.., C/groups, O]) is registered
 with register_grouped_convolution ("kron": KFC block-diagonal over the
 groups).
@@ -55,6 +62,9 @@ def single_call(plan, calls):
     raise Fallback("%s called %d times in one step" %
                    (type(plan.layer).__name__, len(calls)))
   return calls[0]
+
+
+DEPTHWISE_DEFAULT = "kron"
 
 
 def _param_arg(params):
@@ -111,7 +121,9 @@ def register_separable(lc, plan, calls):
                    "a pointwise convolution of the depthwise outputs" %
                    (type(layer).__name__, op.name))
   depthwise, pointwise = plan.params[0], plan.params[1:]
-  approx = plan.approx
+  approx = plan.approx  # the pointwise layer's (a conv2d approximation)
+  if not isinstance(approx, (list, tuple)):
+    approx = (DEPTHWISE_DEFAULT, approx)
   return lc.register_separable_conv2d(
       depthwise, _param_arg(pointwise), call.inputs, depthwise_outputs,
       call.preactivations, list(layer.strides), padding_of(layer),

@@ -19,7 +19,8 @@ Supported layers and what K-FAC sees:
                             called several times: register_conv2d_multi
   Conv1D/2D/3D (groups>1)   register_grouped_convolution (KFC block-diagonal
                             over the groups)
-  DepthwiseConv2D           register_depthwise_conv2d
+  DepthwiseConv2D           register_depthwise_conv2d ("kron" unless
+                            fisher_approx says "diagonal")
   SeparableConv2D (channels_last)  register_separable_conv2d: the depthwise
                             outputs are found in the traced graph as the
                             input of the pointwise Conv2D (conv_variants)
@@ -385,7 +386,8 @@ def _register_depthwise(lc, plan, calls):
       _param_arg(plan.params), calls[0].inputs, calls[0].preactivations,
       list(layer.strides), _padding(layer),
       rate=list(layer.dilation_rate),
-      data_format=_conv_data_format(layer, 2), approx=plan.approx)
+      data_format=_conv_data_format(layer, 2),
+      approx=plan.approx or conv_variants.DEPTHWISE_DEFAULT)
 
 
 def _register_embedding(lc, plan, calls):

@@ -268,13 +268,14 @@ def _conv_branches(r):
   def ref(lc, v, xs):
     k, b = v["depthwise"]
     pre = tf.nn.depthwise_conv2d(xs[0], k, [1, 1, 1, 1], "VALID") + b
-    lc.register_depthwise_conv2d((k, b), xs[0], pre, [1, 1, 1, 1], "VALID")
+    lc.register_depthwise_conv2d((k, b), xs[0], pre, [1, 1, 1, 1], "VALID",
+                                 approx="kron")
     return pre
   out.append(Branch(
       [r.randn(N, 4, 4, 2)],
       lambda K, x: K.layers.DepthwiseConv2D(2, depth_multiplier=2,
                                             name="depthwise")(x[0]),
-      ref, {"depthwise": "DepthwiseConvDiagonalFB"}))
+      ref, {"depthwise": "DepthwiseConvKFCBasicFB"}))
 
   # Conv3D, valid, channels_last.
   def ref(lc, v, xs):
@@ -633,14 +634,14 @@ def _separable_grouped_branches(r):
                                  dilations=[2, 2])
     pre = tf.nn.conv2d(mid, pk, [1, 1, 1, 1], "VALID") + b
     lc.register_separable_conv2d(dk, (pk, b), xs[0], mid, pre, 1, "SAME",
-                                 rate=2)
+                                 rate=2, approx=("kron", None))
     return tf.nn.relu(pre)
   out.append(Branch(
       [r.randn(N, 5, 5, 2)],
       lambda K, x: K.layers.SeparableConv2D(
           3, 2, depth_multiplier=2, padding="same", dilation_rate=2,
           activation="relu", name="separable")(x[0]),
-      ref, {"separable": "DepthwiseConvDiagonalFB+ConvKFCBasicFB"}))
+      ref, {"separable": "DepthwiseConvKFCBasicFB+ConvKFCBasicFB"}))
 
   # Conv2D with groups=2 (4 input channels, 4 outputs): the reference is two
   # convolutions of channel slices, concatenated.
