@@ -30,6 +30,8 @@ Supported layers and what K-FAC sees:
                             added to [batch, ...] tensors): on the ids
                             tiled over the batch and the sum (see
                             position_embedding)
+  LSTM, GRU (their cells)   register_fully_connected over time of the
+                            input and recurrent kernels (recurrent.py)
   BatchNormalization (channel axis last), LayerNormalization (trailing
     normalised axes), GroupNormalization (channel axis last)
                             register_scale_and_shift on the normalised inputs
@@ -57,6 +59,7 @@ from kfac.python.keras import einsum_equation
 from kfac.python.keras import keras_flavor
 from kfac.python.keras import normalized_inputs
 from kfac.python.keras import position_embedding
+from kfac.python.keras import recurrent
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
@@ -192,6 +195,8 @@ def _kind_of(layer):
     return "generic", "%s (transposed convolution) has no K-FAC block" % name
   if "Dense" in names:
     return "dense", None
+  if recurrent.cell_kind(layer):
+    return "recurrent", None
   if "EinsumDense" in names:
     equation = getattr(layer, "equation", None)
     kernel = getattr(layer, "kernel", None)
@@ -255,6 +260,8 @@ def _layer_params(layer, kind):
     params = [kernel, getattr(layer, "bias", None)]
   elif kind == "separable_conv":
     params = conv_variants.separable_params(layer)
+  elif kind == "recurrent":
+    params = recurrent.cell_params(layer)
   elif kind == "embedding":
     params = [layer.embeddings]
   elif kind in ("batch_norm", "layer_norm", "group_norm"):
@@ -521,6 +528,7 @@ _REGISTER = {
     "batch_norm": _register_batch_norm,
     "layer_norm": _register_layer_norm,
     "group_norm": _register_group_norm,
+    "recurrent": recurrent.register,
 }
 
 Row = collections.namedtuple(
