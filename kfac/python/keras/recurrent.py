@@ -182,7 +182,7 @@ def gru_forward(cell, x, state):
   in_bias = rec_bias = None
   if bias is not None:
     if reset_after:
-      in_bias, rec_bias = bias[0], bias[1]
+      in_bias, rec_bias = tf.unstack(bias)  # one read (the use check)
     else:
       in_bias = bias
   act, rec_act = cell.activation, cell.recurrent_activation
@@ -212,7 +212,7 @@ def gru_forward(cell, x, state):
       zg = rec_act(x_z + r_z)
       r = rec_act(x_r + r_r)
       hh = act(x_h + r * r_h)
-      rh = h
+      return (zg * h + (1 - zg) * hh,)
     else:
       x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
       inner = tf.matmul(h, recurrent[:, :2 * units]) + p_t[:, 0, :2 * units]
@@ -227,8 +227,11 @@ def gru_forward(cell, x, state):
   elems = [_time_major(x_proj), _time_major(probe)]
   if reset_after and bias_probe is not None:
     elems.append(_time_major(bias_probe))
-  hs, rhs = tf.scan(step, tuple(elems),
-                    initializer=(state[0], tf.zeros_like(state[0])))
+  # (a carry passed through unchanged breaks the loop's gradient in a TF1
+  # graph: reset_after carries h alone)
+  carried = tf.scan(step, tuple(elems), initializer=(
+      (state[0],) if reset_after else (state[0], tf.zeros_like(state[0]))))
+  hs = carried[0]
   outputs = _batch_major(hs)
   h_prev = _shifted(state[0], hs)
   if reset_after:
@@ -240,7 +243,8 @@ def gru_forward(cell, x, state):
       uses.append(([2], onehot, bias_probe))
   else:
     first = [0, 2] if bias is not None else [0]
-    rec_inputs = tf.stack([h_prev, tf.stop_gradient(_batch_major(rhs))], 2)
+    rec_inputs = tf.stack(
+        [h_prev, tf.stop_gradient(_batch_major(carried[1]))], 2)
     uses = [(first, x, z), ([1], rec_inputs, probe)]
   return outputs, (hs[-1],), uses
 
