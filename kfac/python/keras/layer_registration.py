@@ -557,7 +557,9 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
           (options, keras_flavor.layer_path(layer), type(layer).__name__,
            ", ".join(CONV_OPTIONS)))
     if kind != "generic" and not calls:
-      kind, reason = "generic", "its parameters are used outside its call"
+      kind, reason = "generic", (recurrent.no_call_reason(layer) if kind ==
+                                 "recurrent" else "its parameters are used "
+                                 "outside its call")
     if kind != "generic":
       try:
         block = _REGISTER[kind](lc, plan, calls, **options)

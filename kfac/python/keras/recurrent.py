@@ -67,11 +67,11 @@ _KINDS = {"LSTMCell": "lstm", "GRUCell": "gru"}
 
 
 def cell_kind(layer):
-  """"lstm" / "gru" for a Keras LSTMCell / GRUCell (with a recurrent kernel),
-  else None."""
+  """"lstm" / "gru" for a Keras LSTMCell / GRUCell, built or not (not
+  tf.compat.v1's cells, which have no recurrent_activation), else None."""
   names = keras_flavor.class_names(layer)
   for name, kind in _KINDS.items():
-    if name in names and getattr(layer, "recurrent_kernel", None) is not None:
+    if name in names and hasattr(layer, "recurrent_activation"):
       return kind
   return None
 
@@ -274,6 +274,12 @@ def call(layer, args, kwargs):
   return result, Record(layer, uses)
 
 
+def no_call_reason(cell):
+  return ("%s called outside a Keras LSTM / GRU layer (e.g. in "
+          "keras.layers.RNN(cell)): its steps run in a loop K-FAC cannot "
+          "see" % type(cell).__name__)
+
+
 def register(lc, plan, calls):
   """Registers a cell's plan from its recorded calls; raises
   conv_variants.Fallback with the reason where it cannot."""
@@ -283,9 +289,7 @@ def register(lc, plan, calls):
     if isinstance(record, str):
       raise fallback(record)
   if not all(isinstance(r, Record) for r in records):
-    raise fallback("%s called outside a Keras LSTM / GRU layer (e.g. "
-                   "keras.layers.RNN(cell)): its steps run in a loop K-FAC "
-                   "cannot see" % type(plan.layer).__name__)
+    raise fallback(no_call_reason(plan.layer))
   if len(records) != 1:
     raise fallback("%s called %d times in one step" %
                    (type(records[0].layer).__name__, len(records)))
