@@ -15,7 +15,9 @@
 The Kronecker factors and the two fit steps against a hand registration
 are in recurrent_test.py and keras_registration_test.py's zoo.
 
-Keras flavour: written against `keras_flavor.keras_module()`.
+Keras flavour: written against `keras_flavor.keras_module()`;
+`test_tf_keras` (slow) runs the file again under tf_keras, and the
+recurrent zoo groups of keras_registration_test with it.
 """
 
 import warnings
@@ -29,6 +31,7 @@ from kfac.python.keras import keras_flavor
 from kfac.python.keras import layer_recorder
 from kfac.python.keras import recurrent
 from kfac.python.keras import utils as keras_utils
+from kfac.python.kernel_tests import keras_optimizer_test as base
 
 keras = keras_flavor.keras_module()
 N, T, D = 3, 4, 3
@@ -168,8 +171,14 @@ def _trace_report(model, signature, **kwargs):
 
 
 def _rows(report):
-  return {line.split()[0]: line for line in report.splitlines()[2:]
-          if not line.startswith("loss: ")}
+  """{the layer of a row's first parameter: the row} (Keras 3 rows name
+  the cell's path, tf_keras rows its name; the parameters are paths in
+  both)."""
+  rows = {}
+  for line in report.splitlines()[2:]:
+    if not line.startswith("loss: "):
+      rows[line.split()[5].split("/")[0]] = line
+  return rows
 
 
 def test_out_of_reach_cases_fall_back_naming_the_cell_and_the_reason():
@@ -195,11 +204,10 @@ def test_out_of_reach_cases_fall_back_naming_the_cell_and_the_reason():
              "rnn": "LSTMCell called outside a Keras LSTM / GRU layer"}
   assert len(messages) == len(reasons), messages
   for layer, reason in reasons.items():
-    row = [line for path, line in rows.items()
-           if path.startswith(layer + "/")]
-    assert len(row) == 1 and "NaiveDiagonalFB" in row[0], report
-    assert "fallback: " + reason in row[0], row[0]
-    assert any(reason in m and "'%s/" % layer in m for m in messages), (
+    assert "NaiveDiagonalFB" in rows[layer], report
+    assert "fallback: " + reason in rows[layer], report
+    cell = rows[layer].split()[0]
+    assert any(reason in m and "'%s'" % cell in m for m in messages), (
         messages)
 
 
@@ -213,10 +221,10 @@ def test_fisher_approx_by_cell_name():
       fisher_approx={"lstm_cell": "diagonal", "gru_cell": "kron_reduce"})
   assert not messages, messages
   rows = _rows(report)
-  assert rows["lstm/lstm_cell"].split()[2] == "+".join(
+  assert rows["lstm"].split()[2] == "+".join(
       ["FullyConnectedDiagonalFB"] * 2), report
   # (kron_reduce: KFAC-reduce over the time steps)
-  assert rows["gru/gru_cell"].split()[2] == "+".join(
+  assert rows["gru"].split()[2] == "+".join(
       ["FullyConnectedKFACReduceFB"] * 3), report
 
 
@@ -225,7 +233,7 @@ def test_fisher_approx_by_cell_name():
 def test_text_classifier_loss_falls_with_adaptive_kfac(layer):
   """Tokens 1..7 in sequences of 6; the class is whether token 1 comes
   before token 2 (order matters: a bag of words cannot tell). Full
-  batch, 12 steps."""
+  batch, 16 steps."""
   rng = np.random.RandomState(0)
   steps, batch = 6, 64
   ids = rng.randint(3, 8, size=(batch, steps))
@@ -246,10 +254,24 @@ def test_text_classifier_loss_falls_with_adaptive_kfac(layer):
   model.compile(optimizer=opt, loss=loss)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    history = model.fit(ids, labels, batch_size=batch, epochs=12,
+    history = model.fit(ids, labels, batch_size=batch, epochs=16,
                         shuffle=False, verbose=0).history["loss"]
   assert not [w for w in caught if str(w.message).startswith("kfac: layer")]
   assert "+FullyConnectedKFACBasicFB" in opt.registration_report
-  # (measured: 0.69 -> 0.02 / 0.03; the recipe's first 5 steps calibrate
-  # the damping and do not move the weights)
-  assert history[-1] < 0.25 * history[0], history
+  # (measured, 16 steps: 0.69 -> LSTM 0.004 / GRU 0.005 in Keras 3, LSTM
+  # 0.143 / GRU 0.001 in tf_keras; the recipe's first 5 steps calibrate the
+  # damping and do not move the weights)
+  assert history[-1] < 0.3 * history[0], history
+
+
+@pytest.mark.slow  # subprocess: the file again under tf_keras
+def test_tf_keras():
+  """This file and the recurrent zoo groups again under tf_keras
+  (TF_USE_LEGACY_KERAS=1): tf_keras's LSTM / GRU (their own call, not the
+  cell's loop) take the same formulation."""
+  if base.LEGACY:
+    return  # this is the run under tf_keras
+  base.run_file_under_tf_keras(__file__)
+  base.run_file_under_tf_keras(
+      __file__.replace("keras_recurrent_test", "keras_registration_test"),
+      "recurrent or reset_before")
