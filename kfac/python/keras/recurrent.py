@@ -125,7 +125,9 @@ def _initial_state(layer, args, kwargs, batch, units, dtype, count):
 
 def _weights(cell, dtype):
   def read(var):
-    return tf.cast(keras_flavor.unwrap_variable(var), dtype)
+    # (the value as the layer reads it: under a mixed precision policy an
+    # autocast view of the float32 variable)
+    return tf.cast(tf.convert_to_tensor(var), dtype)
   bias = getattr(cell, "bias", None) if cell.use_bias else None
   return (read(cell.kernel), read(cell.recurrent_kernel),
           None if bias is None else read(bias))

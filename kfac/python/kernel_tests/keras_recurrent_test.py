@@ -10,6 +10,8 @@
   keras.layers.RNN) the cell gets the generic diagonal block and a warning
   naming it and the reason; fisher_approx by the cell's name picks the
   dense family's approximations.
+- Under mixed_float16 the same (float16 rounding) and fit steps move the
+  weights.
 - A small LSTM / GRU text classifier trained with Kfac(adaptive=True)
   lowers its loss (budget in steps; slow tier).
 The Kronecker factors and the two fit steps against a hand registration
@@ -20,6 +22,7 @@ Keras flavour: written against `keras_flavor.keras_module()`;
 recurrent zoo groups of keras_registration_test with it.
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -226,6 +229,44 @@ def test_fisher_approx_by_cell_name():
   # (kron_reduce: KFAC-reduce over the time steps)
   assert rows["gru"].split()[2] == "+".join(
       ["FullyConnectedKFACReduceFB"] * 3), report
+
+
+def test_mixed_float16_registers_the_kronecker_blocks_and_steps():
+  """Under mixed_float16 the layer reads its kernels through autocast
+  views: the formulation reads them the same way (float16 compute, float32
+  variables), the recorded forward equals the layer's to float16 rounding,
+  and fit steps move the weights."""
+  old = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    rng = np.random.RandomState(3)
+    x, y = rng.randn(8, T, D).astype(np.float32), np.arange(8) % 2
+    # (GRU: its bias is split in the loop; LSTM reads its weights alike)
+    for make in (lambda: keras.layers.GRU(4),):
+      model = keras.Sequential([keras.Input((T, D)), make(),
+                                keras.layers.Dense(2, dtype="float32")])
+      layer_recorder.recorder_for(model)  # the traced call is recorded
+      got = tf.function(lambda v: model(v, training=True))(x)
+      want = model(x, training=True)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                                 atol=2e-2)
+      loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+      opt = kfac.keras.optimizers.Kfac(model=model, loss=loss,
+                                       learning_rate=0.01, damping=0.01)
+      model.compile(optimizer=opt, loss=loss)
+      before = [np.asarray(w) for w in model.get_weights()]
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+      assert not [w for w in caught
+                  if str(w.message).startswith("kfac: layer")]
+      assert "Cell  FullyConnectedKFACBasicFB+" in re.sub(
+          " +", "  ", opt.registration_report), opt.registration_report
+      after = model.get_weights()
+      assert all(np.isfinite(w).all() for w in after)
+      assert all(np.abs(a - b).max() > 0 for a, b in zip(after, before))
+  finally:
+    keras.mixed_precision.set_global_policy(old)
 
 
 @pytest.mark.slow  # (about 17 s each on the shared 2-core machine)
