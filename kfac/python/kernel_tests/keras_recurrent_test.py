@@ -10,6 +10,7 @@
   keras.layers.RNN) the cell gets the generic diagonal block and a warning
   naming it and the reason; fisher_approx by the cell's name picks the
   dense family's approximations.
+- An initial state of the wrong length: a ValueError naming the layer.
 - Under mixed_float16 the same (float16 rounding) and fit steps move the
   weights.
 - A small LSTM / GRU text classifier trained with Kfac(adaptive=True)
@@ -316,3 +317,18 @@ def test_tf_keras():
   base.run_file_under_tf_keras(
       __file__.replace("keras_recurrent_test", "keras_registration_test"),
       "recurrent or reset_before")
+
+
+def test_initial_state_of_the_wrong_length_is_an_error_naming_the_layer():
+  """(Keras's own loop fails with an IndexError there.)"""
+  model = _model(CONFIGS["lstm"])
+  layer = model.layers[-1]
+  layer_recorder.recorder_for(model)
+
+  @tf.function
+  def call(x, h):
+    return layer(x, initial_state=[h], training=True)
+
+  with pytest.raises(ValueError, match=r"LSTM .*%s.*: initial_state has 1 "
+                     r"tensors, expected 2" % layer.name):
+    call(tf.zeros([N, T, D], tf.float64), tf.zeros([N, 3], tf.float64))
