@@ -209,7 +209,7 @@ class ModelRecorder:
     its cell (which owns the weights) whose preactivations are the Record
     (or the reason it is run as the layer runs)."""
     mask, training = kwargs.get("mask"), kwargs.get("training")
-    record = recurrent.unsupported_reason(layer, mask, training)
+    record = recurrent.unsupported_reason(layer, args, mask, training)
     if record is None:
       outputs, record = recurrent.call(layer, args, kwargs)
     else:

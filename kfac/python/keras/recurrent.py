@@ -90,10 +90,13 @@ def is_recurrent_layer(layer):
           cell_kind(cell) is not None)
 
 
-def unsupported_reason(layer, mask, training):
+def unsupported_reason(layer, args, mask, training):
   """Why the layer's call cannot be reformulated, or None."""
   cell = layer.cell
   name = type(layer).__name__
+  if len(args) > 1:
+    # (Keras 3 and tf_keras order call's other arguments differently)
+    return "%s called with positional arguments after its inputs" % name
   if mask is not None:
     return "%s called with a mask" % name
   if getattr(layer, "stateful", False):
@@ -108,10 +111,8 @@ def unsupported_reason(layer, mask, training):
   return None
 
 
-def _initial_state(layer, args, kwargs, batch, units, dtype, count):
+def _initial_state(layer, kwargs, batch, units, dtype, count):
   state = kwargs.get("initial_state")
-  if state is None and len(args) > 1:
-    state = args[1]
   if state is None:
     zero = tf.zeros(tf.stack([batch, units]), dtype)
     return [zero] * count
@@ -254,14 +255,16 @@ def gru_forward(cell, x, state):
 def call(layer, args, kwargs):
   """The outputs of a recognised layer's call (as the layer returns them)
   and its Record."""
-  x = tf.convert_to_tensor(args[0] if args else kwargs["inputs"])
+  # (Keras 3 names the inputs `sequences`, tf_keras `inputs`)
+  x = tf.convert_to_tensor(args[0] if args else kwargs.get(
+      "sequences", kwargs.get("inputs")))
   cell = layer.cell
   dtype = x.dtype
   if getattr(layer, "go_backwards", False):
     x = tf.reverse(x, [1])
   kind = cell_kind(cell)
   count = 2 if kind == "lstm" else 1
-  state = _initial_state(layer, args, kwargs, tf.shape(x)[0], cell.units,
+  state = _initial_state(layer, kwargs, tf.shape(x)[0], cell.units,
                          dtype, count)
   forward = lstm_forward if kind == "lstm" else gru_forward
   outputs, states, uses = forward(cell, x, state)
