@@ -125,12 +125,19 @@ def _initial_state(layer, kwargs, batch, units, dtype, count):
 
 
 def _weights(cell, dtype):
+  """(kernel, recurrent kernel, bias): the kernel and bias read once outside
+  the loop and cast to the compute dtype as the layer's autocast does; the
+  recurrent kernel as a function the loop body calls, reading the variable
+  there. (The adaptive step's forward-mode products walk op by op from the
+  variables' reads and send a loop that reads a variable to the
+  whole-graph method, which differentiates through it; a loop that only
+  captures tensors read outside it gets no tangent from that walk.)"""
   def read(var):
-    # (the value as the layer reads it: under a mixed precision policy an
-    # autocast view of the float32 variable)
-    return tf.cast(tf.convert_to_tensor(var), dtype)
+    return tf.cast(tf.convert_to_tensor(keras_flavor.unwrap_variable(var)),
+                   dtype)
+  recurrent = keras_flavor.unwrap_variable(cell.recurrent_kernel)
   bias = getattr(cell, "bias", None) if cell.use_bias else None
-  return (read(cell.kernel), read(cell.recurrent_kernel),
+  return (read(cell.kernel), lambda: tf.cast(recurrent, dtype),
           None if bias is None else read(bias))
 
 
@@ -155,7 +162,7 @@ def lstm_forward(cell, x, state):
   def step(carry, elems):
     h, c = carry
     z_t, p_t = elems
-    gates = z_t + (tf.matmul(h, recurrent) + p_t)
+    gates = z_t + (tf.matmul(h, recurrent()) + p_t)
     i, f, g, o = tf.split(gates, 4, axis=-1)
     c = rec_act(f) * c + rec_act(i) * act(g)
     h = rec_act(o) * act(c)
@@ -205,7 +212,7 @@ def gru_forward(cell, x, state):
     h = carry[0]
     x_t, p_t = elems[0], elems[1]
     if reset_after:
-      inner = tf.matmul(h, recurrent) + p_t
+      inner = tf.matmul(h, recurrent()) + p_t
       if rec_bias is not None:
         b_t = elems[2]
         x_t = x_t + b_t[:, 0]
@@ -218,11 +225,12 @@ def gru_forward(cell, x, state):
       return (zg * h + (1 - zg) * hh,)
     else:
       x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
-      inner = tf.matmul(h, recurrent[:, :2 * units]) + p_t[:, 0, :2 * units]
+      u = recurrent()
+      inner = tf.matmul(h, u[:, :2 * units]) + p_t[:, 0, :2 * units]
       zg = rec_act(x_z + inner[:, :units])
       r = rec_act(x_r + inner[:, units:])
       rh = r * h
-      hh = act(x_h + (tf.matmul(rh, recurrent[:, 2 * units:]) +
+      hh = act(x_h + (tf.matmul(rh, u[:, 2 * units:]) +
                       p_t[:, 1, 2 * units:]))
     h_new = zg * h + (1 - zg) * hh
     return h_new, rh

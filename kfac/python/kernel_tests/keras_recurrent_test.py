@@ -10,6 +10,9 @@
   keras.layers.RNN) the cell gets the generic diagonal block and a warning
   naming it and the reason; fisher_approx by the cell's name picks the
   dense family's approximations.
+- The forward-mode products of the adaptive step (walked from the
+  variables' reads) through the formulation equal the tape's JVP of the
+  layer.
 - An initial state of the wrong length: a ValueError naming the layer.
 - Under mixed_float16 the same (float16 rounding) and fit steps move the
   weights.
@@ -36,6 +39,7 @@ from kfac.python.keras import layer_recorder
 from kfac.python.keras import recurrent
 from kfac.python.keras import utils as keras_utils
 from kfac.python.kernel_tests import keras_optimizer_test as base
+from kfac.python.ops.compat_utils import forward_gradients
 
 keras = keras_flavor.keras_module()
 N, T, D = 3, 4, 3
@@ -155,6 +159,34 @@ def test_recorded_forward_equals_the_layer(name, initial_state):
   for w, g in zip(want, got):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-12,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["lstm", "gru", "gru_reset_before"])
+def test_forward_mode_products_reach_the_recurrent_weights(name):
+  """The adaptive step's curvature products are forward-mode JVPs
+  (fwd_gradients: walked op by op from the variables' reads, or by the
+  whole-graph method): through the recorded formulation they equal the
+  tape's JVP (ForwardAccumulator) of the layer's own forward, 1e-10 (a
+  formulation whose loop captured only tensors read outside it got no
+  tangent from the op-by-op walk, and the adaptive step diverged)."""
+  model = _model(CONFIGS[name])
+  _randomize(model, 4)
+  rng = np.random.RandomState(5)
+  x = tf.constant(rng.randn(N, T, D))
+  weights = [keras_flavor.unwrap_variable(v)
+             for v in _cells(model)[0].trainable_weights]
+  tangents = [tf.constant(rng.randn(*v.shape)) for v in weights]
+  layer_recorder.recorder_for(model)
+
+  @tf.function
+  def recorded():
+    y = model(x, training=True)
+    return forward_gradients.fwd_gradients([y], weights, tangents)[0]
+
+  with tf.autodiff.ForwardAccumulator(weights, tangents) as acc:
+    y = model(x, training=True)  # eager: Keras's own loop
+  np.testing.assert_allclose(recorded().numpy(), acc.jvp(y).numpy(),
+                             rtol=1e-10, atol=1e-12)
 
 
 def _trace_report(model, signature, **kwargs):
