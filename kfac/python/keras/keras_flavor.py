@@ -53,6 +53,11 @@ def unwrap_variable(var):
   value = getattr(var, "value", None)
   if isinstance(value, tf.Variable):
     return value
+  # In a Keras 3 autocast scope (mixed precision, inside a layer's call)
+  # `value` is the cast tensor; the variable is kept in `_value`.
+  value = getattr(var, "_value", None)
+  if isinstance(value, tf.Variable):
+    return value
   raise TypeError("Expected a tf.Variable or a Keras variable, got %r." %
                   (var,))
 

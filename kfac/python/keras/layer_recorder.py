@@ -26,6 +26,7 @@ import weakref
 import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import recurrent
 
 # Layers whose `activation` attribute is applied to the pre-activations
 # that K-FAC registers.
@@ -142,12 +143,15 @@ class ModelRecorder:
                  for n in FUSED_ACTIVATION_LAYERS)
              and getattr(layer, "activation", None) is not None)
     recorder = self
+    rnn = recurrent.is_recurrent_layer(layer)
 
     @functools.wraps(original)
     def call(*args, **kwargs):
       graph = recorder._recording_graph()
       if graph is None:
         return original(*args, **kwargs)
+      if rnn:
+        return recorder._recurrent_call(layer, graph, original, args, kwargs)
       pre = []
       if fused:
         activation = layer.activation
@@ -201,6 +205,20 @@ class ModelRecorder:
 
     object.__setattr__(model, "compute_loss", compute_loss)
     self._wrapped.add(id(model))
+
+  def _recurrent_call(self, layer, graph, original, args, kwargs):
+    """An LSTM / GRU layer computed by recurrent.call, recorded as a call of
+    its cell (which owns the weights) whose preactivations are the Record
+    (or the reason it is run as the layer runs)."""
+    mask, training = kwargs.get("mask"), kwargs.get("training")
+    record = recurrent.unsupported_reason(layer, args, mask, training)
+    if record is None:
+      outputs, record = recurrent.call(layer, args, kwargs)
+    else:
+      outputs = original(*args, **kwargs)
+    self._add_call(layer.cell, graph, Call(
+        _first_input(args, kwargs), record, outputs, training, mask))
+    return outputs
 
   def _add_call(self, layer, graph, call):
     per_key = self._calls.setdefault(id(layer), {})

@@ -33,6 +33,8 @@ Supported layers and what K-FAC sees:
                             added to [batch, ...] tensors): on the ids
                             tiled over the batch and the sum (see
                             position_embedding)
+  LSTM, GRU (their cells)   register_fully_connected over time of the
+                            input and recurrent kernels (recurrent.py)
   BatchNormalization (channel axis last), LayerNormalization (trailing
     normalised axes), GroupNormalization (channel axis last)
                             register_scale_and_shift on the normalised inputs
@@ -60,6 +62,7 @@ from kfac.python.keras import einsum_equation
 from kfac.python.keras import keras_flavor
 from kfac.python.keras import normalized_inputs
 from kfac.python.keras import position_embedding
+from kfac.python.keras import recurrent
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
@@ -195,6 +198,8 @@ def _kind_of(layer):
     return "conv_transpose", None
   if "Dense" in names:
     return "dense", None
+  if recurrent.cell_kind(layer):
+    return "recurrent", None
   if "EinsumDense" in names:
     equation = getattr(layer, "equation", None)
     kernel = getattr(layer, "kernel", None)
@@ -258,6 +263,8 @@ def _layer_params(layer, kind):
     params = [kernel, getattr(layer, "bias", None)]
   elif kind == "separable_conv":
     params = conv_variants.separable_params(layer)
+  elif kind == "recurrent":
+    params = recurrent.cell_params(layer)
   elif kind == "embedding":
     params = [layer.embeddings]
   elif kind in ("batch_norm", "layer_norm", "group_norm"):
@@ -526,6 +533,7 @@ _REGISTER = {
     "batch_norm": _register_batch_norm,
     "layer_norm": _register_layer_norm,
     "group_norm": _register_group_norm,
+    "recurrent": recurrent.register,
 }
 
 Row = collections.namedtuple(
@@ -554,7 +562,9 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
           (options, keras_flavor.layer_path(layer), type(layer).__name__,
            ", ".join(CONV_OPTIONS)))
     if kind != "generic" and not calls:
-      kind, reason = "generic", "its parameters are used outside its call"
+      kind, reason = "generic", (recurrent.no_call_reason(layer) if kind ==
+                                 "recurrent" else "its parameters are used "
+                                 "outside its call")
     if kind != "generic":
       try:
         block = _REGISTER[kind](lc, plan, calls, **options)

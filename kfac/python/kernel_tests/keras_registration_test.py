@@ -29,8 +29,10 @@ the optimizer keeps them in):
   GroupNormalization (a small conv net with 2 groups; groups=-1 with the
   "diagonal" approximation by name), a position embedding added to token
   embeddings (ids tf.range(T) without a batch axis), a shared Dense,
-  Conv2D and Embedding (multi-use blocks), and the generic diagonal
-  fallbacks (BatchNormalization(axis=1),
+  Conv2D and Embedding (multi-use blocks), LSTM and GRU (reset_after both
+  ways; the reference unrolls the recurrence in Python and registers the
+  kernels over the steps by hand, see _recurrent_branches), and the generic
+  diagonal fallbacks (BatchNormalization(axis=1),
   GroupNormalization(axis=1) and without scale, a position embedding
   multiplied with the tokens, a Dense shared by two sequences) with their UserWarning and "fallback" report line.
   fisher_approx by layer name, class and "__class__:Name" key.
@@ -706,6 +708,103 @@ def _attention_branches(r):
                   "ffn": dense})]
 
 
+def _recurrent_branches(r):
+  # LSTM and GRU (reset_after both ways), default activations (tanh,
+  # sigmoid), T = 3 steps. The reference unrolls the recurrence in Python
+  # (one tensor per step, the recurrent kernel read once) and registers by
+  # hand what recurrent.py registers: the input kernel on the inputs and
+  # the input projection Z (one [N, T, .] tensor), the recurrent kernel on
+  # h_{t-1} and a zero probe [N, T, .] added to the recurrent product
+  # (KFAC-expand over the steps); a reset_after GRU's bias [2, 3u] on
+  # one-hot inputs and a probe [N, T, 2, 3u] (row 0 with the input
+  # projection, row 1 with the recurrent product); a reset_after=False
+  # GRU's recurrent kernel on [N, T, 2, u] inputs (h_{t-1}, r_t h_{t-1}).
+  steps, units = 3, 2
+  dense = "FullyConnectedKFACBasicFB"
+
+  def lstm_ref(lc, v, xs):
+    w, u, b = v["lstm"]
+    x, u = xs[0], _read_once(u)
+    z = tf.einsum("ntd,dg->ntg", x, w) + b
+    probe = tf.zeros_like(z)
+    h = c = tf.zeros([N, units], tf.float64)
+    prev = []
+    for t in range(steps):
+      prev.append(h)
+      i, f, g, o = tf.split(z[:, t] + (tf.matmul(h, u) + probe[:, t]), 4, 1)
+      c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+      h = tf.sigmoid(o) * tf.tanh(c)
+    lc.register_fully_connected((w, b), x, z)
+    lc.register_fully_connected(u_var(v, "lstm"), tf.stack(prev, 1), probe)
+    return h
+
+  def gru_ref(lc, v, xs):
+    w, u, b = v["gru"]
+    x, u = xs[0], _read_once(u)
+    z = tf.einsum("ntd,dg->ntg", x, w)
+    probe = tf.zeros_like(z)
+    bias_probe = tf.zeros([N, steps, 2, 3 * units], tf.float64)
+    b_in, b_rec = tf.unstack(b)
+    h = tf.zeros([N, units], tf.float64)
+    prev = []
+    for t in range(steps):
+      prev.append(h)
+      xp = z[:, t] + b_in + bias_probe[:, t, 0]
+      inner = tf.matmul(h, u) + probe[:, t] + (b_rec + bias_probe[:, t, 1])
+      zg = tf.sigmoid(xp[:, :units] + inner[:, :units])
+      rg = tf.sigmoid(xp[:, units:2 * units] + inner[:, units:2 * units])
+      hh = tf.tanh(xp[:, 2 * units:] + rg * inner[:, 2 * units:])
+      h = zg * h + (1 - zg) * hh
+    lc.register_fully_connected(w, x, z)
+    lc.register_fully_connected(u_var(v, "gru"), tf.stack(prev, 1), probe)
+    lc.register_fully_connected(
+        b, tf.constant(np.broadcast_to(np.eye(2), (N, steps, 2, 2))),
+        bias_probe)
+    return h
+
+  def gru_before_ref(lc, v, xs):
+    w, u, b = v["gru_before"]
+    x, u = xs[0], _read_once(u)
+    z = tf.einsum("ntd,dg->ntg", x, w) + b
+    probe = tf.zeros([N, steps, 2, 3 * units], tf.float64)
+    h = tf.zeros([N, units], tf.float64)
+    prev, hs = [], []
+    for t in range(steps):
+      inner = (tf.matmul(h, u[:, :2 * units]) +
+               probe[:, t, 0, :2 * units])
+      zg = tf.sigmoid(z[:, t, :units] + inner[:, :units])
+      rg = tf.sigmoid(z[:, t, units:2 * units] + inner[:, units:])
+      prev.append(tf.stack([h, rg * h], 1))
+      hh = tf.tanh(z[:, t, 2 * units:] + (
+          tf.matmul(rg * h, u[:, 2 * units:]) + probe[:, t, 1, 2 * units:]))
+      h = zg * h + (1 - zg) * hh
+      hs.append(h)
+    lc.register_fully_connected((w, b), x, z)
+    lc.register_fully_connected(u_var(v, "gru_before"),
+                                tf.stop_gradient(tf.stack(prev, 1)), probe)
+    return tf.stack(hs, 1)
+
+  def u_var(v, name):
+    return v[name][1]
+
+  def _read_once(u):
+    # One op reads the kernel, as in a loop (the TF1 use check counts the
+    # ops reading a variable, through identities).
+    return tf.reshape(u, u.shape)
+
+  x = r.randn(N, steps, 3)
+  return [
+      Branch([x], lambda K, x: K.layers.LSTM(units, name="lstm")(x[0]),
+             lstm_ref, {"lstm_cell": dense + "+" + dense}),
+      Branch([x], lambda K, x: K.layers.GRU(units, name="gru")(x[0]),
+             gru_ref, {"gru_cell": "+".join([dense] * 3)}),
+      Branch([x], lambda K, x: K.layers.GRU(
+          units, reset_after=False, return_sequences=True,
+          name="gru_before")(x[0]),
+             gru_before_ref, {"gru_cell": dense + "+" + dense}),
+  ]
+
+
 # "head" (the last Dense) is diagonal only in the fisher_approx group, whose
 # "__class__:Dense" key covers it.
 ZOO = {
@@ -716,6 +815,9 @@ ZOO = {
     "attention": (_attention_branches, None),
     "group_norm": (_group_norm_branches, {"instance_norm": "diagonal"}),
     "position": (_position_branches, None),
+    # (two groups: both GRU rows are named gru_cell)
+    "recurrent": (lambda r: _recurrent_branches(r)[:2], None),
+    "gru_reset_before": (lambda r: _recurrent_branches(r)[2:], None),
     "fisher_approx": (_fisher_approx_branches, {
         "conv_b": "diagonal", "deconv_diag": "diagonal",
         keras.layers.Conv2D: "kron_reduce",

@@ -1,0 +1,315 @@
+"""Keras LSTM and GRU layers on a LayerCollection.
+
+A Keras LSTM / GRU runs its cell inside a loop (a tf.while_loop of the
+backend, or unrolled), so the cell's matmuls, and their per-step output
+gradients, are out of the reach of the recorded layer calls. While a
+`ModelRecorder` records a training step, a recognised LSTM / GRU layer
+(`supported`) is computed here instead, by an equivalent formulation with
+the layer's own weights and activations whose tensors K-FAC can register:
+
+* the input projection Z = X @ W (+ b) of every time step is one tensor
+  [batch, T, gates * units] computed outside the loop (the loop reads its
+  steps), so the gradient w.r.t. Z is each step's gate gradient;
+* the recurrent product h_{t-1} @ U is computed in the loop, and a zero
+  "probe" tensor P [batch, T, gates * units] made outside the loop is added
+  to it at each step, so the gradient w.r.t. P is each step's gradient of
+  the recurrent product (for GRU with reset_after=True the reset gate
+  multiplies the candidate part of that product: its gradient is not the
+  input projection's);
+* the inputs of the recurrent kernel are h_{t-1}: the hidden sequence
+  shifted by one step, the initial state first.
+
+The weights are shared over the time steps: each is registered with
+`register_fully_connected` on [batch, T, ...] inputs and outputs, the dense
+family's KFAC-expand over the shared axis (the same registration as a Dense
+layer on a sequence; kfac 0.2.4's `register_fully_connected_multi` /
+`num_uses` needs one tensor per step, which a loop does not have). The
+registrations (`register`):
+
+  LSTM                 (kernel, bias) on X and Z; recurrent_kernel on
+                       h_{t-1} and P.
+  GRU reset_after=True (bias [2, 3 units]: input and recurrent bias) kernel
+                       on X and Z (without bias); recurrent_kernel on
+                       h_{t-1} and P; the bias as a dense weight [2, 3 units]
+                       whose inputs are one-hot: row 0 is added to the input
+                       projection, row 1 to the recurrent product, through a
+                       second probe Q [batch, T, 2, 3 units] (KFAC-expand
+                       over the 2 T uses).
+  GRU reset_after=False (bias [3 units]) (kernel, bias) on X and Z; the
+                       recurrent kernel's update/reset columns take h_{t-1},
+                       its candidate columns r * h_{t-1}: the kernel is used
+                       twice per step, registered on [batch, T, 2, units]
+                       inputs (h_{t-1}, r_t * h_{t-1}) and a probe
+                       [batch, T, 2, 3 units] (each use's unused columns get
+                       no gradient).
+
+The forward equals the layer's (same operations, other summation order: to
+rounding). Anything else falls back to the generic block with the reason
+(`unsupported_reason`): dropout or recurrent dropout in training, masks,
+stateful layers, time_major (tf_keras), cells of another class, a cell run
+outside such a layer (keras.layers.RNN(cell)), a layer called several times
+in one step.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from kfac.python.keras import conv_variants
+from kfac.python.keras import keras_flavor
+
+# The recorded call of a recognised layer, kept as the cell's
+# `Call.preactivations`: `uses` is a list of (param indices into the plan's
+# params, inputs, outputs) for register_fully_connected.
+Record = collections.namedtuple("Record", ["layer", "uses"])
+
+_KINDS = {"LSTMCell": "lstm", "GRUCell": "gru"}
+
+
+def cell_kind(layer):
+  """"lstm" / "gru" for a Keras LSTMCell / GRUCell, built or not (not
+  tf.compat.v1's cells, which have no recurrent_activation), else None."""
+  names = keras_flavor.class_names(layer)
+  for name, kind in _KINDS.items():
+    if name in names and hasattr(layer, "recurrent_activation"):
+      return kind
+  return None
+
+
+def cell_params(cell):
+  """The cell's parameters in the order of the Record's indices."""
+  return [cell.kernel, cell.recurrent_kernel,
+          getattr(cell, "bias", None) if cell.use_bias else None]
+
+
+def is_recurrent_layer(layer):
+  """An LSTM / GRU layer whose cell is an LSTMCell / GRUCell."""
+  names = keras_flavor.class_names(layer)
+  cell = getattr(layer, "cell", None)
+  return (("LSTM" in names or "GRU" in names) and cell is not None and
+          cell_kind(cell) is not None)
+
+
+def unsupported_reason(layer, args, mask, training):
+  """Why the layer's call cannot be reformulated, or None."""
+  cell = layer.cell
+  name = type(layer).__name__
+  if len(args) > 1:
+    # (Keras 3 and tf_keras order call's other arguments differently)
+    return "%s called with positional arguments after its inputs" % name
+  if mask is not None:
+    return "%s called with a mask" % name
+  if getattr(layer, "stateful", False):
+    return "stateful %s" % name
+  if getattr(layer, "time_major", False):
+    return "%s with time_major=True" % name
+  dropout = (getattr(cell, "dropout", 0.0) or 0.0,
+             getattr(cell, "recurrent_dropout", 0.0) or 0.0)
+  if training is not False and max(dropout) > 0:
+    return ("%s with dropout=%r, recurrent_dropout=%r in training (the "
+            "dropout masks are drawn inside the layer)" % ((name,) + dropout))
+  return None
+
+
+def _initial_state(layer, kwargs, batch, units, dtype, count):
+  state = kwargs.get("initial_state")
+  if state is None:
+    zero = tf.zeros(tf.stack([batch, units]), dtype)
+    return [zero] * count
+  state = tf.nest.flatten(state)
+  if len(state) != count:
+    raise ValueError("%s %s: initial_state has %d tensors, expected %d." %
+                     (type(layer).__name__, keras_flavor.layer_path(layer),
+                      len(state), count))
+  return [tf.cast(s, dtype) for s in state]
+
+
+def _weights(cell, dtype):
+  """(kernel, recurrent kernel, bias): the kernel and bias read once outside
+  the loop and cast to the compute dtype as the layer's autocast does; the
+  recurrent kernel as a function the loop body calls, reading the variable
+  there. (The adaptive step's forward-mode products walk op by op from the
+  variables' reads and send a loop that reads a variable to the
+  whole-graph method, which differentiates through it; a loop that only
+  captures tensors read outside it gets no tangent from that walk.)"""
+  def read(var):
+    return tf.cast(tf.convert_to_tensor(keras_flavor.unwrap_variable(var)),
+                   dtype)
+  recurrent = keras_flavor.unwrap_variable(cell.recurrent_kernel)
+  bias = getattr(cell, "bias", None) if cell.use_bias else None
+  return (read(cell.kernel), lambda: tf.cast(recurrent, dtype),
+          None if bias is None else read(bias))
+
+
+def _time_major(x):
+  return tf.transpose(x, [1, 0] + list(range(2, x.shape.rank)))
+
+
+def _batch_major(x):
+  return _time_major(x)
+
+
+def lstm_forward(cell, x, state):
+  """LSTM over x [batch, T, in] from state (h0, c0). Returns (outputs
+  [batch, T, units], (h_T, c_T), uses)."""
+  kernel, recurrent, bias = _weights(cell, x.dtype)
+  z = tf.einsum("bti,ig->btg", x, kernel)
+  if bias is not None:
+    z = z + bias
+  probe = tf.zeros_like(z)
+  act, rec_act = cell.activation, cell.recurrent_activation
+
+  def step(carry, elems):
+    h, c = carry
+    z_t, p_t = elems
+    gates = z_t + (tf.matmul(h, recurrent()) + p_t)
+    i, f, g, o = tf.split(gates, 4, axis=-1)
+    c = rec_act(f) * c + rec_act(i) * act(g)
+    h = rec_act(o) * act(c)
+    return h, c
+
+  hs, cs = tf.scan(step, (_time_major(z), _time_major(probe)),
+                   initializer=tuple(state))
+  outputs = _batch_major(hs)
+  h_prev = _shifted(state[0], hs)
+  first = [0, 2] if bias is not None else [0]
+  uses = [(first, x, z), ([1], h_prev, probe)]
+  return outputs, (hs[-1], cs[-1]), uses
+
+
+def _shifted(h0, hs):
+  """[batch, T, units]: h_{t-1} of every step (h0 first)."""
+  return tf.stop_gradient(_batch_major(tf.concat([h0[None], hs[:-1]], 0)))
+
+
+def gru_forward(cell, x, state):
+  """GRU over x [batch, T, in] from state (h0,). Returns (outputs,
+  (h_T,), uses); see the module docstring for the registrations."""
+  kernel, recurrent, bias = _weights(cell, x.dtype)
+  units = cell.units
+  reset_after = cell.reset_after
+  z = tf.einsum("bti,ig->btg", x, kernel)
+  in_bias = rec_bias = None
+  if bias is not None:
+    if reset_after:
+      in_bias, rec_bias = tf.unstack(bias)  # one read (the use check)
+    else:
+      in_bias = bias
+  act, rec_act = cell.activation, cell.recurrent_activation
+  shape = tf.concat([tf.shape(z)[:2], [2, 3 * units]], 0)
+  if reset_after:
+    probe = tf.zeros_like(z)
+    bias_probe = tf.zeros(shape, z.dtype) if bias is not None else None
+    x_proj = z if in_bias is None else z + in_bias
+  else:
+    if in_bias is not None:
+      z = z + in_bias
+    probe = tf.zeros(shape, z.dtype)
+    bias_probe = None
+    x_proj = z
+
+  def step(carry, elems):
+    h = carry[0]
+    x_t, p_t = elems[0], elems[1]
+    if reset_after:
+      inner = tf.matmul(h, recurrent()) + p_t
+      if rec_bias is not None:
+        b_t = elems[2]
+        x_t = x_t + b_t[:, 0]
+        inner = inner + (rec_bias + b_t[:, 1])
+      x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
+      r_z, r_r, r_h = tf.split(inner, 3, axis=-1)
+      zg = rec_act(x_z + r_z)
+      r = rec_act(x_r + r_r)
+      hh = act(x_h + r * r_h)
+      return (zg * h + (1 - zg) * hh,)
+    else:
+      x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
+      u = recurrent()
+      inner = tf.matmul(h, u[:, :2 * units]) + p_t[:, 0, :2 * units]
+      zg = rec_act(x_z + inner[:, :units])
+      r = rec_act(x_r + inner[:, units:])
+      rh = r * h
+      hh = act(x_h + (tf.matmul(rh, u[:, 2 * units:]) +
+                      p_t[:, 1, 2 * units:]))
+    h_new = zg * h + (1 - zg) * hh
+    return h_new, rh
+
+  elems = [_time_major(x_proj), _time_major(probe)]
+  if reset_after and bias_probe is not None:
+    elems.append(_time_major(bias_probe))
+  # (a carry passed through unchanged breaks the loop's gradient in a TF1
+  # graph: reset_after carries h alone)
+  carried = tf.scan(step, tuple(elems), initializer=(
+      (state[0],) if reset_after else (state[0], tf.zeros_like(state[0]))))
+  hs = carried[0]
+  outputs = _batch_major(hs)
+  h_prev = _shifted(state[0], hs)
+  if reset_after:
+    uses = [([0], x, z), ([1], h_prev, probe)]
+    if bias_probe is not None:
+      batch_t = tf.shape(z)[:2]
+      onehot = tf.broadcast_to(tf.eye(2, dtype=z.dtype), tf.concat(
+          [batch_t, [2, 2]], 0))
+      uses.append(([2], onehot, bias_probe))
+  else:
+    first = [0, 2] if bias is not None else [0]
+    rec_inputs = tf.stack(
+        [h_prev, tf.stop_gradient(_batch_major(carried[1]))], 2)
+    uses = [(first, x, z), ([1], rec_inputs, probe)]
+  return outputs, (hs[-1],), uses
+
+
+def call(layer, args, kwargs):
+  """The outputs of a recognised layer's call (as the layer returns them)
+  and its Record."""
+  # (Keras 3 names the inputs `sequences`, tf_keras `inputs`)
+  x = tf.convert_to_tensor(args[0] if args else kwargs.get(
+      "sequences", kwargs.get("inputs")))
+  cell = layer.cell
+  dtype = x.dtype
+  if getattr(layer, "go_backwards", False):
+    x = tf.reverse(x, [1])
+  kind = cell_kind(cell)
+  count = 2 if kind == "lstm" else 1
+  state = _initial_state(layer, kwargs, tf.shape(x)[0], cell.units,
+                         dtype, count)
+  forward = lstm_forward if kind == "lstm" else gru_forward
+  outputs, states, uses = forward(cell, x, state)
+  output = outputs if layer.return_sequences else states[0]
+  if layer.return_state:
+    if type(layer).__module__.startswith("tf_keras"):
+      result = [output] + list(states)
+    else:
+      result = (output,) + tuple(states)
+  else:
+    result = output
+  return result, Record(layer, uses)
+
+
+def no_call_reason(cell):
+  return ("%s called outside a Keras LSTM / GRU layer (e.g. in "
+          "keras.layers.RNN(cell)): its steps run in a loop K-FAC cannot "
+          "see" % type(cell).__name__)
+
+
+def register(lc, plan, calls):
+  """Registers a cell's plan from its recorded calls; raises
+  conv_variants.Fallback with the reason where it cannot."""
+  fallback = conv_variants.Fallback
+  records = [c.preactivations for c in calls]
+  for record in records:
+    if isinstance(record, str):
+      raise fallback(record)
+  if not all(isinstance(r, Record) for r in records):
+    raise fallback(no_call_reason(plan.layer))
+  if len(records) != 1:
+    raise fallback("%s called %d times in one step" %
+                   (type(records[0].layer).__name__, len(records)))
+  blocks = []
+  for indices, inputs, outputs in records[0].uses:
+    params = [plan.params[i] for i in indices]
+    blocks.append(lc.register_fully_connected(
+        params[0] if len(params) == 1 else tuple(params), inputs, outputs,
+        approx=plan.approx))
+  return tuple(blocks)
