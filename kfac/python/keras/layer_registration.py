@@ -63,6 +63,8 @@ from kfac.python.keras import keras_flavor
 from kfac.python.keras import normalized_inputs
 from kfac.python.keras import position_embedding
 from kfac.python.keras import recurrent
+from kfac.python.keras.registration_report import Row  # pylint: disable=unused-import
+from kfac.python.keras.registration_report import format_report  # pylint: disable=unused-import
 
 GENERIC_FALLBACK = "diagonal"
 CLASS_KEY_PREFIX = "__class__:"
@@ -536,11 +538,6 @@ _REGISTER = {
     "recurrent": recurrent.register,
 }
 
-Row = collections.namedtuple(
-    "Row", ["layer", "layer_class", "registration", "approx", "params",
-            "calls", "note"])
-
-
 def register_layers(lc, plans, recorder, batch_size, warn=None,
                     registration_options=None):
   """Registers every plan on `lc` from the calls `recorder` holds for the
@@ -587,18 +584,3 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
                     "fallback: " + reason if kind == "generic" else
                     ", ".join("%s=%r" % kv for kv in sorted(options.items()))))
   return rows
-
-
-def format_report(rows, losses=()):
-  """The registration report: one line per layer, then the losses."""
-  header = ("layer", "class", "block", "approx", "calls", "parameters",
-            "note")
-  table = [header] + [(r.layer, r.layer_class, r.registration, r.approx,
-                       str(r.calls), r.params, r.note) for r in rows]
-  widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-  lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-           for row in table]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  for loss in losses:
-    lines.append("loss: " + loss)
-  return "\n".join(lines)
