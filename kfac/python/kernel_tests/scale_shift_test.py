@@ -154,6 +154,76 @@ def test_full_equals_exact_fisher_block_and_its_damped_products(world, case):
                              np.linalg.cholesky(damped).T @ v, **INV_TOL)
 
 
+def _per_channel_mask(inits):
+  """1 where the exact block's entry is kept by the per-channel
+  approximation: (scale_i, scale_i), (scale_i, shift_i), (shift_i,
+  shift_i), ... (the order concat(scale.flatten(), shift.flatten()))."""
+  m = inits[1].size
+  k = len(inits) - 2
+  return np.kron(np.ones((k, k)), np.eye(m))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "%s-%s-%s" % c)
+def test_per_channel_equals_exact_channel_blocks(world, case):
+  """"per_channel": the [2, 2] blocks of the exact Fisher block pairing
+  scale_i with shift_i (1x1 without a shift), the rest zero; its damped
+  inverse, power, product and Cholesky products are those of that
+  block-diagonal matrix (1e-8)."""
+  layout, scale_shape, shift_shape = case
+  inits = _inits(layout, scale_shape, shift_shape, seed=7)
+  x, labels = _data(8)
+  damping = 0.05
+  vec = _vector(inits, 9)
+  store = util.new_store()
+
+  def build(vs):
+    lc = kfac.LayerCollection()
+    block, registered = _build_model(lc, layout, vs, x, labels,
+                                     approx="per_channel")
+    _, ops = util.estimator_stages(store, lc, registered, "exact",
+                                   damping=damping, exps=(-1, -0.5),
+                                   compute_cholesky=True)
+    v = _as_vec(vec)
+    fetch = {"full": block.full_fisher_block(),
+             "inv": block.multiply_inverse(v), "mult": block.multiply(v),
+             "pow": block.multiply_matpower(v, -0.5),
+             "chol": block.multiply_cholesky(v),
+             "chol_t": block.multiply_cholesky(v, transpose=True),
+             "type": tf.constant(type(block).__name__)}
+    return ops + [fetch]
+
+  out = ref.run_stages(world, inits, build)[-1]
+  assert out["type"] == b"ScaleAndShiftPerChannelFB"
+  exact = _exact_block(layout, inits, x)
+  kept = exact * _per_channel_mask(inits)
+  if shift_shape is not None:  # the pairs are coupled, and so are channels
+    assert np.abs(kept - np.diag(np.diag(kept))).max() > 1e-3
+  assert np.abs(exact - kept).max() > 1e-3
+  np.testing.assert_allclose(out["full"], kept, **TOL)
+  damped = kept + damping * np.eye(len(kept))
+  v = ref.flat(vec)
+  chol = np.linalg.cholesky(damped)
+  np.testing.assert_allclose(ref.flat(out["inv"]), np.linalg.solve(damped, v),
+                             **INV_TOL)
+  np.testing.assert_allclose(ref.flat(out["mult"]), damped @ v, **INV_TOL)
+  np.testing.assert_allclose(ref.flat(out["pow"]),
+                             ref.sym_matpower(damped, -0.5) @ v, **INV_TOL)
+  np.testing.assert_allclose(ref.flat(out["chol"]), chol @ v, **INV_TOL)
+  np.testing.assert_allclose(ref.flat(out["chol_t"]), chol.T @ v, **INV_TOL)
+
+
+def test_per_channel_needs_scale_and_shift_of_one_shape():
+  with tf.Graph().as_default():
+    scale = tf.Variable(np.ones((2, 2, 3)), name="bn_scale")
+    shift = tf.Variable(np.zeros((2, 1)), name="bn_shift")
+    z = tf.ones([4, 2, 2, 3], tf.float64)
+    lc = kfac.LayerCollection()
+    with pytest.raises(ValueError, match="bn_scale.*bn_shift"):
+      lc.register_scale_and_shift((scale, shift), z, z * scale + shift,
+                                  approx="per_channel")
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]],
                          ids=lambda c: "%s-%s-%s" % c)

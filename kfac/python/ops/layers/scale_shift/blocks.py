@@ -1,10 +1,13 @@
-"""Blocks of scale-and-shift parameters: the full Fisher block and its
-diagonal.
+"""Blocks of scale-and-shift parameters: the full Fisher block, its
+diagonal, and its per-channel [2, 2] blocks (each scale entry with its
+shift entry; the couplings between channels dropped).
 
 Vectors are `scale` or `(scale, shift)` shaped like the parameters; the
 flattened order is concat(scale.flatten(), shift.flatten()). Damping is
 added to the diagonal (there is no Kronecker split).
 """
+
+import tensorflow as tf
 
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.scale_shift import factors as scale_shift_factors
@@ -14,7 +17,8 @@ from kfac.python.ops.layers.base.blocks import FisherBlock
 from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
 from kfac.python.ops.layers.base.blocks import SingleDenseFactorBlockMixin
 
-__all__ = ["ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB"]
+__all__ = ["ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB",
+           "ScaleAndShiftPerChannelFB"]
 
 
 class _ScaleShiftBlock(InputsOutputsTowersMixin, FisherBlock):
@@ -78,3 +82,21 @@ class ScaleAndShiftDiagonalFB(ElementwiseDiagonalBlockMixin, _ScaleShiftBlock):
         scale_shift_factors.ScaleAndShiftDiagonalFactor, grads_list, weights,
         "diag")
     self._damping_func = damping_lib.as_damping_func(damping)
+
+
+class ScaleAndShiftPerChannelFB(SingleDenseFactorBlockMixin, _ScaleShiftBlock):
+  """Per-channel Fisher blocks of (scale, shift): for each entry i of the
+  scale, the [2, 2] block E_n[(v_scale_i, v_shift_i)(...)^T] of the full
+  block (exact in the exact modes, for any batch), plus damping * I; the
+  entries between channels are dropped. Its inverse costs O(channels), the
+  full block's O(channels^3)."""
+
+  def instantiate_factors(self, grads_list, damping, weights=None):
+    self._factor = self._make_scale_shift_factor(
+        scale_shift_factors.ScaleAndShiftPerChannelFactor, grads_list,
+        weights, "per_channel")
+    self._damping_func = damping_lib.as_damping_func(damping)
+
+  def full_fisher_block(self):
+    self._check_instantiated()
+    return self._factor.dense(tf.convert_to_tensor(self._factor.get_cov()))

@@ -6,9 +6,10 @@ missing.
 The gradient of example n's loss w.r.t. the parameters is
 v_n = (sum over broadcast axes of g_n * x_n, sum over broadcast axes of g_n),
 with x_n the inputs and g_n the gradient w.r.t. the outputs. The factors keep
-E_n[v v^T] (full) or E_n[v^2] (diagonal), summed over sources with their
-weights. In the exact modes these are the exact Fisher (GGN) block and its
-diagonal, for any batch size.
+E_n[v v^T] (full), E_n[v^2] (diagonal), or the [2, 2] blocks of E_n[v v^T]
+that pair each scale entry with its shift entry (per channel), summed over
+sources with their weights. In the exact modes these are the exact Fisher
+(GGN) block, its diagonal and its per-channel blocks, for any batch size.
 """
 
 import numpy as np
@@ -21,7 +22,10 @@ from kfac.python.ops.layers.base.factors import normalize_weights
 from kfac.python.ops.layers.base.factors import weighted_sum
 from kfac.python.ops.tensors import utils
 
-__all__ = ["ScaleAndShiftFullFactor", "ScaleAndShiftDiagonalFactor"]
+from kfac.python.ops.layers.base.batched_factors import BatchedSquareFactor
+
+__all__ = ["ScaleAndShiftFullFactor", "ScaleAndShiftDiagonalFactor",
+           "ScaleAndShiftPerChannelFactor"]
 
 
 def broadcast_axes(input_rank, param_shape):
@@ -129,3 +133,62 @@ class ScaleAndShiftDiagonalFactor(_ScaleShiftMixin, DiagonalFactor):
       n = tf.cast(tf.shape(v)[0], v.dtype)
       terms.append(tf.reduce_sum(tf.square(v), axis=0)[:, tf.newaxis] / n)
     return weighted_sum(terms, self._weights)
+
+
+class ScaleAndShiftPerChannelFactor(_ScaleShiftMixin, BatchedSquareFactor):
+  """The per-channel blocks of `ScaleAndShiftFullFactor`: [m, k, k] with m
+  the scale's size and k = 2 (scale_i, shift_i) with a shift (of the
+  scale's shape), 1 without one. Products take and give the block's column
+  view concat(scale.flatten(), shift.flatten()) [k m, cols]."""
+
+  def __init__(self, inputs, outputs_grads, scale_shape, shift_shape=None,
+               weights=None, name=None):
+    """Arguments as for `ScaleAndShiftFullFactor`; the shift, if any, must
+    have the scale's shape."""
+    if shift_shape is not None and tuple(shift_shape) != tuple(scale_shape):
+      raise ValueError(
+          "The per-channel scale-and-shift approximation pairs each scale "
+          "entry with its shift entry: their shapes must agree, got scale "
+          "%s and shift %s (factor %s)." % (tuple(scale_shape),
+                                            tuple(shift_shape), name))
+    self._init_scale_shift(inputs, outputs_grads, scale_shape, shift_shape,
+                           weights)
+    self._batch = int(np.prod(self._scale_shape, dtype=np.int64))
+    self._n = 1 if shift_shape is None else 2
+    BatchedSquareFactor.__init__(self, name=name, weights=self._weights)
+
+  def _compute_new_cov(self):
+    terms = []
+    for grads in self._grads:
+      v = self._per_example_grads(grads)  # [examples, k m]
+      n = tf.cast(tf.shape(v)[0], v.dtype)
+      pairs = tf.reshape(v, [-1, self._n, self._batch])
+      terms.append(tf.einsum("eim,ejm->mij", pairs, pairs) / n)
+    return weighted_sum(terms, self._weights)
+
+  def _pairs(self, col):
+    """[k m, cols] -> [m, k, cols]."""
+    return tf.transpose(tf.reshape(col, [self._n, self._batch, -1]),
+                        [1, 0, 2])
+
+  def _col(self, pairs):
+    return tf.reshape(tf.transpose(pairs, [1, 0, 2]),
+                      [self._n * self._batch, -1])
+
+  def left_multiply_matpower(self, x, exp, damping_func):
+    return self._col(BatchedSquareFactor.left_multiply_matpower(
+        self, self._pairs(x), exp, damping_func))
+
+  def left_multiply_cholesky(self, x, damping_func, transpose=False,
+                             inverse=False):
+    return self._col(BatchedSquareFactor.left_multiply_cholesky(
+        self, self._pairs(x), damping_func, transpose=transpose,
+        inverse=inverse))
+
+  def dense(self, blocks):
+    """The [k m, k m] matrix (in the column view's order) of [m, k, k]
+    per-channel blocks."""
+    eye = tf.eye(self._batch, dtype=blocks.dtype)
+    # entry (i m + a, j m + b) = blocks[a, i, j] * [a == b]
+    full = tf.einsum("aij,ab->iajb", blocks, eye)
+    return tf.reshape(full, [self._n * self._batch, self._n * self._batch])

@@ -26,6 +26,7 @@ def _approx_to_block():
   return {
       "full": scale_shift_blocks.ScaleAndShiftFullFB,
       "diagonal": scale_shift_blocks.ScaleAndShiftDiagonalFB,
+      "per_channel": scale_shift_blocks.ScaleAndShiftPerChannelFB,
   }
 
 
@@ -42,15 +43,26 @@ class ScaleShiftRegistrationMixin:
       outputs: Tensor shaped like `inputs`.
       approx: "full" (the default scale-and-shift approximation unless
         changed): the exact Fisher block of the parameters' per-example
-        gradients; or "diagonal": its diagonal.
+        gradients; "diagonal": its diagonal; or "per_channel": its [2, 2]
+        blocks pairing each scale entry with its shift entry (scale and
+        shift of one shape), the couplings between channels dropped.
       reuse: True adds a tower to an existing registration of `params`.
 
     Returns:
-      The `ScaleAndShiftFullFB` or `ScaleAndShiftDiagonalFB` block.
+      The `ScaleAndShiftFullFB`, `ScaleAndShiftDiagonalFB` or
+      `ScaleAndShiftPerChannelFB` block.
     """
     table = _approx_to_block()
     _check_scale_shift(params, inputs, outputs)
     approx = self._resolve_approx(params, approx, _KIND, table)
+    seq = utils.ensure_sequence(params)
+    if (approx == "per_channel" and len(seq) == 2 and
+        tuple(seq[0].shape) != tuple(seq[1].shape)):
+      raise ValueError(
+          "register_scale_and_shift(approx='per_channel') pairs each scale "
+          "entry with its shift entry: scale %s has shape %s, shift %s has "
+          "shape %s." % (seq[0].name, tuple(seq[0].shape), seq[1].name,
+                         tuple(seq[1].shape)))
     block = table[approx](self, params)
     block = self.register_block(params, block, reuse=reuse)
     block.register_additional_tower(inputs, outputs)
