@@ -1,0 +1,91 @@
+"""The Keras model zoo (examples/benchmarks/zoo_models.py) trains with the
+default recipe, every layer with weights under a non-diagonal block.
+
+Each model (keras.applications MobileNetV2 (alpha 0.35), ResNet50 and
+EfficientNetB0 on 32x32x3; a small BN ResNet, a ViT, a GPT-style causal
+transformer, LSTM and GRU text classifiers) is built at the benchmark's
+size, compiled with `Kfac(model=model, adaptive=True)` and nothing else,
+and takes STEPS train_on_batch steps on one fixed batch of its data. Checks:
+
+* the registration report names a block for every layer that owns
+  trainable weights, none of them a generic fallback and none diagonal
+  (the share of parameters under Kronecker or full blocks is 100%);
+* every loss is finite and the training loss falls: the last step's loss
+  (after the recipe's 5 burn-in steps, which calibrate the damping and
+  leave the weights, and 4 updates) is at least 3% below the first one's
+  (on one fixed batch the quadratic model's steps must make progress).
+
+The whole zoo is the slow tier (the applications take minutes to build on
+2 cores); `make bench` runs the side-by-side table (keras_zoo.py).
+"""
+
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+import keras
+
+import kfac  # pylint: disable=unused-import
+import kfac.keras
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] /
+                       "examples" / "benchmarks"))
+import zoo_models  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+STEPS = 10  # the recipe's 5 burn-in steps (weights still) and 5 more
+BATCH = 32
+
+
+def _train(name):
+  keras.utils.set_random_seed(0)
+  model = zoo_models.build(name)
+  x, y = zoo_models.data(name, BATCH, seed=0)
+  opt = kfac.keras.optimizers.Kfac(model=model, adaptive=True)
+  model.compile(optimizer=opt, loss=zoo_models.loss(name))
+  losses = [float(model.train_on_batch(x, y)) for _ in range(STEPS)]
+  return model, opt, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", zoo_models.NAMES)
+def test_zoo_model_trains_with_every_layer_under_a_kronecker_block(name):
+  model, opt, losses = _train(name)
+  report = opt.registration_report
+  kron, generic, fallbacks, diagonal = zoo_models.weight_shares(model,
+                                                                report)
+  assert not fallbacks, report
+  assert not diagonal, report
+  assert generic == 0 and kron == pytest.approx(1.0), report
+  assert np.all(np.isfinite(losses)), losses
+  assert losses[-1] < 0.97 * losses[0], losses
+
+
+def test_weight_shares_reads_the_report():
+  # A hand-written report: "d" (8 weights) under a Kronecker block, "c" (4)
+  # under a diagonal one, "r" (7) fell back to the generic diagonal.
+  inputs = keras.Input((3,))
+  dense = keras.layers.Dense(2, name="d")
+  other = keras.layers.Dense(1, name="c")
+  cell = keras.layers.Dense(1, name="r", use_bias=True)
+  model = keras.Model(inputs, [dense(inputs), other(inputs),
+                               cell(keras.layers.Concatenate()(
+                                   [inputs, inputs]))])
+  report = "\n".join([
+      "layer  class  block  approx  calls  parameters  note",
+      "-----  -----  -----  ------  -----  ----------  ----",
+      "d  Dense  FullyConnectedKFACBasicFB  default  1  d/kernel, d/bias",
+      "c  Dense  ConvDiagonalFB  diagonal  1  c/kernel, c/bias",
+      "r  Dense  NaiveDiagonalFB  diagonal  0  r/kernel, r/bias  "
+      "fallback: no K-FAC block",
+      "loss: x"])
+  kron, generic, fallbacks, diagonal = zoo_models.weight_shares(model,
+                                                                report)
+  assert (kron, generic) == (pytest.approx(8 / 19), pytest.approx(7 / 19))
+  assert fallbacks == ["r"] and diagonal == ["c"]
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([os.path.abspath(__file__), "-q"]))
