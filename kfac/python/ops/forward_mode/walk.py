@@ -20,6 +20,26 @@ read only that.
 Graphs whose path holds TF1 control flow (Switch / Merge / Enter / Exit /
 NextIteration: while loops with back edges, conds split into frames) go
 through the whole-graph method, which handles them.
+
+What the walk refuses (UnsupportedGraph, naming the op; the callers then
+use the whole-graph method): TF1 control flow; an op other than a read
+taking a source variable's handle (a While or function call capturing the
+variable); an op with no registered gradient; and an op fed a tangent with
+a variant or resource output leading on to a y. Tangents are kept for
+floating tensors only, yet a TensorList (tf.scan's stacked outputs and a
+While's accumulators, map_fn's and TensorArray's unstacked inputs) carries
+the derivative of what was put in it, so walking on would silently drop it.
+Functional While / If / Case and function calls whose outputs on the path
+are floating go through the generic trick (their gradients differentiate
+through the function bodies, captured inputs included).
+
+Where the walk gives None (a zero tangent) although a y is connected to
+the sources, and why that is correct: integer, boolean and string outputs
+(piecewise constant); ops registered as not differentiable and inputs
+their gradient gives None (TensorFlow's own convention, which
+ForwardAccumulator and tf.gradients follow too); `stop_gradients`; and
+dependence through state only (a variable assigned from the sources and
+read again has no data edge from them, as for tf.gradients).
 """
 
 import tensorflow as tf
@@ -165,6 +185,22 @@ def _generic(op, tangents):
   return [by_out.get(o.ref()) for o in op.outputs]
 
 
+def _check_opaque_outputs(op, on_path, wanted, stops):
+  """Raises UnsupportedGraph where `op`, fed a tangent, has a variant or
+  resource output that leads on to a y: a TensorList (tf.scan, map_fn,
+  TensorArray, a While's accumulators), an optional or a handle carries
+  the derivative of what was put in it, and the walk keeps tangents of
+  floating tensors only, so it would silently drop that part."""
+  for out in op.outputs:
+    if out.dtype not in (tf.variant, tf.resource) or out.ref() in stops:
+      continue
+    if out.ref() in wanted or any(c in on_path for c in out.consumers()):
+      raise UnsupportedGraph(
+          "%s (%s) takes a tangent and passes it on through its %s output "
+          "%s, which the op-by-op walk does not model"
+          % (op.name, op.type, out.dtype.name, out.name))
+
+
 def jvp(ys, xs, tangents, stop_gradients=None):
   """[d y / d xs . tangents for y in ys], None where y does not depend on
   xs; raises UnsupportedGraph where the walk cannot handle the path (the
@@ -199,7 +235,10 @@ def jvp(ys, xs, tangents, stop_gradients=None):
       tangent_of[src.ref()] = t if prev is None else prev + t
   sources = [r.deref() for r in list(tangent_of) + list(handles)]
   if sources:
-    for op in _between(sources, ys, stops):
+    path = _between(sources, ys, stops)
+    on_path = set(path)
+    wanted = set(y.ref() for y in ys)
+    for op in path:
       if op.type in _V1_CONTROL_FLOW:
         raise UnsupportedGraph("TF1 control flow (%s) on the path" % op.name)
       if op.inputs and op.inputs[0].ref() in handles and op.type in (
@@ -210,8 +249,10 @@ def jvp(ys, xs, tangents, stop_gradients=None):
                                (op.name, op.type))
       else:
         ins = [tangent_of.get(x.ref()) for x in op.inputs]
-        if all(t is None for t in ins) or not any(
-            _differentiable(o) for o in op.outputs):
+        if all(t is None for t in ins):
+          continue
+        _check_opaque_outputs(op, on_path, wanted, stops)
+        if not any(_differentiable(o) for o in op.outputs):
           continue
         rule = rules.rule_for(op) or _generic
         outs = rule(op, ins)
