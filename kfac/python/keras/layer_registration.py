@@ -529,12 +529,14 @@ Row = collections.namedtuple(
 
 
 def register_layers(lc, plans, recorder, batch_size, warn=None,
-                    registration_options=None):
+                    registration_options=None, default_conv_options=None):
   """Registers every plan on `lc` from the calls `recorder` holds for the
   current graph. Returns the report rows. `warn(key, message)` reports a
   generic fallback (default: warnings.warn). `registration_options` maps
   layer names / classes to extra arguments of a convolution's registration
-  (CONV_OPTIONS)."""
+  (CONV_OPTIONS). `default_conv_options` (a dict of CONV_OPTIONS): those of
+  a convolution with the default (kron) approximation and one call per
+  step for which registration_options has none (the default recipe's)."""
   warn = warn or (lambda key, message: warnings.warn(message, stacklevel=3))
   rows = []
   for plan in plans:
@@ -550,6 +552,9 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
            ", ".join(CONV_OPTIONS)))
     if kind != "generic" and not calls:
       kind, reason = "generic", "its parameters are used outside its call"
+    if (default_conv_options and not options and kind == "conv" and
+        len(calls) == 1 and approx in (None, "kron")):
+      options = dict(default_conv_options)
     if kind != "generic":
       try:
         block = _REGISTER[kind](lc, plan, calls, **options)
