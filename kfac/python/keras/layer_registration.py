@@ -529,19 +529,25 @@ Row = collections.namedtuple(
 
 
 def register_layers(lc, plans, recorder, batch_size, warn=None,
-                    registration_options=None, default_conv_options=None):
+                    registration_options=None, default_conv_options=None,
+                    default_approx=None):
   """Registers every plan on `lc` from the calls `recorder` holds for the
   current graph. Returns the report rows. `warn(key, message)` reports a
   generic fallback (default: warnings.warn). `registration_options` maps
   layer names / classes to extra arguments of a convolution's registration
   (CONV_OPTIONS). `default_conv_options` (a dict of CONV_OPTIONS): those of
   a convolution with the default (kron) approximation and one call per
-  step for which registration_options has none (the default recipe's)."""
+  step for which registration_options has none (the default recipe's).
+  `default_approx` ({kind: approximation}, e.g. {"batch_norm":
+  "diagonal"}): the approximation of layers of that kind for which
+  fisher_approx chose none (the default recipe's)."""
   warn = warn or (lambda key, message: warnings.warn(message, stacklevel=3))
   rows = []
   for plan in plans:
     layer = plan.layer
     calls = recorder.calls(layer)
+    if default_approx and plan.approx is None and plan.kind in default_approx:
+      plan = plan._replace(approx=default_approx[plan.kind])
     kind, approx, reason = plan.kind, plan.approx, plan.reason
     options = dict(resolve_fisher_approx(registration_options, layer) or {})
     if options and kind != "conv":

@@ -16,7 +16,8 @@ Checked:
   the same masks before and after the update);
 * TensorBoard gets rho and qmodel_change; the config round-trips;
 * convolutions get the recipe's sub-sampled patch statistics
-  (recipe.conv_registration_options()) unless their options say otherwise;
+  (recipe.conv_registration_options()) and batch norms its approximation
+  (recipe.keras_default_approx()) unless the user's options say otherwise;
 * learning_rate / damping / momentum cannot be set (nor scheduled) while
   they are adapted, and bad arguments raise clear errors.
 """
@@ -308,6 +309,7 @@ def _conv_recipe_fit(**kfac_kwargs):
   model = keras.Sequential([
       keras.Input((12, 12, 1)),
       keras.layers.Conv2D(3, 3, activation="tanh", name="conv"),
+      keras.layers.BatchNormalization(name="norm"),
       keras.layers.Flatten(), keras.layers.Dense(3, name="logits")])
   model.set_weights([np.random.RandomState(i).randn(*w.shape).astype(
       np.float32) * 0.3 for i, w in enumerate(model.get_weights())])
@@ -321,23 +323,38 @@ def _conv_recipe_fit(**kfac_kwargs):
   return model.get_weights(), opt
 
 
-def test_recipe_subsamples_conv_patches_unless_told_otherwise():
+def _report_row(opt, layer):
+  rows = [l for l in opt.registration_report.splitlines()
+          if l.split()[:1] and l.split()[0].split("/")[-1] == layer]
+  assert len(rows) == 1, opt.registration_report
+  return rows[0]
+
+
+def test_recipe_registration_defaults_unless_told_otherwise():
   """adaptive=True registers kron convolutions with the recipe's
-  sub_sample_patches (recipe.conv_registration_options()); a layer's own
-  registration_options replace it, and adaptive=False keeps all patches."""
+  sub_sample_patches (recipe.conv_registration_options()) and batch norms
+  with the recipe's approximation (recipe.keras_default_approx()); a
+  layer's own registration_options / fisher_approx replace them, and
+  adaptive=False keeps kfac 0.2.x's registration."""
   assert recipe.conv_registration_options() == {"sub_sample_patches": True}
+  assert recipe.keras_default_approx() == {"batch_norm": "diagonal"}
   sampled, opt = _conv_recipe_fit(adaptive=True)
-  assert "sub_sample_patches=True" in opt.registration_report
+  assert "sub_sample_patches=True" in _report_row(opt, "conv")
+  assert "ScaleAndShiftDiagonalFB" in _report_row(opt, "norm")
+  assert "fallback" not in opt.registration_report
   everything, opt = _conv_recipe_fit(
       adaptive=True, registration_options={
-          keras.layers.Conv2D: {"sub_sample_patches": False}})
-  assert "sub_sample_patches=False" in opt.registration_report
+          keras.layers.Conv2D: {"sub_sample_patches": False}},
+      fisher_approx={keras.layers.BatchNormalization: "full"})
+  assert "sub_sample_patches=False" in _report_row(opt, "conv")
   assert "sub_sample_patches=True" not in opt.registration_report
+  assert "ScaleAndShiftFullFB" in _report_row(opt, "norm")
   # The subset changes the input statistic, hence the steps.
   assert max(np.max(np.abs(a - b))
              for a, b in zip(sampled, everything)) > 1e-4
   _, opt = _conv_recipe_fit(learning_rate=0.1)
   assert "sub_sample_patches" not in opt.registration_report
+  assert "ScaleAndShiftFullFB" in _report_row(opt, "norm")
   # Another approximation than kron gets no default options.
   _, opt = _conv_recipe_fit(adaptive=True, fisher_approx={"conv": "diagonal"})
   assert "sub_sample_patches" not in opt.registration_report

@@ -173,6 +173,8 @@ class KfacStepMixin:
         registration_options=self._kfac_options,
         default_conv_options=(recipe.conv_registration_options()
                               if self._kfac_adaptive else None),
+        default_approx=(recipe.keras_default_approx()
+                        if self._kfac_adaptive else None),
         # The default recipe was tuned on the Keras loss's own scale; the
         # 0.2.x-style optimizer keeps kfac 0.2.x's coefficients.
         average_over_outputs=self._kfac_adaptive)

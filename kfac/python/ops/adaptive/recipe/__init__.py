@@ -13,6 +13,9 @@ a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
   the input factor on a random subset of at most
   8 * dim(A) patch rows per statistics update (docs/recipe.md, "Cost per
   step on real convnets").
+* `keras_default_approx()`: the approximation of the Keras optimizer's
+  layers of a kind where fisher_approx chose none: batch normalization's
+  scale and shift on the diagonal (docs/recipe.md).
 * `curvature_scale`: the mean eigenvalue of the K-FAC curvature, read from
   the factors' traces (no decomposition), used by the relative damping floor
   (`relative_min_damping`).
@@ -59,3 +62,17 @@ def adaptive_kwargs(**overrides):
                 cov_update_every=COV_UPDATE_EVERY)
   kwargs.update(overrides)
   return kwargs
+
+
+# Batch normalization's (scale, shift) of C channels as one full 2C x 2C
+# block costs (2C)^3 per inverse: EfficientNetB0's 49 batch norms (15 of
+# them with 2C >= 1000, up to 2560) took some 9 s of CPU per inverse update,
+# MobileNetV2's 52 about 1.3 s. On the diagonal they cost nothing;
+# measured in docs/recipe.md ("Cost per step on real convnets").
+BATCH_NORM_APPROX = "diagonal"
+
+
+def keras_default_approx():
+  """{layer kind: approximation} of Kfac(adaptive=True)'s layers for which
+  fisher_approx chose none."""
+  return {"batch_norm": BATCH_NORM_APPROX}
