@@ -535,12 +535,10 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
   current graph. Returns the report rows. `warn(key, message)` reports a
   generic fallback (default: warnings.warn). `registration_options` maps
   layer names / classes to extra arguments of a convolution's registration
-  (CONV_OPTIONS). `default_conv_options` (a dict of CONV_OPTIONS): those of
-  a convolution with the default (kron) approximation and one call per
-  step for which registration_options has none (the default recipe's).
-  `default_approx` ({kind: approximation}, e.g. {"batch_norm":
-  "diagonal"}): the approximation of layers of that kind for which
-  fisher_approx chose none (the default recipe's)."""
+  (CONV_OPTIONS). The default recipe's (Kfac(adaptive=True)): options of
+  single-call kron convolutions without registration_options
+  (`default_conv_options`), {kind: approximation} of layers without
+  fisher_approx (`default_approx`)."""
   warn = warn or (lambda key, message: warnings.warn(message, stacklevel=3))
   rows = []
   for plan in plans:
