@@ -19,9 +19,10 @@
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
 #                  ms/step vs the old kfac 0.2.4; ms/step and loss vs kfac-jax
-#                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam; the Keras
-#                  model zoo (keras.applications, ViT, GPT, LSTM/GRU) vs Adam and Muon
-#                  (keras_zoo.py)
+#                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam; Kfac(adaptive=True)
+#                  vs Adam CPU ms/step on MobileNetV2, EfficientNetB0, a BN ResNet, a transformer
+#                  (keras_zoo_step_time.py); the Keras model zoo (keras.applications, ViT, GPT,
+#                  LSTM/GRU) vs Adam and Muon in fit (keras_zoo.py)
 #   make bench-step  only the step time against the old kfac 0.2.4 and SGD
 #                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
 #                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
@@ -198,6 +199,7 @@ bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
 	  --missing_kfac_jax=skip --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_zoo.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/keras_zoo_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
 

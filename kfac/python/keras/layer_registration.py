@@ -539,17 +539,23 @@ _REGISTER = {
 }
 
 def register_layers(lc, plans, recorder, batch_size, warn=None,
-                    registration_options=None):
+                    registration_options=None, default_conv_options=None,
+                    default_approx=None):
   """Registers every plan on `lc` from the calls `recorder` holds for the
   current graph. Returns the report rows. `warn(key, message)` reports a
   generic fallback (default: warnings.warn). `registration_options` maps
   layer names / classes to extra arguments of a convolution's registration
-  (CONV_OPTIONS)."""
+  (CONV_OPTIONS). The default recipe's (Kfac(adaptive=True)): options of
+  single-call kron convolutions without registration_options
+  (`default_conv_options`), {kind: approximation} of layers without
+  fisher_approx (`default_approx`)."""
   warn = warn or (lambda key, message: warnings.warn(message, stacklevel=3))
   rows = []
   for plan in plans:
     layer = plan.layer
     calls = recorder.calls(layer)
+    if default_approx and plan.approx is None and plan.kind in default_approx:
+      plan = plan._replace(approx=default_approx[plan.kind])
     kind, approx, reason = plan.kind, plan.approx, plan.reason
     options = dict(resolve_fisher_approx(registration_options, layer) or {})
     if options and kind != "conv":
@@ -562,6 +568,9 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
       kind, reason = "generic", (recurrent.no_call_reason(layer) if kind ==
                                  "recurrent" else "its parameters are used "
                                  "outside its call")
+    if (default_conv_options and not options and kind == "conv" and
+        len(calls) == 1 and approx in (None, "kron")):
+      options = dict(default_conv_options)
     if kind != "generic":
       try:
         block = _REGISTER[kind](lc, plan, calls, **options)

@@ -196,10 +196,13 @@ def _register_generic_orphans(lc, model, variables, tf_vars, plans,
 def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
                    layer_collection=None, seed=None, y_pred=None,
                    targets=None, variables=None, warn=None,
-                   registration_options=None, average_over_outputs=False):
+                   registration_options=None, average_over_outputs=False,
+                   default_conv_options=None, default_approx=None):
   """Registers `model`'s layers and loss(es) on a LayerCollection and
   returns (layer_collection, report), report being the text of the
-  registration report. Arguments as get_layer_collection's."""
+  registration report. Arguments as get_layer_collection's;
+  `default_conv_options` and `default_approx` as
+  layer_registration.register_layers's."""
   what = "kfac.keras.utils.get_layer_collection"
   source, recorded = _source_of_calls(model, what)
   lc = layer_collection or lc_lib.LayerCollection()
@@ -225,7 +228,9 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
 
   rows = layer_registration.register_layers(
       lc, plans, source, batch_size, warn,
-      registration_options=registration_options)
+      registration_options=registration_options,
+      default_conv_options=default_conv_options,
+      default_approx=default_approx)
   _register_generic_orphans(lc, model, variables, tf_vars, plans, batch_size,
                             warn, rows)
 

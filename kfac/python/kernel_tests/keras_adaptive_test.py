@@ -15,6 +15,9 @@ Checked:
   dropout seed state equal those of a non-adaptive run (so dropout draws
   the same masks before and after the update);
 * TensorBoard gets rho and qmodel_change; the config round-trips;
+* convolutions get the recipe's sub-sampled patch statistics
+  (recipe.conv_registration_options()) and batch norms its approximation
+  (recipe.keras_default_approx()) unless the user's options say otherwise;
 * learning_rate / damping / momentum cannot be set (nor scheduled) while
   they are adapted, and bad arguments raise clear errors.
 """
@@ -295,6 +298,66 @@ def test_adapted_hyperparameters_cannot_be_set():
   x, y = base._data()  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="chooses the damping"):
     model.fit(x, y, batch_size=base.BATCH, verbose=0, callbacks=[callback])
+
+
+def _conv_recipe_fit(**kfac_kwargs):
+  """Two fit steps of a conv model whose 800 patches (8 examples, 10x10
+  locations) exceed the recipe's patch budget (8 * dim(A) = 80 rows)."""
+  rng = np.random.RandomState(4)
+  x = rng.randn(8, 12, 12, 1).astype(np.float32)
+  y = rng.randint(0, 3, size=8)
+  model = keras.Sequential([
+      keras.Input((12, 12, 1)),
+      keras.layers.Conv2D(3, 3, activation="tanh", name="conv"),
+      keras.layers.BatchNormalization(name="norm"),
+      keras.layers.Flatten(), keras.layers.Dense(3, name="logits")])
+  model.set_weights([np.random.RandomState(i).randn(*w.shape).astype(
+      np.float32) * 0.3 for i, w in enumerate(model.get_weights())])
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  options = dict(model=model, loss=loss, invert_every=1, seed=base.SEED,
+                 damping=0.05)  # no burn-in: the weights move
+  options.update(kfac_kwargs)
+  opt = kfac.keras.optimizers.Kfac(**options)
+  model.compile(optimizer=opt, loss=loss)
+  model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  return model.get_weights(), opt
+
+
+def _report_row(opt, layer):
+  rows = [l for l in opt.registration_report.splitlines()
+          if l.split()[:1] and l.split()[0].split("/")[-1] == layer]
+  assert len(rows) == 1, opt.registration_report
+  return rows[0]
+
+
+def test_recipe_registration_defaults_unless_told_otherwise():
+  """adaptive=True registers kron convolutions with the recipe's
+  sub_sample_patches (recipe.conv_registration_options()) and batch norms
+  with the recipe's approximation (recipe.keras_default_approx()); a
+  layer's own registration_options / fisher_approx replace them, and
+  adaptive=False keeps kfac 0.2.x's registration."""
+  assert recipe.conv_registration_options() == {"sub_sample_patches": True}
+  assert recipe.keras_default_approx() == {"batch_norm": "per_channel"}
+  sampled, opt = _conv_recipe_fit(adaptive=True)
+  assert "sub_sample_patches=True" in _report_row(opt, "conv")
+  assert "ScaleAndShiftPerChannelFB" in _report_row(opt, "norm")
+  assert "fallback" not in opt.registration_report
+  everything, opt = _conv_recipe_fit(
+      adaptive=True, registration_options={
+          keras.layers.Conv2D: {"sub_sample_patches": False}},
+      fisher_approx={keras.layers.BatchNormalization: "full"})
+  assert "sub_sample_patches=False" in _report_row(opt, "conv")
+  assert "sub_sample_patches=True" not in opt.registration_report
+  assert "ScaleAndShiftFullFB" in _report_row(opt, "norm")
+  # The subset changes the input statistic, hence the steps.
+  assert max(np.max(np.abs(a - b))
+             for a, b in zip(sampled, everything)) > 1e-4
+  _, opt = _conv_recipe_fit(learning_rate=0.1)
+  assert "sub_sample_patches" not in opt.registration_report
+  assert "ScaleAndShiftFullFB" in _report_row(opt, "norm")
+  # Another approximation than kron gets no default options.
+  _, opt = _conv_recipe_fit(adaptive=True, fisher_approx={"conv": "diagonal"})
+  assert "sub_sample_patches" not in opt.registration_report
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -14,6 +14,7 @@ from kfac.python.keras import keras_flavor
 from kfac.python.keras import layer_recorder
 from kfac.python.keras import utils as keras_utils
 from kfac.python.keras.optimizer import losses
+from kfac.python.ops.adaptive import recipe
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.tensors import utils as kfac_utils
 
@@ -170,6 +171,10 @@ class KfacStepMixin:
         fisher_approx=self._kfac_fisher_approx, seed=seed,
         variables=variables, warn=self._kfac_warn,
         registration_options=self._kfac_options,
+        default_conv_options=(recipe.conv_registration_options()
+                              if self._kfac_adaptive else None),
+        default_approx=(recipe.keras_default_approx()
+                        if self._kfac_adaptive else None),
         # The default recipe was tuned on the Keras loss's own scale; the
         # 0.2.x-style optimizer keeps kfac 0.2.x's coefficients.
         average_over_outputs=self._kfac_adaptive)

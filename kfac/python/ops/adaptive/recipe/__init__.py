@@ -8,6 +8,14 @@ a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
 `recipe.adaptive_kwargs()` gives the same arguments for
 `kfac.PeriodicInvCovUpdateKfacOpt` (whose own defaults stay kfac 0.2.x's).
 
+* `conv_registration_options()`: the statistics options of the Keras
+  optimizer's convolution layers (kron approximation, one call per step):
+  the input factor on a random subset of at most
+  8 * dim(A) patch rows per statistics update (docs/recipe.md, "Cost per
+  step on real convnets").
+* `keras_default_approx()`: the approximation of the Keras optimizer's
+  layers of a kind where fisher_approx chose none: batch normalization's
+  scale and shift in per-channel 2x2 blocks (docs/recipe.md).
 * `curvature_scale`: the mean eigenvalue of the K-FAC curvature, read from
   the factors' traces (no decomposition), used by the relative damping floor
   (`relative_min_damping`).
@@ -26,6 +34,21 @@ NUM_BURNIN_STEPS = 5
 # Statistics (their sampled backward pass and factor products) every this
 # many steps; measured by time to target in docs/recipe.md.
 COV_UPDATE_EVERY = 2
+# A convolution's input statistic A = mean over the N*L patches p p^T costs
+# N*L*dim(A)^2 flops, about dim(A)/out_channels (9x for a 3x3 conv with as
+# many inputs as outputs) times the layer's forward pass; on a random subset
+# of at most 8*dim(A) patch rows (sub_sample_patches=True, an unbiased
+# estimate of the same mean) it is a fixed, small cost. Measured in
+# docs/recipe.md: the same loss at equal steps, 30% less per step on a BN
+# ResNet.
+CONV_SUB_SAMPLE_PATCHES = True
+
+
+def conv_registration_options():
+  """The default registration options (register_conv2d's keyword
+  arguments) of the Keras optimizer's kron convolution layers with
+  adaptive=True, where the user gave none for the layer."""
+  return {"sub_sample_patches": CONV_SUB_SAMPLE_PATCHES}
 
 
 def adaptive_kwargs(**overrides):
@@ -39,3 +62,19 @@ def adaptive_kwargs(**overrides):
                 cov_update_every=COV_UPDATE_EVERY)
   kwargs.update(overrides)
   return kwargs
+
+
+# Batch normalization's (scale, shift) of C channels as one full 2C x 2C
+# block costs (2C)^3 per inverse: EfficientNetB0's 49 batch norms (15 of
+# them with 2C >= 1000, up to 2560) took some 9 s of CPU per inverse update,
+# MobileNetV2's 52 about 1.3 s. In per-channel 2x2 blocks (each channel's
+# scale with its shift, ScaleAndShiftPerChannelFB) they cost O(C) and keep
+# the within-channel coupling the diagonal drops; measured in docs/recipe.md
+# ("Cost per step on real convnets").
+BATCH_NORM_APPROX = "per_channel"
+
+
+def keras_default_approx():
+  """{layer kind: approximation} of Kfac(adaptive=True)'s layers for which
+  fisher_approx chose none."""
+  return {"batch_norm": BATCH_NORM_APPROX}

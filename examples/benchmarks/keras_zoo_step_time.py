@@ -1,0 +1,228 @@
+r"""CPU milliseconds per `model.fit` step: Kfac(adaptive=True) against Adam on
+real Keras models (issue 32: the default recipe at most 2.5x Adam's step).
+
+Models (batch 64, random inputs, 10 classes, logits + sparse
+cross-entropy):
+  mobilenetv2   keras.applications.MobileNetV2(alpha=0.35), 32x32x3
+  resnet        a small BN ResNet: Conv 16 + BN, three residual stages
+                (16, 32, 64 channels, each two 3x3 Conv + BN and a
+                projection when the shape changes), global pooling, Dense
+  effnet        keras.applications.EfficientNetB0, 32x32x3
+  transformer   Embedding(64, 64) over 32 tokens, two blocks of
+                MultiHeadAttention(4 heads) + LayerNorm + Dense(128) relu +
+                Dense(64) + LayerNorm, global pooling, Dense
+
+Configurations: `adam` (keras.optimizers.Adam(1e-3)) and `kfac`
+(kfac.keras.optimizers.Kfac(model=..., loss=..., adaptive=True), the
+default recipe); `kfac_full_patches` is the recipe with every conv patch in
+the input statistics (the recipe before it sub-sampled them).
+
+Measurement: one process per model, TensorFlow limited to one thread
+(intra- and inter-op), so that the CPU time of a step does not depend on
+what else runs on the machine; every configuration is built and warmed up
+with `--warmup_steps` steps (past K-FAC's 5 burn-in steps, whose inverses
+are recomputed on every step), then the configurations alternate in
+`--rounds` rounds (order reversed every other round) of one `fit` call of
+`--steps` steps each (a multiple of the inverse period, 10). ms/step is
+the process CPU time of the fit call / steps, the best round (the least
+disturbed; the median is printed too).
+
+Writes keras_zoo_step_time.md and .json to --output_dir.
+
+  python examples/benchmarks/keras_zoo_step_time.py                # ~40 min
+  python examples/benchmarks/keras_zoo_step_time.py --models=resnet,transformer
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+
+MODELS = ("mobilenetv2", "resnet", "effnet", "transformer")
+CONFIGS = ("adam", "kfac")
+flags.DEFINE_list("models", list(MODELS), "Which models.")
+flags.DEFINE_list("configs", list(CONFIGS), "Which configurations (adam, "
+                  "kfac, kfac_full_patches); the first is the baseline.")
+flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
+flags.DEFINE_integer("steps", 20, "Steps per timed fit call.")
+flags.DEFINE_integer("warmup_steps", 10, "Untimed steps after the build.")
+flags.DEFINE_integer("rounds", 3, "Alternating timed rounds.")
+flags.DEFINE_string("output_dir", "/tmp/kfac_keras_zoo_bench", "Where to "
+                    "write the table.")
+flags.DEFINE_string("worker", None, "Internal: time one model in this "
+                    "process.")
+
+SEQ_LEN, VOCAB, WIDTH = 32, 64, 64
+
+
+def small_resnet(keras):
+  layers = keras.layers
+  inputs = keras.Input((32, 32, 3))
+  x = layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
+  x = layers.ReLU()(layers.BatchNormalization()(x))
+  for filters, stride in ((16, 1), (32, 2), (64, 2)):
+    y = layers.Conv2D(filters, 3, strides=stride, padding="same",
+                      use_bias=False)(x)
+    y = layers.ReLU()(layers.BatchNormalization()(y))
+    y = layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+    y = layers.BatchNormalization()(y)
+    if stride != 1 or x.shape[-1] != filters:
+      x = layers.Conv2D(filters, 1, strides=stride, use_bias=False)(x)
+      x = layers.BatchNormalization()(x)
+    x = layers.ReLU()(layers.Add()([x, y]))
+  x = layers.GlobalAveragePooling2D()(x)
+  return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def small_transformer(keras, blocks=2, heads=4):
+  layers = keras.layers
+  inputs = keras.Input((SEQ_LEN,), dtype="int32")
+  x = layers.Embedding(VOCAB, WIDTH)(inputs)
+  for _ in range(blocks):
+    attended = layers.MultiHeadAttention(heads, WIDTH // heads)(x, x)
+    x = layers.LayerNormalization()(x + attended)
+    hidden = layers.Dense(2 * WIDTH, activation="relu")(x)
+    x = layers.LayerNormalization()(x + layers.Dense(WIDTH)(hidden))
+  x = layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def build_model(keras, name):
+  apps = keras.applications
+  if name == "mobilenetv2":
+    return apps.MobileNetV2(weights=None, input_shape=(32, 32, 3),
+                            classes=10, alpha=0.35,
+                            classifier_activation=None)
+  if name == "effnet":
+    return apps.EfficientNetB0(weights=None, input_shape=(32, 32, 3),
+                               classes=10, classifier_activation=None)
+  if name == "resnet":
+    return small_resnet(keras)
+  if name == "transformer":
+    return small_transformer(keras)
+  raise ValueError("unknown model %r (choose from %s)" % (name, MODELS))
+
+
+def data(name, n):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  labels = rng.randint(0, 10, n)
+  if name == "transformer":
+    tokens = rng.randint(0, VOCAB, (n, SEQ_LEN)).astype("int32")
+    tokens[:, 0] = labels  # something to learn
+    return tokens, labels
+  return rng.rand(n, 32, 32, 3).astype("float32"), labels
+
+
+def make(keras, kfac_keras, name, config):
+  keras.utils.set_random_seed(0)
+  model = build_model(keras, name)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  if config == "adam":
+    opt = keras.optimizers.Adam(1e-3)
+  elif config in ("kfac", "kfac_full_patches"):
+    kwargs = {}
+    if config == "kfac_full_patches":
+      kwargs["registration_options"] = {
+          keras.layers.Conv2D: {"sub_sample_patches": False}}
+    opt = kfac_keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     **kwargs)
+  else:
+    raise ValueError("unknown configuration %r" % config)
+  model.compile(optimizer=opt, loss=loss)
+  return model
+
+
+def worker(name):
+  """Times FLAGS.configs on one model in this process; prints one JSON
+  line."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+  import keras  # pylint: disable=g-import-not-at-top
+  import kfac.keras as kfac_keras  # pylint: disable=g-import-not-at-top
+  x, y = data(name, 4 * FLAGS.batch_size)
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
+      FLAGS.batch_size)
+  models, first, times, losses = {}, {}, {}, {}
+  for config in FLAGS.configs:
+    wall, cpu = time.time(), time.process_time()
+    models[config] = make(keras, kfac_keras, name, config)
+    models[config].fit(dataset, steps_per_epoch=FLAGS.warmup_steps,
+                       epochs=1, verbose=0)
+    first[config] = dict(wall_s=time.time() - wall,
+                         cpu_s=time.process_time() - cpu)
+    times[config], losses[config] = [], []
+  for r in range(FLAGS.rounds):
+    order = list(FLAGS.configs) if r % 2 == 0 else list(FLAGS.configs)[::-1]
+    for config in order:
+      cpu = time.process_time()
+      history = models[config].fit(dataset, steps_per_epoch=FLAGS.steps,
+                                   epochs=1, verbose=0)
+      times[config].append((time.process_time() - cpu) / FLAGS.steps * 1e3)
+      losses[config].append(float(history.history["loss"][-1]))
+  result = {config: dict(ms_best=min(times[config]),
+                         ms_median=float(np.median(times[config])),
+                         ms_rounds=times[config], last_loss=losses[config][-1],
+                         build_and_warmup=first[config])
+            for config in FLAGS.configs}
+  print("RESULT " + json.dumps(dict(model=name, configs=result)), flush=True)
+
+
+def table(results):
+  base = FLAGS.configs[0]
+  head = ["model"] + ["%s ms/step" % c for c in FLAGS.configs] + [
+      "%s / %s" % (c, base) for c in FLAGS.configs[1:]]
+  lines = ["| " + " | ".join(head) + " |",
+           "|" + "---|" + "---:|" * (len(head) - 1)]
+  for res in results:
+    cfg = res["configs"]
+    cells = [res["model"]] + ["%.1f (median %.1f)" % (
+        cfg[c]["ms_best"], cfg[c]["ms_median"]) for c in FLAGS.configs]
+    cells += ["%.2fx" % (cfg[c]["ms_best"] / cfg[base]["ms_best"])
+              for c in FLAGS.configs[1:]]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    worker(FLAGS.worker)
+    return
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  results = []
+  for name in FLAGS.models:
+    if name not in MODELS:
+      raise app.UsageError("unknown model %r (choose from %s)" %
+                           (name, ", ".join(MODELS)))
+    args = [sys.executable, os.path.abspath(__file__), "--worker=" + name] + [
+        "--%s=%s" % (k, v) for k, v in (
+            ("configs", ",".join(FLAGS.configs)),
+            ("batch_size", FLAGS.batch_size), ("steps", FLAGS.steps),
+            ("warmup_steps", FLAGS.warmup_steps), ("rounds", FLAGS.rounds))]
+    out = subprocess.run(args, capture_output=True, text=True, check=False)
+    rows = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if out.returncode != 0 or not rows:
+      raise RuntimeError("worker %s failed:\n%s" % (name, out.stderr[-3000:]))
+    results.append(json.loads(rows[-1][len("RESULT "):]))
+    print(table(results[-1:]), flush=True)
+  text = table(results)
+  with open(os.path.join(FLAGS.output_dir, "keras_zoo_step_time.md"),
+            "w") as f:
+    f.write(text)
+  with open(os.path.join(FLAGS.output_dir, "keras_zoo_step_time.json"),
+            "w") as f:
+    json.dump(results, f, indent=1)
+  print(text)
+
+
+if __name__ == "__main__":
+  app.run(main)
