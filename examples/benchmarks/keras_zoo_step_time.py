@@ -1,16 +1,10 @@
 r"""CPU milliseconds per `model.fit` step: Kfac(adaptive=True) against Adam on
 real Keras models (issue 32: the default recipe at most 2.5x Adam's step).
 
-Models (batch 64, random inputs, 10 classes, logits + sparse
-cross-entropy):
-  mobilenetv2   keras.applications.MobileNetV2(alpha=0.35), 32x32x3
-  resnet        a small BN ResNet: Conv 16 + BN, three residual stages
-                (16, 32, 64 channels, each two 3x3 Conv + BN and a
-                projection when the shape changes), global pooling, Dense
-  effnet        keras.applications.EfficientNetB0, 32x32x3
-  transformer   Embedding(64, 64) over 32 tokens, two blocks of
-                MultiHeadAttention(4 heads) + LayerNorm + Dense(128) relu +
-                Dense(64) + LayerNorm, global pooling, Dense
+Models: the Keras model zoo of zoo_models.py (keras.applications
+MobileNetV2 (alpha 0.35), ResNet50, EfficientNetB0 on 32x32x3; a small BN
+ResNet, a ViT, a GPT-style causal transformer, LSTM and GRU text
+classifiers), its data and losses, batch 64.
 
 Configurations: `adam` (keras.optimizers.Adam(1e-3)) and `kfac`
 (kfac.keras.optimizers.Kfac(model=..., loss=..., adaptive=True), the
@@ -44,9 +38,16 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 
-MODELS = ("mobilenetv2", "resnet", "effnet", "transformer")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import zoo_models
+
+MODELS = zoo_models.NAMES
 CONFIGS = ("adam", "kfac")
-flags.DEFINE_list("models", list(MODELS), "Which models.")
+flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
+                             "vit", "gpt"], "Which models (%s)." %
+                  ", ".join(MODELS))
 flags.DEFINE_list("configs", list(CONFIGS), "Which configurations (adam, "
                   "kfac, kfac_full_patches); the first is the baseline.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
@@ -58,72 +59,14 @@ flags.DEFINE_string("output_dir", "/tmp/kfac_keras_zoo_bench", "Where to "
 flags.DEFINE_string("worker", None, "Internal: time one model in this "
                     "process.")
 
-SEQ_LEN, VOCAB, WIDTH = 32, 64, 64
-
-
-def small_resnet(keras):
-  layers = keras.layers
-  inputs = keras.Input((32, 32, 3))
-  x = layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
-  x = layers.ReLU()(layers.BatchNormalization()(x))
-  for filters, stride in ((16, 1), (32, 2), (64, 2)):
-    y = layers.Conv2D(filters, 3, strides=stride, padding="same",
-                      use_bias=False)(x)
-    y = layers.ReLU()(layers.BatchNormalization()(y))
-    y = layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
-    y = layers.BatchNormalization()(y)
-    if stride != 1 or x.shape[-1] != filters:
-      x = layers.Conv2D(filters, 1, strides=stride, use_bias=False)(x)
-      x = layers.BatchNormalization()(x)
-    x = layers.ReLU()(layers.Add()([x, y]))
-  x = layers.GlobalAveragePooling2D()(x)
-  return keras.Model(inputs, layers.Dense(10)(x))
-
-
-def small_transformer(keras, blocks=2, heads=4):
-  layers = keras.layers
-  inputs = keras.Input((SEQ_LEN,), dtype="int32")
-  x = layers.Embedding(VOCAB, WIDTH)(inputs)
-  for _ in range(blocks):
-    attended = layers.MultiHeadAttention(heads, WIDTH // heads)(x, x)
-    x = layers.LayerNormalization()(x + attended)
-    hidden = layers.Dense(2 * WIDTH, activation="relu")(x)
-    x = layers.LayerNormalization()(x + layers.Dense(WIDTH)(hidden))
-  x = layers.GlobalAveragePooling1D()(x)
-  return keras.Model(inputs, layers.Dense(10)(x))
-
-
-def build_model(keras, name):
-  apps = keras.applications
-  if name == "mobilenetv2":
-    return apps.MobileNetV2(weights=None, input_shape=(32, 32, 3),
-                            classes=10, alpha=0.35,
-                            classifier_activation=None)
-  if name == "effnet":
-    return apps.EfficientNetB0(weights=None, input_shape=(32, 32, 3),
-                               classes=10, classifier_activation=None)
-  if name == "resnet":
-    return small_resnet(keras)
-  if name == "transformer":
-    return small_transformer(keras)
-  raise ValueError("unknown model %r (choose from %s)" % (name, MODELS))
-
-
 def data(name, n):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  rng = np.random.RandomState(0)
-  labels = rng.randint(0, 10, n)
-  if name == "transformer":
-    tokens = rng.randint(0, VOCAB, (n, SEQ_LEN)).astype("int32")
-    tokens[:, 0] = labels  # something to learn
-    return tokens, labels
-  return rng.rand(n, 32, 32, 3).astype("float32"), labels
+  return zoo_models.data(name, n, seed=0)
 
 
 def make(keras, kfac_keras, name, config):
   keras.utils.set_random_seed(0)
-  model = build_model(keras, name)
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  model = zoo_models.build(name)
+  loss = zoo_models.loss(name)
   if config == "adam":
     opt = keras.optimizers.Adam(1e-3)
   elif config in ("kfac", "kfac_full_patches"):

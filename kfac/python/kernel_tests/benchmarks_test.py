@@ -370,13 +370,14 @@ def test_keras_zoo_tiny(tmp_path):
 
 def test_keras_zoo_step_time_quick(tmp_path):
   """keras_zoo_step_time.py times Adam and Kfac(adaptive=True) on the small
-  transformer and writes its table and JSON (times not checked)."""
+  GPT-style transformer of the zoo and writes its table and JSON (times
+  not checked)."""
   _run("keras_zoo_step_time.py", [
-      "--models=transformer", "--configs=adam,kfac", "--steps=2",
+      "--models=gpt", "--configs=adam,kfac", "--steps=2",
       "--warmup_steps=1", "--rounds=2", "--batch_size=16"], tmp_path)
   with open(tmp_path / "keras_zoo_step_time.json") as f:
     (row,) = json.load(f)
-  assert row["model"] == "transformer"
+  assert row["model"] == "gpt"
   for config in ("adam", "kfac"):
     assert len(row["configs"][config]["ms_rounds"]) == 2
     assert row["configs"][config]["ms_best"] > 0
@@ -384,4 +385,4 @@ def test_keras_zoo_step_time_quick(tmp_path):
   table = (tmp_path / "keras_zoo_step_time.md").read_text()
   assert table.startswith("| model | adam ms/step | kfac ms/step | kfac / "
                           "adam |"), table
-  assert "| transformer | " in table
+  assert "| gpt | " in table
