@@ -97,8 +97,7 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
   def _periodic_step(self, grads_and_vars, global_step, name):
     est = self._require_estimator()
     est.instantiate_variables()
-    (_, _, _, inv_thunks) = est.create_ops_and_vars_thunks(
-        scope=self.get_name())
+    est.create_ops_and_vars_thunks(scope=self.get_name())  # finalizes
     checks = self._input_checks(grads_and_vars)
     gate = None if checks is None else checks.ok()
 
@@ -144,7 +143,8 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
         # need the conditional taken for all replicas at once.
         cond = (collective.cross_replica_cond
                 if est.inverse_update_uses_collectives else utils.cond_op)
-        inv_done = cond(do_inv, lambda: tf.group(*[t() for t in inv_thunks]))
+        inv_done = cond(do_inv,
+                        lambda: est.inverse_update_op(scope=self.get_name()))
       with tf.control_dependencies([inv_done]):
         # Built outside the burn-in condition: the quadratic model's
         # curvature products are gradients, which tf.cond branches cannot
