@@ -114,13 +114,12 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
         # Burn-in: every step, into an arithmetic mean (should_decay False);
         # then the moving average. (Lazily synchronised statistics under
         # several replicas fold only into the moving average: there the
-        # burn-in steps feed it too.)
-        burn_decay = True if est._lazy() else False  # pylint: disable=protected-access
-        stats_ok = tf.logical_and(
-            est.checked_cov_update(
-                tf.logical_and(tf.logical_not(in_burnin), do_cov), gate,
-                scope=scope),
-            est.checked_cov_update(in_burnin, gate, burn_decay, scope=scope))
+        # burn-in steps feed it too.) One statistics computation serves
+        # both: should_decay is a tensor.
+        should_decay = (True if est._lazy() else  # pylint: disable=protected-access
+                        tf.logical_not(in_burnin))
+        stats_ok = est.checked_cov_update(
+            tf.logical_or(in_burnin, do_cov), gate, should_decay, scope=scope)
       else:
         # With cov_update_every > 1 under several replicas the statistics
         # are reduced only on the steps that fold them.
