@@ -9,8 +9,10 @@
 * one matrix needing the float64 fallback (damping below the float32 bound)
   gets damped_inverse's float64 value while the others keep their float32
   ones; a matrix with a non-finite entry gives a non-finite value;
-* the graph holds one Cholesky per distinct shape and one conditional,
-  however many matrices there are;
+* the graph holds two Cholesky ops per distinct shape (float32, and the
+  float64 fallback of the matrices that need it) and no conditional,
+  however many matrices there are; under XLA (jit_compile) the values are
+  the same;
 * bad shapes are refused.
 """
 
@@ -67,6 +69,21 @@ def test_values_equal_damped_inverse_of_each(world):
     assert err <= 1e-3, (mat.shape, err)
 
 
+def test_under_xla_values_equal_damped_inverse_of_each():
+  mats, dampings = _inputs()
+
+  @tf.function(jit_compile=True)
+  def both():
+    pairs = [(tf.constant(m), d) for m, d in zip(mats, dampings)]
+    return (batched_inverse.damped_inverses(pairs),
+            [linalg.damped_inverse(m, d) for m, d in pairs])
+  batched, single = both()
+  for got, want in zip(batched, single):
+    err = np.max(np.abs(got.numpy() - want.numpy())) / np.max(
+        np.abs(want.numpy()))
+    assert err <= 1e-6, err
+
+
 def test_nonfinite_matrix_gives_nonfinite_value_only_there():
   bad = _spd(3, 0).astype(np.float32)
   bad[1, 1] = np.nan
@@ -93,10 +110,10 @@ def _count_ops(num_matrices):
 def test_graph_grows_with_shapes_not_matrices():
   chol_2, conds_2, ops_2 = _count_ops(2)
   chol_40, conds_40, ops_40 = _count_ops(40)
-  # One Cholesky per shape (the float64 ones are in the conditional's
-  # branch function); one conditional.
-  assert chol_2 == chol_40 == 2
-  assert conds_2 == conds_40 == 1
+  # One Cholesky per shape in float32 and one for the gathered float64
+  # fallback; no conditional.
+  assert chol_2 == chol_40 == 4
+  assert conds_2 == conds_40 == 0
   # What grows: each matrix's constant and damping (measured: 2 ops per
   # matrix; linalg.damped_inverse alone builds some 30 per matrix).
   assert ops_40 - ops_2 <= 3 * 76, (ops_2, ops_40)

@@ -10,17 +10,19 @@ number of matrices:
   xla_linalg where linalg.use_xla_blocked / use_cpu_blocked choose it for
   one matrix of that shape); each matrix of a batch gets the computation it
   would get alone;
-* the float64 fallback is one conditional for all of them: it runs when
-  any matrix needs it (linalg._float32_is_unsafe, or a float32 result that
-  is not finite) and recomputes every matrix in float64; each matrix then
-  takes its float32 result where that one was usable, as damped_inverse
-  decides per matrix. A matrix whose float32 computation is skipped
-  (unsafe) is replaced by the identity in the float32 batch, so a kernel
-  that raises on a failed factorization is never given it.
+* the float64 fallback (linalg._float32_is_unsafe, or a float32 result
+  that is not finite: as damped_inverse decides per matrix) recomputes
+  only the matrices that need it: they are gathered into a batch of
+  run-time size (usually empty) and scattered back, with no conditional.
+  Under XLA, which needs static shapes, it is one conditional for all
+  matrices that recomputes them all in float64 when any needs it, each
+  then taking its own result. A matrix whose float32 computation is
+  skipped (unsafe) is replaced by the identity in the float32 batch, so a
+  kernel that raises on a failed factorization is never given it.
 
 A model with hundreds of factors (keras.applications.EfficientNetB0: 362
-inverses in some 60 shapes) so builds tens of factorizations and one
-conditional instead of hundreds of each.
+inverses, 156 of them wider than 256 rows) so builds one factorization per
+distinct shape instead of one, and two conditionals, per factor.
 """
 
 import collections
@@ -44,7 +46,8 @@ def _inverse_of_batch(mats, dampings, fallback):
   damped = linalg.symmetrize(mats)
   damped = tf.linalg.set_diag(
       damped, tf.linalg.diag_part(damped) + dampings[:, tf.newaxis])
-  one = damped[0]  # the choice of route is made as for one matrix
+  # The route is chosen as for one matrix (from its static shape).
+  one = tf.TensorSpec(mats.shape[-2:], mats.dtype)
   if linalg.use_xla_blocked(one):
     return linalg.symmetrize(xla_linalg.spd_inverse(damped))
   if linalg.use_cpu_blocked(one) and not fallback:
@@ -96,29 +99,55 @@ def damped_inverses(pairs):
     use_native = tf.logical_and(tf.logical_not(unsafe), finite)
     stacks.append((idx, mats, dampings, native, use_native))
 
-  flags = [s[4] for s in stacks if s[4] is not None]
-  if flags:
-    need_float64 = tf.logical_not(tf.reduce_all(tf.concat(flags, 0)))
-
-    def in_float64():
-      return [tf.cast(_inverse_of_batch(tf.cast(mats, tf.float64),
-                                        tf.cast(dampings, tf.float64), True),
-                      mats.dtype)
-              for _, mats, dampings, _, use in stacks if use is not None]
-
-    def natives():
-      return [native for _, _, _, native, use in stacks if use is not None]
-
-    recomputed = tf.cond(need_float64, in_float64, natives)
-    if not isinstance(recomputed, (list, tuple)):
-      recomputed = [recomputed]
-    recomputed = iter(recomputed)
+  if utils.in_xla_context():
+    recomputed = _float64_in_one_cond(stacks)
+  else:
+    recomputed = iter([_float64_where_needed(mats, dampings, native, use)
+                       for _, mats, dampings, native, use in stacks
+                       if use is not None])
 
   out = [None] * len(pairs)
   for idx, _, _, native, use_native in stacks:
     value = native
     if use_native is not None:
-      value = tf.where(use_native[:, None, None], native, next(recomputed))
+      value = next(recomputed)
     for i, matrix in zip(idx, tf.unstack(value)):
       out[i] = matrix
   return out
+
+
+def _float64_where_needed(mats, dampings, native, use_native):
+  """native, with the matrices that need it recomputed in float64: those
+  are gathered (a batch of run-time size, usually empty) and scattered
+  back, so a step pays for the fallback of those matrices only."""
+  where = tf.where(tf.logical_not(use_native))
+  redo = _inverse_of_batch(tf.cast(tf.gather_nd(mats, where), tf.float64),
+                           tf.cast(tf.gather_nd(dampings, where), tf.float64),
+                           True)
+  return tf.tensor_scatter_nd_update(native, where,
+                                     tf.cast(redo, native.dtype))
+
+
+def _float64_in_one_cond(stacks):
+  """Under XLA (static shapes): every matrix recomputed in float64 in one
+  conditional when any needs it, each taking its own result."""
+  flags = [s[4] for s in stacks if s[4] is not None]
+  if not flags:
+    return iter([])
+  need_float64 = tf.logical_not(tf.reduce_all(tf.concat(flags, 0)))
+
+  def in_float64():
+    return [tf.cast(_inverse_of_batch(tf.cast(mats, tf.float64),
+                                      tf.cast(dampings, tf.float64), True),
+                    mats.dtype)
+            for _, mats, dampings, _, use in stacks if use is not None]
+
+  def natives():
+    return [native for _, _, _, native, use in stacks if use is not None]
+
+  recomputed = tf.cond(need_float64, in_float64, natives)
+  if not isinstance(recomputed, (list, tuple)):
+    recomputed = [recomputed]
+  return iter([tf.where(use[:, None, None], native, redo)
+               for (_, _, _, native, use), redo in zip(
+                   [s for s in stacks if s[4] is not None], recomputed)])
