@@ -12,6 +12,8 @@
 * a TF2 K-FAC step whose factors exceed the base size takes the same steps
   with jit_compile=True as without (rtol 1e-5, float32), through the
   blocked path (distribute_options_test.py compares small factors);
+* a batch [k, n, n] gives each matrix its own result (1e-14 of the
+  matrix computed alone; numerics/batched_inverse.py stacks factors);
 * bad shapes and base sizes are refused with a ValueError.
 """
 
@@ -97,11 +99,23 @@ def test_not_positive_definite_gives_non_finite_values():
   assert not np.all(np.isfinite(chol))
 
 
+@pytest.mark.parametrize("n", (BASE + 1, 2 * BASE + 3))
+def test_a_batch_gets_each_matrix_own_result(n):
+  mats = np.stack([_spd(n, seed) for seed in range(3)])
+  chol, chol_inv = xla_linalg.cholesky_and_inverse(tf.constant(mats))
+  inverse = xla_linalg.spd_inverse(tf.constant(mats)).numpy()
+  for i in range(3):
+    one_chol, one_inv = xla_linalg.cholesky_and_inverse(tf.constant(mats[i]))
+    _close(chol[i].numpy(), one_chol.numpy(), 1e-14)
+    _close(chol_inv[i].numpy(), one_inv.numpy(), 1e-14)
+    _close(inverse[i], np.linalg.inv(mats[i]))
+
+
 def test_bad_input_is_refused():
   with pytest.raises(ValueError, match="square matrix of static shape"):
     xla_linalg.cholesky(tf.zeros([3, 4]))
   with pytest.raises(ValueError, match="square matrix of static shape"):
-    xla_linalg.cholesky(tf.zeros([2, 3, 3]))
+    xla_linalg.cholesky(tf.zeros([2, 3, 4]))
   with pytest.raises(ValueError, match="square matrix of static shape"):
     xla_linalg.lower_gram(tf.zeros([5]))
   with pytest.raises(ValueError, match="base_size"):

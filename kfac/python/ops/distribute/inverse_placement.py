@@ -78,6 +78,9 @@ class ReplicaRoundRobinPlacementMixin:
         costs.append(sum(_cost(s) for s in shapes))
     return dict(zip(names, assign_owners(costs, num_replicas)))
 
+  def _per_factor_inverses(self):
+    return collective.is_distributed() or super()._per_factor_inverses()
+
   def _inverse_thunks(self, scope=None):
     if not collective.is_distributed():
       return super()._inverse_thunks(scope)

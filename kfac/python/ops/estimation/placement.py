@@ -72,3 +72,6 @@ class RoundRobinPlacementMixin:
   def _inv_update_thunks(self, scope=None):
     return _round_robin(super()._inv_update_thunks(scope), self._inv_devices)
 
+  def _per_factor_inverses(self):
+    return bool(self._inv_devices) or super()._per_factor_inverses()
+

@@ -25,11 +25,13 @@ class StatisticsUpdateMixin:
     return [f.instantiate_cov_variables for f in self.factors]
 
 
-  def _decay_and_weight(self, should_decay):
+  def _decay_and_weight(self, should_decay, dtype=tf.float64):
     """(decay, weight of the new statistic) of a statistics update:
     should_decay True folds with the estimator's decay, False adds the
     statistic to an arithmetic mean (decay 1, the usual weight 1 - decay;
-    kfac 0.2.x's burn-in). A boolean tensor chooses when the op runs."""
+    kfac 0.2.x's burn-in). A boolean tensor chooses when the op runs; its
+    (decay, weight) in `dtype` (the factor's) are then those of the
+    Python bool it holds, as the factor computes them."""
     if isinstance(should_decay, (bool, int)) or (
         not tf.is_tensor(should_decay) and hasattr(should_decay, "dtype")):
       if bool(should_decay):
@@ -38,10 +40,10 @@ class StatisticsUpdateMixin:
     if not tf.is_tensor(should_decay) or should_decay.dtype != tf.bool:
       raise TypeError("should_decay must be a Python bool or a boolean "
                       "tensor, got %r." % (should_decay,))
-    decay = tf.where(should_decay,
-                     tf.cast(self._cov_ema_decay, tf.float64),
-                     tf.constant(1.0, tf.float64))
-    return decay, 1.0 - tf.cast(self._cov_ema_decay, tf.float64)
+    decay = utils.cast(self._cov_ema_decay, dtype)
+    return (tf.where(should_decay, decay, tf.constant(1.0, dtype)),
+            tf.where(should_decay, 1.0 - decay,
+                     utils.cast(1.0 - self._cov_ema_decay, dtype)))
 
   def _cov_update_thunks(self, scope=None):
     """One thunk per factor; thunk(should_decay=True) builds its update
@@ -88,7 +90,7 @@ class StatisticsUpdateMixin:
   def _guarded_assign(self, factor, stats, should_decay, check):
     """Folds `stats` into the factor's average; with `check`, only when
     they are all finite (else the factor is left as it was)."""
-    decay, weight = self._decay_and_weight(should_decay)
+    decay, weight = self._decay_and_weight(should_decay, factor.dtype)
     extra = () if weight is None else (weight,)
 
     def assign():

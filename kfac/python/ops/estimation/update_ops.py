@@ -13,6 +13,8 @@ import threading
 import tensorflow as tf
 
 from kfac.python.ops.distribute import lazy_sync
+from kfac.python.ops.numerics import batched_inverse
+from kfac.python.ops.reliability import nonfinite
 
 
 class UpdateOpsMixin:
@@ -55,6 +57,42 @@ class UpdateOpsMixin:
           return tf.group(*factor.make_inverse_update_ops())
       return thunk
     return [make(f) for f in self.factors]
+
+  def _per_factor_inverses(self):
+    """Whether each factor's inverse update must be built by its own thunk
+    (estimators that place or distribute them per factor say True)."""
+    return False
+
+  def inverse_update_op(self, scope=None):
+    """One op updating every factor's inverses, as the inverse update
+    thunks do together: the damped Cholesky inverses of all factors are
+    computed as batches of equal shapes with one float64 fallback
+    (numerics/batched_inverse.py), so that the graph grows with the number
+    of distinct factor shapes, not of factors. (The per-factor thunks where
+    _per_factor_inverses says so.)"""
+    if self._per_factor_inverses():
+      return tf.group(*[t() for t in self._inv_update_thunks(scope)])
+    self._finalize()
+    sync = []
+    if self._lazy():
+      key = (tf.compat.v1.get_default_graph(), threading.get_ident())
+      if key not in self._lazy_sync_ops:
+        with self._scope(scope):
+          self._lazy_sync_ops[key] = lazy_sync.sync_op(self.factors)
+      sync = [self._lazy_sync_ops[key]]
+    with tf.control_dependencies(sync), self._scope(scope):
+      assigns, deferred = [], []
+      for factor in self.factors:
+        for var, value in factor.deferred_inverse_values():
+          if isinstance(value, batched_inverse.DeferredInverse):
+            deferred.append((var, value))
+          else:
+            assigns.append(nonfinite.assign_if_finite(var, value))
+      values = batched_inverse.damped_inverses(
+          [(d.mat, d.damping) for _, d in deferred])
+      assigns.extend(nonfinite.assign_if_finite(var, value)
+                     for (var, _), value in zip(deferred, values))
+      return tf.group(*assigns)
 
   def create_ops_and_vars_thunks(self, scope=None):
     """Thunks that make variables and update ops, one per factor (in the

@@ -55,10 +55,11 @@ def _float32_is_unsafe(mat, damping):
   """
   if mat.dtype == tf.float64:
     return tf.constant(False)
+  # (A batch [..., n, n] with dampings [...] gets one flag per matrix.)
   n = tf.cast(tf.shape(mat)[-1], mat.dtype)
   eps = tf.constant(1.1920929e-07, mat.dtype)  # float32 machine epsilon
-  trace = tf.reduce_sum(tf.abs(tf.linalg.diag_part(mat)))
-  row_sum = tf.reduce_max(tf.reduce_sum(tf.abs(mat), axis=-1))
+  trace = tf.reduce_sum(tf.abs(tf.linalg.diag_part(mat)), axis=-1)
+  row_sum = tf.reduce_max(tf.reduce_sum(tf.abs(mat), axis=-1), axis=-1)
   scale = tf.minimum(trace, row_sum)
   return utils.cast(damping, mat.dtype) <= 10.0 * n * eps * scale
 

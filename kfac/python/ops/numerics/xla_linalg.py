@@ -19,6 +19,10 @@ With A = [[A11, A21^T], [A21, A22]], L = chol(A) and M = L^-1:
   M21 = -M22 L21 M11
 
 and A^-1 = M^T M is formed from the triangular blocks of M (`lower_gram`).
+
+Every function also takes a batch of matrices [..., n, n] (a static batch
+shape; numerics/batched_inverse.py inverts equal-shaped factors at once):
+each matrix of the batch gets the same ops as it would alone.
 """
 
 import tensorflow as tf
@@ -36,27 +40,32 @@ GRAM_BASE_SIZE = 128
 def _rows(mat):
   """The static number of rows as a Python int (or None), also where the
   shape holds v1 `Dimension`s (tf.compat.v1.disable_v2_behavior)."""
-  return tf.compat.dimension_value(mat.shape[0])
+  return tf.compat.dimension_value(mat.shape[-2])
+
+
+def _batch(mat):
+  """The static batch shape (a list, [] for a matrix)."""
+  return [tf.compat.dimension_value(d) for d in mat.shape[:-2]]
 
 
 def _static_order(mat, what):
   """The static number of rows of a square matrix, or a ValueError."""
   shape = mat.shape
   rows = cols = None
-  if shape.rank == 2:
-    rows, cols = _rows(mat), tf.compat.dimension_value(shape[1])
+  if shape.rank is not None and shape.rank >= 2 and None not in _batch(mat):
+    rows, cols = _rows(mat), tf.compat.dimension_value(shape[-1])
   if rows is None or cols is None or rows != cols:
-    raise ValueError("%s needs a square matrix of static shape, got shape %s."
-                     % (what, shape))
+    raise ValueError("%s needs a square matrix of static shape (or a batch "
+                     "of them), got shape %s." % (what, shape))
   return rows
 
 
 def _blocks(m11, m21, m22, upper_right=None):
   """[[m11, upper_right or 0], [m21, m22]]."""
   if upper_right is None:
-    upper_right = tf.zeros([_rows(m11), _rows(m22)], m11.dtype)
-  return tf.concat([tf.concat([m11, upper_right], 1),
-                    tf.concat([m21, m22], 1)], 0)
+    upper_right = tf.zeros(_batch(m11) + [_rows(m11), _rows(m22)], m11.dtype)
+  return tf.concat([tf.concat([m11, upper_right], -1),
+                    tf.concat([m21, m22], -1)], -2)
 
 
 def _chol_and_inverse(mat, base_size, want_chol=True):
@@ -65,12 +74,12 @@ def _chol_and_inverse(mat, base_size, want_chol=True):
   n = _rows(mat)
   if n <= base_size:
     chol = tf.linalg.cholesky(mat)
-    eye = tf.eye(n, dtype=mat.dtype)
+    eye = tf.eye(n, batch_shape=_batch(mat) or None, dtype=mat.dtype)
     return chol, tf.linalg.triangular_solve(chol, eye, lower=True)
   k = n // 2
-  l11, m11 = _chol_and_inverse(mat[:k, :k], base_size, want_chol)
-  l21 = tf.matmul(mat[k:, :k], m11, transpose_b=True)
-  schur = mat[k:, k:] - tf.matmul(l21, l21, transpose_b=True)
+  l11, m11 = _chol_and_inverse(mat[..., :k, :k], base_size, want_chol)
+  l21 = tf.matmul(mat[..., k:, :k], m11, transpose_b=True)
+  schur = mat[..., k:, k:] - tf.matmul(l21, l21, transpose_b=True)
   l22, m22 = _chol_and_inverse(schur, base_size, want_chol)
   m21 = -tf.matmul(m22, tf.matmul(l21, m11))
   chol = _blocks(l11, l21, l22) if want_chol else None
@@ -104,11 +113,12 @@ def _gram(m, base_size):
   if n <= base_size:
     return tf.matmul(m, m, transpose_a=True)
   k = n // 2
-  m21, m22 = m[k:, :k], m[k:, k:]
-  p11 = _gram(m[:k, :k], base_size) + tf.matmul(m21, m21, transpose_a=True)
+  m21, m22 = m[..., k:, :k], m[..., k:, k:]
+  p11 = (_gram(m[..., :k, :k], base_size) +
+         tf.matmul(m21, m21, transpose_a=True))
   p21 = tf.matmul(m22, m21, transpose_a=True)
   return _blocks(p11, p21, _gram(m22, base_size),
-                 upper_right=tf.transpose(p21))
+                 upper_right=tf.linalg.matrix_transpose(p21))
 
 
 def lower_gram(m, base_size=GRAM_BASE_SIZE):

@@ -97,8 +97,7 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
   def _periodic_step(self, grads_and_vars, global_step, name):
     est = self._require_estimator()
     est.instantiate_variables()
-    (_, _, _, inv_thunks) = est.create_ops_and_vars_thunks(
-        scope=self.get_name())
+    est.create_ops_and_vars_thunks(scope=self.get_name())  # finalizes
     checks = self._input_checks(grads_and_vars)
     gate = None if checks is None else checks.ok()
 
@@ -115,13 +114,12 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
         # Burn-in: every step, into an arithmetic mean (should_decay False);
         # then the moving average. (Lazily synchronised statistics under
         # several replicas fold only into the moving average: there the
-        # burn-in steps feed it too.)
-        burn_decay = True if est._lazy() else False  # pylint: disable=protected-access
-        stats_ok = tf.logical_and(
-            est.checked_cov_update(
-                tf.logical_and(tf.logical_not(in_burnin), do_cov), gate,
-                scope=scope),
-            est.checked_cov_update(in_burnin, gate, burn_decay, scope=scope))
+        # burn-in steps feed it too.) One statistics computation serves
+        # both: should_decay is a tensor.
+        should_decay = (True if est._lazy() else  # pylint: disable=protected-access
+                        tf.logical_not(in_burnin))
+        stats_ok = est.checked_cov_update(
+            tf.logical_or(in_burnin, do_cov), gate, should_decay, scope=scope)
       else:
         # With cov_update_every > 1 under several replicas the statistics
         # are reduced only on the steps that fold them.
@@ -144,7 +142,8 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
         # need the conditional taken for all replicas at once.
         cond = (collective.cross_replica_cond
                 if est.inverse_update_uses_collectives else utils.cond_op)
-        inv_done = cond(do_inv, lambda: tf.group(*[t() for t in inv_thunks]))
+        inv_done = cond(do_inv,
+                        lambda: est.inverse_update_op(scope=self.get_name()))
       with tf.control_dependencies([inv_done]):
         # Built outside the burn-in condition: the quadratic model's
         # curvature products are gradients, which tf.cond branches cannot

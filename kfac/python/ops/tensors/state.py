@@ -68,10 +68,15 @@ class StateStore(tf.Module):
       else:
         value = tf.fill(shape.as_list(), utils.cast(initial_value, dtype))
       name = _sanitize(self.name + "/" + key)
+      # Created now, in the outermost (eager) context, with its value: not a
+      # variable for tf.function to lift (see _unlifted). A step traced by
+      # tf.function is then traced once, not a second time because its
+      # first trace created variables.
+      lifting = _unlifted()
       if strategy is None:
-        var = tf.Variable(value, trainable=False, name=name)
+        var = tf.Variable(value, trainable=False, name=name, **lifting)
       else:
-        var = _replica_local_variable(strategy, value, name)
+        var = _replica_local_variable(strategy, value, name, lifting)
     self._store_vars[key] = var
     return var
 
@@ -123,13 +128,26 @@ def _multi_replica_strategy():
   return strategy if strategy.num_replicas_in_sync > 1 else None
 
 
-def _replica_local_variable(strategy, value, name):
+def _unlifted():
+  """tf.Variable's arguments for K-FAC state created in eager mode (under
+  init_scope while a tf.function traces the step): not recorded as created
+  by the function. tf.function traces a function again when its first trace
+  created variables (only then it can lift their initializers); the state
+  is created here eagerly and already holds its value, so there is nothing
+  to lift and the first trace is kept. Empty in a TF1 graph."""
+  if tf.executing_eagerly():
+    return {"experimental_enable_variable_lifting": False}
+  return {}
+
+
+def _replica_local_variable(strategy, value, name, lifting=None):
   """A variable with one copy per replica (see distribute/collective.py:
   every replica assigns it the same, already reduced, values), read from
   the first replica in cross-replica context and saved from it."""
   kwargs = dict(trainable=False, name=name,
                 synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                **(lifting or {}))
   if tf.distribute.has_strategy():
     # TF1 graph: init_scope stays in the graph and in the replica (or
     # cross-replica) context, where the strategy creates the variable.

@@ -19,6 +19,7 @@ import abc
 import tensorflow as tf
 
 from kfac.python.ops.layers.base import curvature_options as options_lib
+from kfac.python.ops.numerics import batched_inverse
 from kfac.python.ops.numerics import linalg
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
@@ -188,6 +189,12 @@ class FisherFactor(abc.ABC):
     """[(variable, new value)] of the inverse update (computed from the
     moving average; nothing assigned yet). None for diagonal factors."""
     return []
+
+  def deferred_inverse_values(self):
+    """inverse_values, except that a damped inverse may be given as a
+    batched_inverse.DeferredInverse(mat, damping) that the caller computes
+    together with those of other factors (estimation/update_ops.py)."""
+    return self.inverse_values()
 
   def inverse_variables(self):
     """The variables the inverse update writes (none for diagonal
@@ -382,6 +389,14 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
     return tf.maximum(evals, utils.cast(threshold, evals.dtype))
 
   def inverse_values(self):
+    return self._inverse_values(linalg.damped_inverse)
+
+  def deferred_inverse_values(self):
+    return self._inverse_values(batched_inverse.DeferredInverse)
+
+  def _inverse_values(self, damped_inverse):
+    """inverse_values, with the Cholesky inverses (mat, damping) given by
+    `damped_inverse`."""
     self.instantiate_inv_variables()
     raw_cov = tf.convert_to_tensor(self.get_cov_var())
     ops = []
@@ -393,7 +408,7 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
       cov = dfunc.scale(raw_cov)
       if kind == "matpow":
         if exp == -1 and self._psd and not eigh_inverses:
-          value = linalg.damped_inverse(cov, damping)
+          value = damped_inverse(cov, damping)
         else:
           if eig is None:
             eig = linalg.eigh(raw_cov)
@@ -405,7 +420,9 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
         value = linalg.damped_cholesky(cov, damping)
       else:
         value = linalg.damped_cholesky_inverse(cov, damping)
-      ops.append((var, utils.cast(value, self._dtype)))
+      if not isinstance(value, batched_inverse.DeferredInverse):
+        value = utils.cast(value, self._dtype)
+      ops.append((var, value))
     if self._eigenbasis:
       if eig is None:
         eig = linalg.eigh(raw_cov)

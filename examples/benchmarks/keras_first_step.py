@@ -1,0 +1,69 @@
+"""The first `train_on_batch` of a keras.applications model (trace + first
+step) with Kfac(adaptive=True) or Adam: wall and process CPU seconds, the
+mean of the next 3 steps, and the peak resident memory (after the first call
+and at the end). One model and optimizer per process; run them one at a
+time (a K-FAC run takes minutes and GBs):
+
+  .venv/bin/python examples/benchmarks/keras_first_step.py effnet kfac
+
+Models: effnet (EfficientNetB0), resnet50 (ResNet50), mobilenetv2
+(MobileNetV2, alpha 0.35); all weights=None, 32x32x3 inputs, 10 classes,
+batch 64 of random data. Results: docs/benchmarks.md ("First step on
+keras.applications models").
+"""
+
+import resource
+import sys
+import time
+
+import numpy as np
+
+
+def main(argv):
+  if len(argv) != 3 or argv[1] not in BUILDERS or argv[2] not in (
+      "adam", "kfac"):
+    sys.exit("usage: keras_first_step.py {%s} {adam,kfac}" %
+             ",".join(sorted(BUILDERS)))
+  import keras  # pylint: disable=g-import-not-at-top
+  import kfac  # pylint: disable=g-import-not-at-top
+  name, opt_name = argv[1], argv[2]
+  keras.utils.set_random_seed(0)
+  model = BUILDERS[name](keras)
+  x = np.random.RandomState(0).rand(64, 32, 32, 3).astype("float32")
+  y = np.random.RandomState(1).randint(0, 10, 64)
+  loss = keras.losses.SparseCategoricalCrossentropy()
+  if opt_name == "adam":
+    opt = keras.optimizers.Adam(1e-3)
+  else:
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True)
+  model.compile(optimizer=opt, loss=loss)
+  wall0, cpu0 = time.time(), time.process_time()
+  model.train_on_batch(x, y)
+  wall1, cpu1 = time.time(), time.process_time()
+  rss_first = _peak_rss_gb()
+  for _ in range(3):
+    model.train_on_batch(x, y)
+  wall2 = time.time()
+  print("RESULT %s %s first_call_wall=%.1f s first_call_cpu=%.1f s "
+        "next_steps_ms=%.0f peak_rss=%.2f GB peak_rss_after_first_call=%.2f "
+        "GB" % (name, opt_name, wall1 - wall0, cpu1 - cpu0,
+                (wall2 - wall1) / 3 * 1000, _peak_rss_gb(), rss_first),
+        flush=True)
+
+
+def _peak_rss_gb():
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+BUILDERS = {
+    "effnet": lambda keras: keras.applications.EfficientNetB0(
+        weights=None, input_shape=(32, 32, 3), classes=10),
+    "resnet50": lambda keras: keras.applications.ResNet50(
+        weights=None, input_shape=(32, 32, 3), classes=10),
+    "mobilenetv2": lambda keras: keras.applications.MobileNetV2(
+        weights=None, input_shape=(32, 32, 3), classes=10, alpha=0.35),
+}
+
+
+if __name__ == "__main__":
+  main(sys.argv)

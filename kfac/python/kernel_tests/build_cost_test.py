@@ -1,0 +1,134 @@
+"""The cost of building the K-FAC step (issue 32, item 1), checked without
+timing:
+
+* a Keras `fit` / `train_on_batch` step and a custom tf.function step are
+  traced once: the K-FAC state is created eagerly during the first trace,
+  so tf.function keeps that trace instead of tracing the step a second
+  time (as it does for a function whose first trace created variables;
+  saving and resuming: keras_optimizer_test.py, resume_test.py);
+* the traced step (with adaptive=True: statistics, batched inverses,
+  quadratic model, damping rule) grows linearly with the depth of a model
+  of equal layers, by a stated number of graph nodes per layer.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import kfac
+import kfac.keras
+from kfac.python.keras import keras_flavor
+
+keras = keras_flavor.keras_module()
+
+
+def _model(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((6, 6, 2)),
+      keras.layers.Conv2D(3, 3, name="conv"),
+      keras.layers.BatchNormalization(name="bn"),
+      keras.layers.ReLU(),
+      keras.layers.Flatten(),
+      keras.layers.Dense(4, name="dense"),
+  ])
+
+
+def _data():
+  rng = np.random.RandomState(0)
+  return (rng.rand(16, 6, 6, 2).astype(np.float32),
+          rng.randint(0, 4, 16).astype(np.int32))
+
+
+def _count_applies(opt):
+  """Counts the optimizer's K-FAC step builds (one per trace)."""
+  count = [0]
+  apply_fn = opt._kfac_apply  # pylint: disable=protected-access
+
+  def counted(*args, **kwargs):
+    count[0] += 1
+    return apply_fn(*args, **kwargs)
+  opt._kfac_apply = counted  # pylint: disable=protected-access
+  return count
+
+
+def _loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_fit_traces_the_step_once():
+  for adaptive in (True, False):
+    model = _model()
+    kwargs = dict(adaptive=True) if adaptive else dict(
+        learning_rate=0.01, damping=0.01)
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(), **kwargs)
+    model.compile(optimizer=opt, loss=_loss())
+    count = _count_applies(opt)
+    x, y = _data()
+    losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
+    assert count[0] == 1, (adaptive, count[0])
+    assert np.all(np.isfinite(losses)), losses
+    assert len(opt.state_store.variables_by_name) > 10
+
+
+def test_custom_loop_traces_the_step_once():
+  model = _model()
+  opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(),
+                                   learning_rate=0.01, damping=0.01)
+  count = _count_applies(opt)
+  x, y = _data()
+  loss_fn = _loss()
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  for _ in range(3):
+    step(x, y)
+  assert step.experimental_get_tracing_count() == 1
+  assert count[0] == 1
+
+
+
+def _step_graph_size(depth, adaptive=True):
+  """Nodes of the traced K-FAC step (the function and every function it
+  calls: conditional branches) of `depth` Dense+ReLU layers of width 8."""
+  keras.utils.set_random_seed(0)
+  layers = [keras.Input((8,))]
+  for i in range(depth):
+    layers += [keras.layers.Dense(8, name="d%d" % i), keras.layers.ReLU()]
+  layers.append(keras.layers.Dense(3, name="out"))
+  model = keras.Sequential(layers)
+  kwargs = dict(adaptive=True) if adaptive else dict(
+      learning_rate=0.01, damping=0.01)
+  opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(), **kwargs)
+  model.compile(optimizer=opt, loss=_loss())  # the damping rule's loss
+  loss_fn = _loss()
+
+  @tf.function
+  def step(x, y):
+    opt.set_train_batch((x, y))
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  graph_def = step.get_concrete_function(
+      tf.TensorSpec([16, 8], tf.float32),
+      tf.TensorSpec([16], tf.int32)).graph.as_graph_def()
+  return len(graph_def.node) + sum(
+      len(f.node_def) for f in graph_def.library.function)
+
+
+def test_step_graph_grows_linearly_with_depth():
+  sizes = {d: _step_graph_size(d) for d in (1, 2, 4)}
+  first, second = sizes[2] - sizes[1], (sizes[4] - sizes[2]) / 2
+  # Linear: the cost of a layer does not grow with the layers before it
+  # (measured: 478 nodes per Dense+ReLU layer with adaptive=True, the same
+  # for every added layer).
+  assert second <= first, sizes
+  assert second <= 550, sizes
