@@ -89,7 +89,7 @@ def damped_inverses(pairs):
                      _inverse_of_batch(mats, dampings, False), None))
       continue
     unsafe = linalg._float32_is_unsafe(mats, dampings)  # pylint: disable=protected-access
-    n = mats.shape[-1]
+    n = tf.compat.dimension_value(mats.shape[-1])
     eye = tf.eye(n, batch_shape=[len(idx)], dtype=dtype)
     zeros = tf.zeros([len(idx)], dtype)
     safe_mats = tf.where(unsafe[:, None, None], eye, mats)
