@@ -118,6 +118,18 @@ class ConvTransposeOutputKroneckerFactor(OutputGradsMixin, DenseSquareFactor):
     return weighted_sum(terms, self._weights)
 
 
+def _init_transpose_block(block, layer_collection, params, padding, strides,
+                          dilation_rate, data_format):
+  """The parameters, filter shape and conv spec of a transposed
+  convolution's block (filter [k.., O, C], optional bias)."""
+  FisherBlock.__init__(block, layer_collection, params)
+  block._has_bias = isinstance(params, (list, tuple))  # pylint: disable=protected-access
+  block._filter_shape = tuple(  # pylint: disable=protected-access
+      int(n) for n in utils.ensure_sequence(params)[0].shape)
+  block._spec = patches_lib.make_conv_spec(  # pylint: disable=protected-access
+      block._filter_shape[:-2], strides, dilation_rate, padding, data_format)  # pylint: disable=protected-access
+
+
 class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
   """The filter's KFC block L * (A (x) G) of a transposed convolution
   without bias (see the module docstring). Products act on the [C, K*O]
@@ -125,12 +137,8 @@ class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
 
   def __init__(self, layer_collection, params, padding, strides=None,
                dilation_rate=None, data_format=None):
-    FisherBlock.__init__(self, layer_collection, params)
-    self._has_bias = isinstance(params, (list, tuple))
-    self._filter_shape = tuple(
-        int(n) for n in utils.ensure_sequence(params)[0].shape)
-    self._spec = patches_lib.make_conv_spec(
-        self._filter_shape[:-2], strides, dilation_rate, padding, data_format)
+    _init_transpose_block(self, layer_collection, params, padding, strides,
+                          dilation_rate, data_format)
     self._in_channels = self._filter_shape[-1]
     self._patch_size = self._spec.num_taps * self._filter_shape[-2]
     self._init_towers()
@@ -303,12 +311,8 @@ class ConvTransposeDiagonalFB(ElementwiseDiagonalBlockMixin,
 
   def __init__(self, layer_collection, params, padding, strides=None,
                dilation_rate=None, data_format=None):
-    FisherBlock.__init__(self, layer_collection, params)
-    self._has_bias = isinstance(params, (list, tuple))
-    self._filter_shape = tuple(
-        int(n) for n in utils.ensure_sequence(params)[0].shape)
-    self._spec = patches_lib.make_conv_spec(
-        self._filter_shape[:-2], strides, dilation_rate, padding, data_format)
+    _init_transpose_block(self, layer_collection, params, padding, strides,
+                          dilation_rate, data_format)
     self._factor = None
     self._init_towers()
 
