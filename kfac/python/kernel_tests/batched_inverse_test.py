@@ -69,6 +69,7 @@ def test_values_equal_damped_inverse_of_each(world):
     assert err <= 1e-3, (mat.shape, err)
 
 
+@pytest.mark.slow  # XLA compiles the batched recursion: ~20 s
 def test_under_xla_values_equal_damped_inverse_of_each():
   mats, dampings = _inputs()
 

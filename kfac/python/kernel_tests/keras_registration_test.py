@@ -920,7 +920,14 @@ def _reference_steps(branches, init, head_approx=None, steps=2):
       return {name: sess.run(values) for name, values in v.items()}, blocks
 
 
-@pytest.mark.parametrize("group", sorted(ZOO))
+# The recurrent groups build a Python-unrolled reference: the slow tier
+# (keras_recurrent_test.py covers LSTM / GRU in the fast tier).
+_SLOW_GROUPS = ("recurrent", "gru_reset_before")
+
+
+@pytest.mark.parametrize("group", [
+    pytest.param(g, marks=pytest.mark.slow) if g in _SLOW_GROUPS else g
+    for g in sorted(ZOO)])
 def test_layer_zoo_two_fit_steps_match_hand_registration(group):
   branches, fisher_approx = _zoo_group(group)
   # Only the fisher_approx group's "__class__:Dense" key covers the head.
