@@ -19,7 +19,9 @@ initial weights), compiles it and measures, with batch --batch_size:
                left out), over the same batches for every optimizer
   loss         the training loss at equal steps (mean of the last 10 batch
                losses) and at equal time (the same, over the 10 steps
-               before the time the fastest optimizer finished)
+               before the time the fastest optimizer finished, timed from
+               the end of fit's first step, which traces fit's train
+               function: Keras traces it apart from train_on_batch's)
   validation   loss and accuracy on --val_examples held-out examples
   coverage     (kfac) the share of trainable parameters under non-diagonal
                (Kronecker or full) blocks, the layers that fell back to the
@@ -166,15 +168,17 @@ def _mean_tail(values, count=10):
 
 def equal_time_losses(runs):
   """{optimizer: loss over the 10 steps before the time the fastest
-  optimizer finished}."""
-  ok = [r for r in runs if "error" not in r]
+  optimizer finished}, the clock started at the end of fit's first step
+  (which traces fit's train function again after train_on_batch's)."""
+  ok = [r for r in runs if "error" not in r and len(r["elapsed"]) > 1]
   if not ok:
     return {}
-  horizon = min(r["elapsed"][-1] for r in ok)
+  horizon = min(r["elapsed"][-1] - r["elapsed"][0] for r in ok)
   out = {}
   for r in ok:
-    k = sum(1 for t in r["elapsed"] if t <= horizon + 1e-9)
-    out[r["optimizer"]] = _mean_tail(r["losses"][:max(k, 1)])
+    k = sum(1 for t in r["elapsed"][1:]
+            if t - r["elapsed"][0] <= horizon + 1e-9)
+    out[r["optimizer"]] = _mean_tail(r["losses"][1:1 + max(k, 1)])
   return out
 
 
@@ -190,7 +194,7 @@ def table(results):
             "adam / muon | loss at equal time: kfac / adam / muon | val "
             "acc: kfac / adam / muon |")
   lines = [header, "|" + "---|" * (header.count("|") - 1)]
-  for model in FLAGS.models:
+  for model in dict.fromkeys(FLAGS.models):
     runs = {r["optimizer"]: r for r in results if r["model"] == model}
     def get(opt, key):
       r = runs.get(opt)
