@@ -7,17 +7,19 @@ from kfac.python.ops.reliability import arguments
 # Hyperparameters kept in variables, so that callbacks and users can change
 # them between steps without retracing.
 MUTABLE_HYPERPARAMETERS = ("learning_rate", "damping", "momentum",
-                           "weight_decay_coeff", "norm_constraint")
+                           "weight_decay_coeff", "norm_constraint",
+                           "weight_decay")
 CORE_DEFAULTS = {"momentum": 0.9, "weight_decay_coeff": 0.1}
 # Keras optimizer options that do not make sense for K-FAC: rejected.
 KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
                       "ema_momentum", "ema_overwrite_frequency",
                       "loss_scale_factor", "gradient_accumulation_steps",
-                      "weight_decay", "jit_compile", "is_legacy_optimizer")
+                      "jit_compile", "is_legacy_optimizer")
 # What the hyperparameters must satisfy (reliability/arguments.py).
 RULES = {"damping": arguments.POSITIVE, "momentum": arguments.MOMENTUM,
          "weight_decay_coeff": arguments.NON_NEGATIVE,
-         "norm_constraint": arguments.POSITIVE}
+         "norm_constraint": arguments.POSITIVE,
+         "weight_decay": arguments.NON_NEGATIVE}
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -30,7 +32,14 @@ def _check_kwargs(kfac_kwargs):
     raise ValueError(
         "Kfac does not support the Keras optimizer option(s) %s. K-FAC "
         "bounds its steps with norm_constraint=... and decays weights with "
-        "use_weight_decay=True, weight_decay_coeff=..." % ", ".join(bad))
+        "weight_decay=... (AdamW's)." % ", ".join(bad))
+  if (kfac_kwargs.get("weight_decay") is not None and
+      kfac_kwargs.get("use_weight_decay")):
+    raise ValueError(
+        "Kfac got weight_decay=%r (AdamW's decoupled weight decay) and "
+        "use_weight_decay=True (kfac 0.2.x's, with weight_decay_coeff): both "
+        "decay the weights; choose one (weight_decay also works with "
+        "adaptive=True)." % (kfac_kwargs["weight_decay"],))
   for key in ("layer_collection", "var_list", "name"):
     if key in kfac_kwargs:
       raise ValueError("Pass %s as an argument of Kfac, not in kfac_kwargs."
@@ -124,12 +133,24 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
     name: the optimizer's name (also the prefix of its state variables).
     seed: seed of the sampled targets (default: TensorFlow's global seed
       when one is set, else 0; kept in the config and in checkpoints).
+    weight_decay: AdamW's decoupled weight decay (default None: none), as
+      Keras's optimizers apply it: every trainable variable w that
+      `optimizer.exclude_from_weight_decay(var_list=..., var_names=...)`
+      does not exclude gets w <- w - lr * wd * w once per step, lr being
+      the step's learning rate (adaptive=True: the one the quadratic model
+      chose for this step). It is not preconditioned and enters neither the
+      momentum nor the quadratic model nor the damping rule's predicted
+      change (kfac/python/ops/optimizers/weight_decay.py says why this
+      step's rate). A variable like damping: `optimizer.weight_decay = ...`
+      or a kfac.keras.callbacks schedule changes it between steps. Not with
+      use_weight_decay=True.
     **kfac_kwargs: registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask), and the arguments of
       kfac.PeriodicInvCovUpdateKfacOpt
       (momentum, momentum_type, invert_every, cov_update_every,
       num_burnin_steps, calibrate_damping, cov_ema_decay, estimation_mode,
-      norm_constraint, use_weight_decay, weight_decay_coeff, l2_reg,
+      norm_constraint, use_weight_decay and weight_decay_coeff (kfac
+      0.2.x's weight decay: not with weight_decay), l2_reg,
       precon_damping_mult, damping_adaptation_interval, min_damping, ...).
   """

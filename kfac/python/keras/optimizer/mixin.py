@@ -77,7 +77,7 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
                    if k in kfac_kwargs})
     values["damping"] = damping
     for name in ("damping", "momentum", "weight_decay_coeff",
-                 "norm_constraint"):
+                 "norm_constraint", "weight_decay"):
       value = values.get(name)
       if value is None:
         continue
@@ -89,7 +89,10 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     core_kwargs = {k: v for k, v in kfac_kwargs.items()
                    if k not in arguments.MUTABLE_HYPERPARAMETERS}
     for name, var in self._kfac_hyper.items():
-      core_kwargs[name] = var
+      core_kwargs[_CORE_NAMES.get(name, name)] = var
+    if "weight_decay" in self._kfac_hyper:
+      # Keras's exclude_from_weight_decay (the choice made in _kfac_apply).
+      core_kwargs["decoupled_weight_decay_mask"] = self._kfac_decays
     if adaptive:
       core_kwargs.setdefault("momentum_type", "qmodel")
       core_kwargs.update(adapt_damping=True)
@@ -248,6 +251,8 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
 
   def _kfac_set(self, name, value):
     self._kfac_check_not_adapted(name)
+    if name in arguments.RULES:
+      argument_rules.check("Kfac", name, value, arguments.RULES[name])
     var = self._kfac_hyper.get(name)
     if var is None:
       raise ValueError(
@@ -284,6 +289,30 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
   norm_constraint = property(
       lambda self: self._kfac_get("norm_constraint"),
       lambda self, v: self._kfac_set("norm_constraint", v))
+
+  @property
+  def weight_decay(self):
+    """AdamW's decoupled weight decay (a variable), or None."""
+    return self.__dict__.get("_kfac_hyper", {}).get("weight_decay")
+
+  @weight_decay.setter
+  def weight_decay(self, value):
+    if "_kfac_hyper" not in self.__dict__ and value is None:
+      return  # the Keras base class's __init__ (Kfac sets it up itself)
+    self._kfac_set("weight_decay", value)
+
+  def _kfac_decays(self, variable):
+    """Whether the core's `variable` decays: not excluded by
+    exclude_from_weight_decay (Keras's own rule, on the Keras variable)."""
+    decays = getattr(self, "_kfac_decay_choice", {}).get(variable.ref())
+    if decays is None:
+      raise ValueError("Kfac's weight decay got the variable %s, which is "
+                       "not one of the step's." % variable.name)
+    return decays
+
+
+# Kfac's names of the core optimizer's arguments.
+_CORE_NAMES = {"weight_decay": "decoupled_weight_decay"}
 
 
 def global_seed():

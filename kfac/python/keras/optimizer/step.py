@@ -147,6 +147,12 @@ class KfacStepMixin:
         self._kfac_core.set_layer_collection(lc)
         self._kfac_core.estimator.instantiate_variables()
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
+    if self.weight_decay is not None:
+      # Keras's exclude_from_weight_decay, read on the Keras variables.
+      # (Not a tracked attribute: Keras would track the dict.)
+      object.__setattr__(self, "_kfac_decay_choice", {
+          t.ref(): bool(self._use_weight_decay(v))
+          for v, t in zip(variables, tf_vars)})
     op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
                                          layer_collection=lc)
     return self._kfac_after_apply(op, iteration)

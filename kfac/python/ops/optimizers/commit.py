@@ -46,7 +46,9 @@ class CommitMixin:
           ops.append(var.assign_add(delta))
       ops.extend(self._record_ops(update))
       step_op = tf.group(*ops)
-    return self._adaptation_after_update(update, step_op)
+    # The decoupled weight decay after the damping rule (weight_decay.py).
+    return self._commit_decay(update,
+                              self._adaptation_after_update(update, step_op))
 
   def _finish(self, step_op, global_step, active=None, checks=None,
               ok=None):

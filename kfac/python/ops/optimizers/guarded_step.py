@@ -35,6 +35,8 @@ class GuardedStepMixin:
       return None
     for delta, var in update.deltas:
       checks.add("update of " + utils.variable_name(var), [delta])
+    for delta, var in update.decay_deltas:
+      checks.add("weight decay of " + utils.variable_name(var), [delta])
     return checks.ok()
 
   def _input_checks(self, grads_and_vars):

@@ -34,6 +34,7 @@ _STEP_HYPERPARAMETERS = (
     ("momentum", arguments.MOMENTUM),
     ("weight_decay_coeff", arguments.NON_NEGATIVE),
     ("norm_constraint", arguments.POSITIVE),
+    ("decoupled_weight_decay", arguments.NON_NEGATIVE),
 )
 # The hyperparameters that must be Python numbers (or None).
 _NUMBERS = (

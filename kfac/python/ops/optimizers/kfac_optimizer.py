@@ -13,9 +13,11 @@ parts, one responsibility each, are in this package:
 * hyperparameters.py: the constructor's argument checks, schedules and
   defaults;
 * update_rule.py: the momentum types "regular" and "adam" (with the norm
-  constraint, weight decay and velocities; the update rule is described
+  constraint, kfac 0.2.x's weight decay and velocities; the update rule is described
   there), sparse gradients (sparse.py); "qmodel" / "qmodel_fixedmu" and the
   damping rule (`adapt_damping`): adaptive/mixin.py;
+* weight_decay.py: AdamW's decoupled weight decay
+  (`decoupled_weight_decay`);
 * update.py and commit.py: a step is built in two halves:
   `_compute_update` makes an `Update`, the change of every variable,
   without touching any state, and `_commit` applies it (after the damping
@@ -37,6 +39,7 @@ from kfac.python.ops.optimizers import hyperparameters
 from kfac.python.ops.optimizers import replicated
 from kfac.python.ops.optimizers import sparse
 from kfac.python.ops.optimizers import update_rule
+from kfac.python.ops.optimizers import weight_decay
 from kfac.python.ops.reliability import nonfinite
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
@@ -44,6 +47,7 @@ from kfac.python.ops.tensors import utils
 
 @utils.exclude_from_autograph
 class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
+                    weight_decay.WeightDecayMixin,
                     guarded_step.GuardedStepMixin, commit.CommitMixin,
                     replicated.ReplicatedMixin,
                     tf.compat.v1.train.Optimizer):
@@ -106,6 +110,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                max_consecutive_skipped_steps=10,
                relative_min_damping=None,
                include_damping_in_qmodel_change=None,
+               decoupled_weight_decay=None,
+               decoupled_weight_decay_mask=None,
                **placement_kwargs):
     """Creates the optimizer; see optimizers/update_rule.py for the update
     rule.
@@ -139,6 +145,15 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     False): whether qmodel_change, the predicted change the damping rule
     compares with the actual one, includes the damping term (adaptive/mixin.py).
 
+    `decoupled_weight_decay` (not in kfac 0.2.x; default None: none):
+    AdamW's weight decay, w <- w - lr * wd * w once per step with this
+    step's learning rate (with the quadratic model, the one it chose),
+    apart from the gradient, the curvature, the momentum, the quadratic
+    model and the damping rule's predicted change; a number >= 0, a
+    tensor, a variable or a callable. `decoupled_weight_decay_mask`: a
+    callable variable -> bool choosing the decayed variables (default:
+    all). Not with use_weight_decay=True (optimizers/weight_decay.py).
+
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,
     docs/distributed.md).
@@ -149,6 +164,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._checked_hyperparameters = hyperparameters.check(
         type(self).__name__, args)
     hyperparameters.check_placement(placement_strategy, placement_kwargs)
+    weight_decay.check_arguments(type(self).__name__, decoupled_weight_decay,
+                                 decoupled_weight_decay_mask,
+                                 use_weight_decay)
     self._keep_hyperparameters(args)
     self._make_state(name, max_consecutive_skipped_steps)
     self._init_adaptive({arg: args[arg] for arg in adaptive.ARGUMENTS})
@@ -168,6 +186,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._momentum_type = args["momentum_type"]
     self._use_weight_decay = args["use_weight_decay"]
     self._weight_decay_coeff = args["weight_decay_coeff"]
+    self._decoupled_weight_decay = args["decoupled_weight_decay"]
+    self._decoupled_weight_decay_mask = args["decoupled_weight_decay_mask"]
     self._norm_constraint = args["norm_constraint"]
     self._estimation_mode = args["estimation_mode"]
     self._colocate_gradients_with_ops = args["colocate_gradients_with_ops"]

@@ -13,6 +13,10 @@ class Update:
 
   def __init__(self):
     self.deltas = []            # (change, variable): variable += change
+    # (change, variable) of the decoupled weight decay (weight_decay.py),
+    # applied after the damping rule's evaluation; not part of the step
+    # the quadratic model and the damping rule see.
+    self.decay_deltas = []
     self.velocity_assigns = []  # (velocity variable, new value)
     self.grads = []             # the gradients (dense)
     self.precon = None          # (preconditioned vector, variable)
@@ -33,6 +37,7 @@ class Update:
   def dependencies(self):
     """The tensors of the update (to order state changes after them)."""
     out = [d.values if sparse.is_slices(d) else d for d, _ in self.deltas]
+    out.extend(d for d, _ in self.decay_deltas)
     out.extend(self.checks)
     if self.model_change is not None:
       out.append(self.model_change)

@@ -8,8 +8,9 @@ learning rate and v the velocity:
 * "regular": p = F^-1 g (then norm constraint), v <- mu v + p, step = v.
 * "adam":    v <- mu v + g, p = F^-1 v (then norm constraint), step = p.
 
-then step += weight_decay_coeff * w with use_weight_decay (decoupled weight
-decay) and the change of w is -eta * step. The norm constraint scales p by
+then step += weight_decay_coeff * w with use_weight_decay (kfac 0.2.x's
+weight decay) and the change of w is -eta * step. (AdamW's
+decoupled_weight_decay is added apart from the step: weight_decay.py.) The norm constraint scales p by
 min(1, sqrt(C / (eta^2 <g', p>))) where g' is the vector p came from, so the
 approximate squared Fisher norm of the update is at most C. ("qmodel" /
 "qmodel_fixedmu": adaptive/mixin.py.)
@@ -18,8 +19,9 @@ Sparse gradients (`tf.IndexedSlices`, optimizers/sparse.py): with a Python
 momentum of 0 the step stays sparse (it is applied to the touched rows
 only). With momentum, the velocity is dense (every row decays): it is
 updated as mu * v followed by a scatter-add of the slices, so the dense
-gradient is never built, but the step is dense. Decoupled weight decay
-touches every row, so it densifies the step. The norm constraint's
+gradient is never built, but the step is dense. use_weight_decay
+touches every row, so it densifies the step (decoupled_weight_decay is a
+dense change of its own). The norm constraint's
 <g', p> is computed on the slices after summing duplicate indices.
 
 Nothing here changes state: the rule fills an `Update`
@@ -45,7 +47,15 @@ class UpdateRuleMixin:
     update = update_lib.Update()
     update.checks = self._runtime_checks()
     if self._momentum_type.startswith("qmodel"):
-      return self._qmodel_update(grads_and_vars, update)
+      self._qmodel_update(grads_and_vars, update)
+    else:
+      self._momentum_update(grads_and_vars, update)
+    # AdamW's decay, apart from the step (optimizers/weight_decay.py).
+    self._add_decoupled_decay(update, [v for _, v in grads_and_vars])
+    return update
+
+  def _momentum_update(self, grads_and_vars, update):
+    """Fills `update` with the step of momentum "regular" / "adam"."""
     est = self._require_estimator()
     update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
     if self._momentum_type == "regular":
@@ -71,7 +81,6 @@ class UpdateRuleMixin:
     update.deltas = [(sparse.scale(s, -utils.cast(lr, v.dtype)), v)
                      for s, v in steps]
     self._set_model_change(grads_and_vars, update)
-    return update
 
   def _gradients_read_once(self):
     """Whether nothing in the step but the preconditioning reads the
