@@ -297,8 +297,10 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
 
   @weight_decay.setter
   def weight_decay(self, value):
-    if "_kfac_hyper" not in self.__dict__ and value is None:
-      return  # the Keras base class's __init__ (Kfac sets it up itself)
+    if "_kfac_hyper" not in self.__dict__ and not value:
+      # The Keras base class's __init__ setting its default (None in Keras
+      # 3, 0 in tf_keras): Kfac sets its own up in _kfac_init.
+      return
     self._kfac_set("weight_decay", value)
 
   def _kfac_decays(self, variable):
