@@ -61,11 +61,12 @@ class LossSpec:
   """What kfac needs to know about one Keras loss."""
 
   def __init__(self, kind, from_logits=False, reduction="sum_over_batch_size",
-               description=""):
+               description="", label_smoothing=0.0):
     self.kind = kind
     self.from_logits = from_logits
     self.reduction = reduction
     self.description = description or kind
+    self.label_smoothing = label_smoothing
 
 
 def loss_spec(loss):
@@ -109,8 +110,12 @@ def loss_spec(loss):
   if config.get("ignore_class") is not None:
     raise RegistrationError("Loss %s with ignore_class is not supported." %
                             name)
+  smoothing = float(config.get("label_smoothing", 0.0) or 0.0)
+  if not 0.0 <= smoothing <= 1.0:
+    raise RegistrationError("Loss %s has label_smoothing=%r; it must be in "
+                            "[0, 1]." % (name, smoothing))
   return LossSpec(kind, bool(config.get("from_logits", False)), reduction,
-                  name)
+                  name, smoothing)
 
 
 def _static_size(shape, what):
@@ -166,7 +171,15 @@ def find_logits(spec, prediction):
 
 
 def _targets(spec, targets, logits):
-  """Targets in the form the registered loss expects (for empirical)."""
+  """Targets in the form the registered loss expects (for empirical).
+
+  With label_smoothing the targets are smoothed as Keras smooths them
+  (categorical: y (1 - s) + s / classes, registered as soft one-hot
+  targets; binary: y (1 - s) + s / 2), so that the registered loss on its
+  targets is the loss Keras trains on. (The Fisher and the GGN of a
+  softmax / sigmoid output do not depend on the targets; only
+  estimation_mode="empirical" and evaluations of the registered loss on
+  the data use them.)"""
   if targets is None:
     return None
   targets = tf.convert_to_tensor(targets)
@@ -174,9 +187,17 @@ def _targets(spec, targets, logits):
     if targets.shape.rank == logits.shape.rank:
       targets = tf.squeeze(targets, -1)
     return tf.cast(targets, tf.int32)
+  smoothing = spec.label_smoothing
   if spec.kind == "categorical_crossentropy":
-    return tf.argmax(targets, axis=-1, output_type=tf.int32)
-  return tf.cast(targets, logits.dtype)
+    if not smoothing:
+      return tf.argmax(targets, axis=-1, output_type=tf.int32)
+    targets = tf.cast(targets, logits.dtype)
+    classes = tf.cast(tf.shape(logits)[-1], logits.dtype)
+    return targets * (1.0 - smoothing) + smoothing / classes
+  targets = tf.cast(targets, logits.dtype)
+  if smoothing and spec.kind == "binary_crossentropy":
+    targets = targets * (1.0 - smoothing) + 0.5 * smoothing
+  return targets
 
 
 def register_keras_loss(lc, loss, prediction, targets=None,

@@ -27,7 +27,10 @@ def describe(loss):
     spec = loss_registration.loss_spec(loss)
   except Exception:  # pylint: disable=broad-except
     return repr(loss)
-  return "%s(from_logits=%s)" % (spec.description, spec.from_logits)
+  smoothing = (", label_smoothing=%g" % spec.label_smoothing
+               if spec.label_smoothing else "")
+  return "%s(from_logits=%s%s)" % (spec.description, spec.from_logits,
+                                   smoothing)
 
 
 def same_losses(a, b):
@@ -48,8 +51,8 @@ def same_losses(a, b):
     sa, sb = loss_registration.loss_spec(a), loss_registration.loss_spec(b)
   except Exception:  # pylint: disable=broad-except
     return False
-  return (sa.kind, sa.from_logits, sa.reduction) == (sb.kind, sb.from_logits,
-                                                     sb.reduction)
+  return ((sa.kind, sa.from_logits, sa.reduction, sa.label_smoothing) ==
+          (sb.kind, sb.from_logits, sb.reduction, sb.label_smoothing))
 
 
 def same_weights(a, b):
