@@ -20,7 +20,8 @@ second `fit`, a restored optimizer) continues where the counter is. The new valu
 a compiled train step only if the attribute is backed by a variable (a
 property whose setter assigns to a `tf.Variable` / `keras.Variable`, as for
 `kfac.keras.optimizers.Kfac`'s `learning_rate`, `damping`, `momentum`,
-`weight_decay_coeff`, `norm_constraint` and every Keras optimizer's
+`weight_decay_coeff`, `norm_constraint`, `weight_decay` (when given) and
+every Keras optimizer's
 `learning_rate`); a plain Python number attribute is baked into the traced
 step, and the callbacks warn when they are asked to drive one.
 
