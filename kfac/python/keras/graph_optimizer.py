@@ -19,6 +19,9 @@ the contract of kfac 0.2.x's Keras optimizer:
 * `learning_rate`, `damping`, `momentum`, `weight_decay_coeff` and
   `norm_constraint` are Keras hyperparameters (`mutable_hyperparameters`
   lists those that can be changed: set them with a Python number);
+* `weight_decay=wd` (not in kfac 0.2.x) is AdamW's decoupled weight decay,
+  the core's `decoupled_weight_decay` (all registered variables; a
+  constructor argument, not a mutable hyperparameter here);
 * `loss_tensor=` is the loss the damping rule uses with adapt_damping
   (default: the loss given to `minimize`); `train_batch=` (or
   `register_train_batch`) is the batch it evaluates.
@@ -35,6 +38,7 @@ import numbers
 import tensorflow as tf
 
 from kfac.python.keras import utils as keras_utils
+from kfac.python.ops.reliability import arguments
 from kfac.python.ops.optimizers import kfac_optimizer as optimizer_lib
 from kfac.python.ops.optimizers import periodic as periodic_lib
 
@@ -52,7 +56,7 @@ _REJECTED = {
 # Core arguments that are structure, not configuration.
 _NOT_IN_CONFIG = ("layer_collection", "var_list", "loss", "loss_fn",
                   "train_batch", "prev_train_batch", "self", "kfac_kwargs",
-                  "placement_kwargs")
+                  "placement_kwargs", "decoupled_weight_decay_mask")
 
 
 def _core_defaults():
@@ -71,6 +75,25 @@ def _core_defaults():
 
 def _is_qmodel(momentum_type):
   return str(momentum_type or "").lower().startswith("qmodel")
+
+
+def _decoupled_weight_decay(kfac_kwargs):
+  """kfac_kwargs with Keras's weight_decay as the core's
+  decoupled_weight_decay (checked now: the core is built at first use)."""
+  wd = kfac_kwargs.pop("weight_decay", None)
+  if wd is None:
+    return kfac_kwargs
+  arguments.check("Kfac", "weight_decay", wd, arguments.NON_NEGATIVE)
+  if kfac_kwargs.get("use_weight_decay"):
+    raise ValueError(
+        "Kfac got weight_decay=%r (AdamW's decoupled weight decay) and "
+        "use_weight_decay=True (kfac 0.2.x's, with weight_decay_coeff): both "
+        "decay the weights; choose one." % (wd,))
+  if kfac_kwargs.get("decoupled_weight_decay") is not None:
+    raise ValueError("Pass weight_decay or decoupled_weight_decay, not "
+                     "both.")
+  kfac_kwargs["decoupled_weight_decay"] = wd
+  return kfac_kwargs
 
 
 def make_graph_class(tf_keras):
@@ -99,7 +122,7 @@ def make_graph_class(tf_keras):
         if key in kfac_kwargs:
           raise ValueError(message)
       super().__init__(name=name or "Kfac")
-      kfac_kwargs = dict(kfac_kwargs)
+      kfac_kwargs = _decoupled_weight_decay(dict(kfac_kwargs))
       if "loss_tensor" in kfac_kwargs:
         kfac_kwargs["loss"] = kfac_kwargs.pop("loss_tensor")
       kfac_kwargs.update(name=self._name, learning_rate=learning_rate,

@@ -7,7 +7,8 @@ from kfac.python.keras.optimizer.classes import Kfac
 from kfac.python.keras.optimizer.classes import kfac_class
 from kfac.python.keras.optimizer.mixin import KfacKerasMixin
 
-# kfac 0.2.x's name of the hyperparameters kept in variables.
-_MUTABLE_HYPER_PARAMS = frozenset(MUTABLE_HYPERPARAMETERS)
+# kfac 0.2.x's name of the hyperparameters kept in variables, as it had them
+# (weight_decay, AdamW's decoupled decay, is new: in MUTABLE_HYPERPARAMETERS).
+_MUTABLE_HYPER_PARAMS = frozenset(MUTABLE_HYPERPARAMETERS) - {"weight_decay"}
 
 __all__ = ["Kfac", "kfac_class", "MUTABLE_HYPERPARAMETERS"]

@@ -365,3 +365,47 @@ def test_tf_keras():
   if LEGACY:
     return  # this is the run under tf_keras
   base.run_file_under_tf_keras(__file__, "not core and not tf_keras")
+
+
+def _graph_fit_step(weight_decay):
+  """One tf_keras v1-graph fit step of the graph-mode Kfac (float32);
+  returns (weights before, weights after)."""
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  from kfac.python.keras.optimizer import classes  # pylint: disable=g-import-not-at-top
+  x_all, y_all = _data()
+  with tf.Graph().as_default():
+    rng = np.random.RandomState(1)
+    layer = tf_keras.layers.Dense(
+        D_OUT, input_shape=(D_IN,), kernel_initializer=tf_keras.initializers
+        .Constant(rng.randn(D_IN, D_OUT).tolist()),
+        bias_initializer=tf_keras.initializers.Constant(
+            rng.randn(D_OUT).tolist()))
+    model = tf_keras.Sequential([layer])
+    lc = kfac.LayerCollection()
+    lc.register_fully_connected((layer.kernel, layer.bias), layer.input,
+                                layer.output)
+    lc.register_squared_error_loss(layer.output)
+    opt = classes.kfac_class(legacy=True)(
+        learning_rate=LR, damping=DAMPING, layer_collection=lc,
+        estimation_mode="exact", invert_every=1, momentum=0.0,
+        weight_decay=weight_decay)
+    model.compile(opt, "mse")
+    before = model.get_weights()
+    y = np.eye(D_OUT)[y_all[:N]].astype(np.float32)
+    model.fit(x_all[:N].astype(np.float32), y, batch_size=N, epochs=1,
+              shuffle=False, verbose=0)
+    return before, model.get_weights(), opt.get_config()
+
+
+def test_graph_mode_keras_weight_decay():
+  """tf_keras's v1 graph engine (kfac 0.2.x's graph-mode Kfac): the same
+  decay (float32: 1e-6)."""
+  before, plain, _ = _graph_fit_step(None)
+  _, decayed, config = _graph_fit_step(WD)
+  for w0, a, b in zip(before, plain, decayed):
+    np.testing.assert_allclose(b, a - np.float32(LR * WD) * w0, rtol=0,
+                               atol=1e-6)
+    assert np.max(np.abs(a - b)) > 1e-3
+  assert config["decoupled_weight_decay"] == WD
+  with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+    _graph_fit_step(-1.0)
