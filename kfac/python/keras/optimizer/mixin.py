@@ -251,7 +251,7 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
 
   def _kfac_set(self, name, value):
     self._kfac_check_not_adapted(name)
-    if name in arguments.RULES:
+    if name == "weight_decay":  # (a number: checked now)
       argument_rules.check("Kfac", name, value, arguments.RULES[name])
     var = self._kfac_hyper.get(name)
     if var is None:
