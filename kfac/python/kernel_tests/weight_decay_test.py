@@ -12,6 +12,7 @@ What is checked (float64 models, Keras floatx float64; tolerance 1e-12):
   damping rule);
 * with a fixed learning rate and momentum "adam" it equals kfac 0.2.x's
   use_weight_decay=True, weight_decay_coeff=wd (the same change of w);
+* calibration burn-in steps do not decay;
 * exclude_from_weight_decay(var_names=..., var_list=...) leaves those
   variables as the run without decay leaves them (fit);
 * weight_decay is a variable: set between steps, it takes effect without
@@ -155,6 +156,21 @@ def test_decay_equals_step_plus_hand_decay(adaptive, steps):
   if adaptive:
     assert float(opt.kfac_optimizer.learning_rate) > 0
     assert np.all(np.isfinite(got))
+
+
+def test_burn_in_steps_do_not_decay():
+  """Calibration burn-in (the weights do not move): no decay either (then
+  the first real step moves them)."""
+  model = _model()
+  w0 = model.get_weights()
+  opt = _kfac(model, adaptive=True, weight_decay=WD, num_burnin_steps=1,
+              calibrate_damping=True)
+  _custom_steps(model, opt, 1)
+  assert int(opt.kfac_optimizer.burnin_counter) == 1
+  for a, b in zip(model.get_weights(), w0):
+    np.testing.assert_array_equal(a, b)
+  _custom_steps(model, opt, 1)
+  assert _max_diff(model.get_weights(), w0) > 1e-3
 
 
 def test_fixed_rate_equals_kfac_02_use_weight_decay():
