@@ -345,6 +345,8 @@ def test_core_decay_in_session_and_function(world, momentum_type):
   inits = [np.asarray(w) for w in
            reference.mlp_inits([D_IN, D_H, D_OUT], seed=2)]
   kernels_only = lambda v: v.shape.rank == 2
+  plain = reference.run_stages(world, inits,
+                               _core_build(momentum_type, None))[1]
   for mask in (None, kernels_only):
     got = reference.run_stages(world, inits,
                                _core_build(momentum_type, WD, mask))[1]
@@ -353,8 +355,6 @@ def test_core_decay_in_session_and_function(world, momentum_type):
     assert _max_diff(got[0], want[0]) < TOL
     # rho, qmodel_change and the learning rate: as without decay.
     np.testing.assert_allclose(got[1:], want[1:], rtol=TOL, atol=0)
-    plain = reference.run_stages(world, inits,
-                                 _core_build(momentum_type, None))[1]
     for i, (a, b) in enumerate(zip(got[0], plain[0])):
       decayed = mask is None or i % 2 == 0
       assert (np.max(np.abs(a - b)) > 1e-3) == decayed, (i, mask)
