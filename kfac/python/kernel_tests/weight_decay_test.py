@@ -325,7 +325,8 @@ def _core_build(momentum_type, decay, mask=None, hand=False):
                     decoupled_weight_decay_mask=mask)
     opt = kfac.PeriodicInvCovUpdateKfacOpt(**kwargs)
     before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-    train = opt.minimize(mean_loss((x, y)), var_list=variables)
+    with tf.control_dependencies(before):  # (a TF1 graph: read them first)
+      train = opt.minimize(mean_loss((x, y)), var_list=variables)
     if hand:
       with tf.control_dependencies([train]):
         lr = tf.maximum(tf.cast(opt.learning_rate, tf.float64), 0.0)

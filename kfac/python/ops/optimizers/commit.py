@@ -36,7 +36,9 @@ class CommitMixin:
     # only once everything this step computes from it is ready.
     with tf.control_dependencies(update.dependencies()):
       before = self._adaptation_before_update(update)
-    with tf.control_dependencies(before):
+    # The decay is computed from the variables before the step: in a TF1
+    # graph nothing else orders those reads before the assignments.
+    with tf.control_dependencies(before + update.decay_inputs()):
       ops = [velocity.assign(value)
              for velocity, value in update.velocity_assigns]
       for delta, var in update.deltas:

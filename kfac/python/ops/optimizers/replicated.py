@@ -78,7 +78,8 @@ class ReplicatedMixin:
       else:
         state_op = utils.cond_op(active, state_ops)
     updates = []
-    with tf.control_dependencies([state_op]):
+    # (After the decay's reads of the variables, commit.py.)
+    with tf.control_dependencies([state_op] + update.decay_inputs()):
       for delta, var in update.deltas:
         delta = tf.identity(sparse.dense(delta))
         if active is not None:

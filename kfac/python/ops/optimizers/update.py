@@ -34,6 +34,11 @@ class Update:
       raise ValueError("This update has no predicted change.")
     return self.model_change_fn()
 
+  def decay_inputs(self):
+    """The decay's changes, computed from the variables before the step:
+    the step's assignments must wait for them."""
+    return [d for d, _ in self.decay_deltas]
+
   def dependencies(self):
     """The tensors of the update (to order state changes after them)."""
     out = [d.values if sparse.is_slices(d) else d for d, _ in self.deltas]
