@@ -80,6 +80,25 @@ def layer_path(layer):
   return getattr(layer, "path", None) or layer.name
 
 
+def random_state_variables(model):
+  """The seed states of the Keras 3 random layers inside `model` (Dropout,
+  SpatialDropout, GaussianNoise, the dropout of MultiHeadAttention, random
+  augmentations, any layer holding a `keras.random.SeedGenerator`), as
+  tf.Variables without duplicates: a training forward pass draws its
+  dropout masks from these states (and advances them), so setting them
+  back replays its masks. tf_keras random layers keep no such state (their
+  ops are stateful), nor do Keras 3 random ops called with seed=None (the
+  global seed generator): none is returned for them."""
+  out, seen = [], set()
+  for layer in [model] + leaf_layers(model):
+    for generator in getattr(layer, "_seed_generators", None) or []:
+      var = unwrap_variable(generator.state)
+      if var.ref() not in seen:
+        seen.add(var.ref())
+        out.append(var)
+  return out
+
+
 def state_variables(model):
   """The model's non-trainable variables (BatchNorm moving statistics, the
   seed states of Keras 3 random layers) and its metrics' variables, as
