@@ -5,8 +5,8 @@ qmodel_change must judge the update on the function the step optimised:
 the loss of the training forward pass, with its dropout masks, whose
 gradient and curvature define delta and the predicted change. Checked:
 
-* float64 brute force on a tiny Dense-Dropout-Dense model, in `fit` and in
-  a custom tf.function loop: with the training pass's mask (taken from a
+* float64 brute force on a tiny Dense-Dropout-Dense model, in `fit` (also
+  with jit_compile=True) and in a custom tf.function loop: with the training pass's mask (taken from a
   call of the Dropout layer with the seed state it had before the step),
   the gradient, the exact Fisher and the loss before and after the update
   reproduce the recorded qmodel_change (rtol 1e-7), the kept loss before
@@ -69,12 +69,15 @@ def _loss(params, x, y, mask):
       labels=y, logits=_logits(params, x, mask)))
 
 
-def _mask(drop, state):
+def _mask(drop, state, xla=False):
   """The mask (0 or 1 / (1 - rate)) the Dropout layer draws from the seed
-  state `state` on a [N, D_H] input: a call of the layer itself."""
+  state `state` on a [N, D_H] input: a call of the layer itself (XLA
+  compiled for an XLA step: its stateless random numbers are not the same
+  as TensorFlow's kernels')."""
   saved = drop.seed_generator.state.numpy()
   drop.seed_generator.state.assign(state)
-  mask = drop(tf.ones((N, D_H), tf.float64), training=True).numpy()
+  call = tf.function(lambda ones: drop(ones, training=True), jit_compile=xla)
+  mask = call(tf.ones((N, D_H), tf.float64)).numpy()
   drop.seed_generator.state.assign(saved)
   return mask
 
@@ -113,8 +116,9 @@ def _one_adaptive_step(model, how):
   opt = kfac.keras.optimizers.Kfac(
       damping=0.1, model=model, loss=loss, adaptive=True, invert_every=1,
       damping_adaptation_interval=1, estimation_mode="exact", seed=2)
-  model.compile(optimizer=opt, loss=loss)  # the loss the rule evaluates
-  if how == "fit":
+  # The loss the rule evaluates.
+  model.compile(optimizer=opt, loss=loss, jit_compile=how == "fit_xla")
+  if how.startswith("fit"):
     model.fit(x, y, batch_size=N, epochs=1, shuffle=False, verbose=0)
     return opt
 
@@ -129,7 +133,9 @@ def _one_adaptive_step(model, how):
   return opt
 
 
-@pytest.mark.parametrize("how", ["fit", "custom_loop"])
+@pytest.mark.parametrize("how", [
+    "fit", pytest.param("fit_xla", marks=pytest.mark.slow),  # XLA compile
+    "custom_loop"])
 def test_rho_judges_the_update_with_the_training_mask(how):
   model = _tiny_model()
   drop = model.get_layer("drop")
@@ -141,7 +147,8 @@ def test_rho_judges_the_update_with_the_training_mask(how):
   delta = [a - b for a, b in zip(after, before)]
   assert max(np.max(np.abs(d)) for d in delta) > 1e-2  # the step moved
   x, y = _tiny_data()
-  mask = _mask(drop, state0)  # the training pass's mask
+  xla = how == "fit_xla"
+  mask = _mask(drop, state0, xla)  # the training pass's mask
   assert 0 < np.mean(mask == 0) < 1
   l2_reg = float(core._l2_reg)  # pylint: disable=protected-access
   change = _predicted_change(before, delta, x, y, mask, l2_reg)
@@ -164,7 +171,7 @@ def test_rho_judges_the_update_with_the_training_mask(how):
   assert _read(store, "records/rho") == pytest.approx(rho, rel=1e-6)
   # The mask the evaluations drew before the fix (the seed state after the
   # training pass) gives another ratio: the check above can fail.
-  next_mask = _mask(drop, state0 + np.array([0, 1], state0.dtype))
+  next_mask = _mask(drop, state0 + np.array([0, 1], state0.dtype), xla)
   assert np.any(next_mask != mask)
   rho_next = (float(_loss(after, x, y, next_mask)) -
               float(_loss(before, x, y, next_mask))) / change
