@@ -81,21 +81,31 @@ def layer_path(layer):
 
 
 def random_state_variables(model):
-  """The seed states of the Keras 3 random layers inside `model` (Dropout,
-  SpatialDropout, GaussianNoise, the dropout of MultiHeadAttention, random
-  augmentations, any layer holding a `keras.random.SeedGenerator`), as
-  tf.Variables without duplicates: a training forward pass draws its
-  dropout masks from these states (and advances them), so setting them
-  back replays its masks. tf_keras random layers keep no such state (their
-  ops are stateful), nor do Keras 3 random ops called with seed=None (the
-  global seed generator): none is returned for them."""
+  """The random states of the random layers inside `model`, as tf.Variables
+  without duplicates: a training forward pass draws its dropout masks from
+  these states (and advances them), so setting them back replays its
+  masks. Keras 3: the seed states of the layers holding a
+  `keras.random.SeedGenerator` (Dropout, SpatialDropout, GaussianNoise,
+  the dropout of MultiHeadAttention, random augmentations, ...); random
+  ops called with seed=None draw from the global seed generator, which is
+  not returned. tf_keras: the states of the `tf.random.Generator`s of its
+  random layers where they use one (rng_type "stateful", e.g. after
+  `tf.keras.backend.experimental.enable_tf_random_generator()`); its
+  default dropout uses stateful random ops, which keep no state here."""
   out, seen = [], set()
+
+  def add(var):
+    var = unwrap_variable(var)
+    if var.ref() not in seen:
+      seen.add(var.ref())
+      out.append(var)
   for layer in [model] + leaf_layers(model):
     for generator in getattr(layer, "_seed_generators", None) or []:
-      var = unwrap_variable(generator.state)
-      if var.ref() not in seen:
-        seen.add(var.ref())
-        out.append(var)
+      add(generator.state)  # Keras 3
+    generator = getattr(getattr(layer, "_random_generator", None),
+                        "_generator", None)
+    if isinstance(generator, tf.random.Generator):  # tf_keras
+      add(generator.state)
   return out
 
 

@@ -16,10 +16,10 @@ Under a tf.distribute strategy with several replicas, whose replicas trace
 into one graph, they are kept per replica as well.
 The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
 `sample_weight` of a `fit` step. At the start of each call of the model in
-training mode (`training=True`, or a tensor) the seed states of its Keras 3
-random layers are read; `random_states` gives those of the latest such
-call in the graph, which the damping rule sets back to replay that forward
-pass's dropout masks.
+training mode (`training=True`, or a tensor) the random states of its
+random layers (keras_flavor.random_state_variables) are read;
+`random_states` gives those of the latest such call in the graph, which
+the damping rule sets back to replay that forward pass's dropout masks.
 """
 
 import collections
@@ -254,8 +254,8 @@ class ModelRecorder:
     return self._loss_args.get(graph) if graph is not None else None
 
   def random_states(self, graph=None):
-    """[(variable, value)]: the seed states of the model's Keras 3 random
-    layers before its latest call in training mode in `graph` or a graph
+    """[(variable, value)]: the random states of the model's random layers
+    before its latest call in training mode in `graph` or a graph
     enclosing it (the damping rule evaluates the loss inside conditional
     branches); [] when there was none, or the model has no such layers."""
     key = graph or _tracing_graph()

@@ -21,9 +21,13 @@ gradient and curvature define delta and the predicted change. Checked:
 * a `fit` with Dropout(0.5) under the default recipe keeps the damping
   bounded and lowers the loss within a step budget.
 
-tf_keras's dropout draws from stateful ops, which cannot be replayed: there
-the masks of the evaluations differ from the training pass's (documented in
-docs/keras.md); this file is Keras 3 only.
+* which dropout is replayed: Keras 3's, and tf_keras's on a
+  tf.random.Generator (force_generator=True, or
+  enable_tf_random_generator()); tf_keras's default dropout draws from
+  stateful random ops, which cannot be replayed: there the evaluations'
+  masks differ from the training pass's (docs/keras.md). `test_tf_keras`
+  runs that check and the fit again under tf_keras; the brute-force and
+  layer-kind checks use Keras 3's seed generators.
 """
 
 import numpy as np
@@ -294,11 +298,58 @@ def test_fit_with_dropout_keeps_the_damping_bounded_and_learns():
   assert np.isfinite(float(opt.kfac_optimizer.rho))
 
 
-@pytest.mark.slow  # subprocess: the fit above under tf_keras
-def test_tf_keras_fit_with_dropout():
-  """tf_keras (TF_USE_LEGACY_KERAS=1): its dropout is stateful, so the
-  rule's evaluations draw other masks than the training pass (docs/keras.md);
-  the fit above still keeps the damping bounded and learns."""
+def test_which_dropout_is_replayed_in_each_flavour():
+  """The rule's loss before the update equals the training loss (float32,
+  rtol 1e-6) for Keras 3's Dropout and for tf_keras's Dropout on a
+  tf.random.Generator (force_generator=True); tf_keras's default Dropout
+  draws from stateful random ops, which are not replayed: there the loss
+  differs (docs/keras.md)."""
+  if LEGACY:
+    kinds = [("stateful ops", {}),
+             ("generator", dict(force_generator=True))]
+  else:
+    kinds = [("seed generator", {})]
+  rng = np.random.RandomState(0)
+  x = rng.randn(16, 6).astype(np.float32)
+  y = rng.randint(0, 3, size=16)
+  for kind, kwargs in kinds:
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    h = keras.layers.Dropout(0.5, seed=3, **kwargs)(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    replayed = kind != "stateful ops"
+    assert len(keras_flavor.random_state_variables(model)) == int(replayed)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = kfac.keras.optimizers.Kfac(
+        damping=0.1, model=model, loss=loss, adaptive=True, invert_every=1,
+        damping_adaptation_interval=1, seed=2)
+    model.compile(optimizer=opt, loss=loss)
+
+    @tf.function
+    def step(x, y, model=model, opt=opt, loss=loss):
+      with tf.GradientTape() as tape:
+        value = loss(y, model(x, training=True))
+      grads = tape.gradient(value, model.trainable_variables)
+      opt.set_train_batch((x, y))
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+      return value
+
+    for _ in range(2):
+      value = float(step(x, y))
+      kept = float(opt.kfac_optimizer.state_store.get(
+          "adaptive/loss_before").numpy())
+      if replayed:
+        assert kept == pytest.approx(value, rel=1e-6), kind
+      else:
+        assert abs(kept - value) > 1e-3 * value, kind
+
+
+@pytest.mark.slow  # subprocess: tests of this file under tf_keras
+def test_tf_keras():
+  """Under tf_keras (TF_USE_LEGACY_KERAS=1): which dropout is replayed, and
+  the fit above keeps the damping bounded and learns also where the masks
+  are not replayed (its default dropout)."""
   if LEGACY:
     return  # this is the run under tf_keras
-  base.run_file_under_tf_keras(__file__, "keeps_the_damping_bounded")
+  base.run_file_under_tf_keras(
+      __file__, "keeps_the_damping_bounded or replayed_in_each_flavour")

@@ -30,17 +30,18 @@ calibrate_damping=True). The rule evaluates the training loss
 before and after the update, on the function the step optimised: the
 random layers draw the masks of the step's training forward pass, whose
 gradient and curvature define the update and its predicted change (the
-layer recorder reads the seed states of the model's Keras 3 random layers
-(Dropout, SpatialDropout, GaussianNoise / GaussianDropout, the attention
-dropout of MultiHeadAttention, any layer holding a keras.random.
-SeedGenerator) at the start of the model's training-mode call, and each
-evaluation sets them back to those values). Around each evaluation the
+layer recorder reads the random states of the model's random layers at
+the start of its training-mode call, and each evaluation sets them back
+to those values: keras_flavor.random_state_variables; Keras 3: every layer
+holding a keras.random.SeedGenerator (Dropout, SpatialDropout,
+GaussianNoise / GaussianDropout, MultiHeadAttention's dropout, ...);
+tf_keras: layers on a tf.random.Generator). Around each evaluation the
 model's non-trainable and metric variables are saved and restored, so
 BatchNorm statistics are updated once per step as usual and the seed
 states advance once per step, as without the rule. Not replayed: random
-ops called with seed=None (Keras 3's global seed generator) and tf_keras
-dropout (stateful ops): there the evaluations draw other masks than the
-training pass and their noise enters rho. The batch is the one `fit` passes
+ops called with seed=None (Keras 3's global seed generator) and tf_keras's
+default dropout (stateful ops): there the evaluations draw other masks
+than the training pass and their noise enters rho. The batch is the one `fit` passes
 to `compute_loss`; a custom loop calls `optimizer.set_train_batch((x, y))`
 before `apply_gradients`. After each step the learning rate the model chose
 is written to `optimizer.learning_rate`.
