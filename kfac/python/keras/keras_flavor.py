@@ -109,6 +109,20 @@ def random_state_variables(model):
   return out
 
 
+def call_context_training():
+  """Keras 3: the training mode of the layer call in progress (what a
+  model's __call__ resolved from its argument or an enclosing call, also
+  for a `call` that has no `training` argument); None elsewhere."""
+  if legacy_keras_active():
+    return None
+  try:
+    from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  context = global_state.get_global_attribute("current_call_ctx")
+  return getattr(context, "training", None)
+
+
 def state_variables(model):
   """The model's non-trainable variables (BatchNorm moving statistics, the
   seed states of Keras 3 random layers) and its metrics' variables, as

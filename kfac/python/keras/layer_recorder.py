@@ -16,7 +16,8 @@ Under a tf.distribute strategy with several replicas, whose replicas trace
 into one graph, they are kept per replica as well.
 The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
 `sample_weight` of a `fit` step. At the start of each call of the model in
-training mode (`training=True`, or a tensor) the random states of its
+training mode (`training=True` or a tensor, as an argument or, for a
+Keras 3 `call` without one, in Keras's call context) the random states of its
 random layers (keras_flavor.random_state_variables) are read;
 `random_states` gives those of the latest such call in the graph, which
 the damping rule sets back to replay that forward pass's dropout masks.
@@ -190,7 +191,8 @@ class ModelRecorder:
     @functools.wraps(original_call)
     def call(*args, **kwargs):
       graph = recorder._recording_graph()
-      if graph is not None and _in_training(kwargs.get("training")):
+      if graph is not None and _in_training(
+          kwargs.get("training", keras_flavor.call_context_training())):
         # Read before this call draws from them (a tf.function orders the
         # reads before the layers' updates of the same variables).
         _put(recorder._random_states, graph, [
@@ -273,9 +275,10 @@ class ModelRecorder:
 
 
 def _in_training(training):
-  """Whether a call's `training` argument may turn dropout on (True or a
-  tensor; not False, and not None: Keras passes the training mode it
-  resolved to the model's call)."""
+  """Whether a call's training mode may turn dropout on (True or a tensor;
+  not False, and not None: Keras passes the mode it resolved to a model's
+  call as `training`, or keeps it in its call context where `call` has no
+  such argument)."""
   return training is not None and training is not False
 
 

@@ -298,9 +298,22 @@ def test_fit_with_dropout_keeps_the_damping_bounded_and_learns():
   assert np.isfinite(float(opt.kfac_optimizer.rho))
 
 
+class _NoTrainingArgument(keras.Model):
+
+  def __init__(self):
+    super().__init__(name="no_training_argument")
+    self.hidden = keras.layers.Dense(8, activation="tanh")
+    self.drop = keras.layers.Dropout(0.5, seed=3)
+    self.out = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.out(self.drop(self.hidden(x)))
+
+
 def test_which_dropout_is_replayed_in_each_flavour():
   """The rule's loss before the update equals the training loss (float32,
-  rtol 1e-6) for Keras 3's Dropout and for tf_keras's Dropout on a
+  rtol 1e-6) for Keras 3's Dropout (also in a subclassed model whose call
+  has no `training` argument) and for tf_keras's Dropout on a
   tf.random.Generator (force_generator=True); tf_keras's default Dropout
   draws from stateful random ops, which are not replayed: there the loss
   differs (docs/keras.md)."""
@@ -308,15 +321,19 @@ def test_which_dropout_is_replayed_in_each_flavour():
     kinds = [("stateful ops", {}),
              ("generator", dict(force_generator=True))]
   else:
-    kinds = [("seed generator", {})]
+    kinds = [("seed generator", {}), ("subclassed", {})]
   rng = np.random.RandomState(0)
   x = rng.randn(16, 6).astype(np.float32)
   y = rng.randint(0, 3, size=16)
   for kind, kwargs in kinds:
-    inputs = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="tanh")(inputs)
-    h = keras.layers.Dropout(0.5, seed=3, **kwargs)(h)
-    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    if kind == "subclassed":  # a call without `training`: Keras 3 passes
+      model = _NoTrainingArgument()  # the mode in its call context
+      model(x[:1])
+    else:
+      inputs = keras.Input((6,))
+      h = keras.layers.Dense(8, activation="tanh")(inputs)
+      h = keras.layers.Dropout(0.5, seed=3, **kwargs)(h)
+      model = keras.Model(inputs, keras.layers.Dense(3)(h))
     replayed = kind != "stateful ops"
     assert len(keras_flavor.random_state_variables(model)) == int(replayed)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
