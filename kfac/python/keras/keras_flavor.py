@@ -80,6 +80,49 @@ def layer_path(layer):
   return getattr(layer, "path", None) or layer.name
 
 
+def random_state_variables(model):
+  """The random states of the random layers inside `model`, as tf.Variables
+  without duplicates: a training forward pass draws its dropout masks from
+  these states (and advances them), so setting them back replays its
+  masks. Keras 3: the seed states of the layers holding a
+  `keras.random.SeedGenerator` (Dropout, SpatialDropout, GaussianNoise,
+  the dropout of MultiHeadAttention, random augmentations, ...); random
+  ops called with seed=None draw from the global seed generator, which is
+  not returned. tf_keras: the states of the `tf.random.Generator`s of its
+  random layers where they use one (rng_type "stateful", e.g. after
+  `tf.keras.backend.experimental.enable_tf_random_generator()`); its
+  default dropout uses stateful random ops, which keep no state here."""
+  out, seen = [], set()
+
+  def add(var):
+    var = unwrap_variable(var)
+    if var.ref() not in seen:
+      seen.add(var.ref())
+      out.append(var)
+  for layer in [model] + leaf_layers(model):
+    for generator in getattr(layer, "_seed_generators", None) or []:
+      add(generator.state)  # Keras 3
+    generator = getattr(getattr(layer, "_random_generator", None),
+                        "_generator", None)
+    if isinstance(generator, tf.random.Generator):  # tf_keras
+      add(generator.state)
+  return out
+
+
+def call_context_training():
+  """Keras 3: the training mode of the layer call in progress (what a
+  model's __call__ resolved from its argument or an enclosing call, also
+  for a `call` that has no `training` argument); None elsewhere."""
+  if legacy_keras_active():
+    return None
+  try:
+    from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  context = global_state.get_global_attribute("current_call_ctx")
+  return getattr(context, "training", None)
+
+
 def state_variables(model):
   """The model's non-trainable variables (BatchNorm moving statistics, the
   seed states of Keras 3 random layers) and its metrics' variables, as

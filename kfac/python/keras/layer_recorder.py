@@ -15,7 +15,12 @@ new set, and the optimizer reads the set of the graph it is building.
 Under a tf.distribute strategy with several replicas, whose replicas trace
 into one graph, they are kept per replica as well.
 The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
-`sample_weight` of a `fit` step.
+`sample_weight` of a `fit` step. At the start of each call of the model in
+training mode (`training=True` or a tensor, as an argument or, for a
+Keras 3 `call` without one, in Keras's call context) the random states of its
+random layers (keras_flavor.random_state_variables) are read;
+`random_states` gives those of the latest such call in the graph, which
+the damping rule sets back to replay that forward pass's dropout masks.
 """
 
 import collections
@@ -106,6 +111,8 @@ class ModelRecorder:
     self._calls = {}  # id(layer) -> {key: [Call, ...]}
     self._loss_args = {}  # key -> {"y": ..., "y_pred": ..., ...}
     self._model_outputs = {}  # key -> outputs of the model's last call
+    # key -> [(seed state variable, its value before the first call)]
+    self._random_states = {}
     self._wrapped = set()
     self._paused = False
     self.refresh()
@@ -183,8 +190,15 @@ class ModelRecorder:
 
     @functools.wraps(original_call)
     def call(*args, **kwargs):
-      outputs = original_call(*args, **kwargs)
       graph = recorder._recording_graph()
+      if graph is not None and _in_training(
+          kwargs.get("training", keras_flavor.call_context_training())):
+        # Read before this call draws from them (a tf.function orders the
+        # reads before the layers' updates of the same variables).
+        _put(recorder._random_states, graph, [
+            (var, tf.identity(var.read_value()))
+            for var in keras_flavor.random_state_variables(model)])
+      outputs = original_call(*args, **kwargs)
       if graph is not None:
         _put(recorder._model_outputs, graph, outputs)
       return outputs
@@ -241,10 +255,31 @@ class ModelRecorder:
     graph = graph or _tracing_graph()
     return self._loss_args.get(graph) if graph is not None else None
 
+  def random_states(self, graph=None):
+    """[(variable, value)]: the random states of the model's random layers
+    before its latest call in training mode in `graph` or a graph
+    enclosing it (the damping rule evaluates the loss inside conditional
+    branches); [] when there was none, or the model has no such layers."""
+    key = graph or _tracing_graph()
+    while key is not None:
+      if key in self._random_states:
+        return list(self._random_states[key])
+      outer = getattr(key.graph, "outer_graph", None)
+      key = None if outer is None else _RecordKey(outer, key.replica)
+    return []
+
   def model_outputs(self, graph=None):
     """The outputs of the model's last call in `graph`, or None."""
     graph = graph or _tracing_graph()
     return self._model_outputs.get(graph) if graph is not None else None
+
+
+def _in_training(training):
+  """Whether a call's training mode may turn dropout on (True or a tensor;
+  not False, and not None: Keras passes the mode it resolved to a model's
+  call as `training`, or keeps it in its call context where `call` has no
+  such argument)."""
+  return training is not None and training is not False
 
 
 def _put(records, key, value):

@@ -27,11 +27,21 @@ adaptive=True: the learning rate and momentum come from the quadratic model
 (adapt_damping), optionally calibrated during burn-in (num_burnin_steps,
 calibrate_damping=True). The rule evaluates the training loss
 (`model.compute_loss` on `model(x, training=True)`) on the step's batch
-before and after the update; around each evaluation the model's
-non-trainable and metric variables are saved and restored, so BatchNorm
-statistics are updated once per step as usual and dropout draws the same
-masks before and after (Keras 3 seed generators; tf_keras dropout is
-stateful, so there its noise enters rho). The batch is the one `fit` passes
+before and after the update, on the function the step optimised: the
+random layers draw the masks of the step's training forward pass, whose
+gradient and curvature define the update and its predicted change (the
+layer recorder reads the random states of the model's random layers at
+the start of its training-mode call, and each evaluation sets them back
+to those values: keras_flavor.random_state_variables; Keras 3: every layer
+holding a keras.random.SeedGenerator (Dropout, SpatialDropout,
+GaussianNoise / GaussianDropout, MultiHeadAttention's dropout, ...);
+tf_keras: layers on a tf.random.Generator). Around each evaluation the
+model's non-trainable and metric variables are saved and restored, so
+BatchNorm statistics are updated once per step as usual and the seed
+states advance once per step, as without the rule. Not replayed: random
+ops called with seed=None (Keras 3's global seed generator) and tf_keras's
+default dropout (stateful ops): there the evaluations draw other masks
+than the training pass and their noise enters rho. The batch is the one `fit` passes
 to `compute_loss`; a custom loop calls `optimizer.set_train_batch((x, y))`
 before `apply_gradients`. After each step the learning rate the model chose
 is written to `optimizer.learning_rate`.

@@ -57,14 +57,23 @@ class KfacStepMixin:
     return batch if len(batch) == 3 else batch + (None,)
 
   def _kfac_loss_fn(self, batch):
-    """The training loss on `batch`, leaving the model's state as it was
-    (see the module docstring)."""
+    """The training loss on `batch` with the dropout masks of the step's
+    training forward pass, leaving the model's state as it was (see the
+    package docstring)."""
     model = self._kfac_model
     x, y, sample_weight = batch
+    recorder = layer_recorder.recorder_for(model)
     state = keras_flavor.state_variables(model)
+    known = {v.ref() for v in state}
+    replay = recorder.random_states()
+    state += [v for v, _ in replay if v.ref() not in known]
     saved = [tf.identity(v.read_value()) for v in state]
     with tf.control_dependencies(saved):
-      with layer_recorder.recorder_for(model).paused():
+      # The seed states as the training forward pass found them: the
+      # evaluation draws the same masks.
+      replayed = [v.assign(value, read_value=False) for v, value in replay]
+    with tf.control_dependencies(saved + replayed):
+      with recorder.paused():
         y_pred = model(x, training=True)
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
                                   sample_weight=sample_weight)
