@@ -9,11 +9,13 @@ ends with the model weights AND the whole K-FAC state (factors, inverses,
 damping, counters, velocities, sampling seed: the optimizer's state store)
 bit-identical (relative difference 0) to the uninterrupted run's.
 
-Keras 3's BackupAndRestore with an integer save_freq restarts the
-interrupted epoch from its first batch (it records the epoch, not the
-batch), so there the resumed run is compared, bit for bit, with a run that
-takes the same batches without interruption; tf_keras's skips the batches
-already taken, and equals the uninterrupted run.
+BackupAndRestore with an integer save_freq does not continue a mid-epoch
+backup on the uninterrupted run's batches, with any optimizer (measured
+with Adam under tf_keras: 1.3e-2 max weight difference): Keras 3 takes the
+interrupted epoch again from its first batch (it records the epoch, not
+the batch); tf_keras skips the steps already taken but not their data.
+There the resumed run is compared, bit for bit, with a run fed the same
+batches without interruption.
 
 Runs under the Keras of `tf.keras` (Keras 3 by default);
 `test_tf_keras` runs this file again with TF_USE_LEGACY_KERAS=1."""
@@ -132,17 +134,22 @@ def test_backup_and_restore_per_steps_resumes_bit_for_bit(tmp_path):
   resumed = _model()
   _fit(resumed, EPOCHS,
        callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+  # Neither Keras continues a mid-epoch backup on the uninterrupted run's
+  # batches (Adam neither): Keras 3 records the epoch only and takes epoch 1
+  # again from its first batch; tf_keras starts epoch 1 at step 1 but
+  # feeds the data from the epoch's start, and its later epochs go on in
+  # that shifted stream. The resumed run equals, bit for bit, a run fed
+  # the same batches in order after the backup's 4 steps.
+  x, y = _data()
   if LEGACY:
-    # tf_keras skips the batches taken before the backup.
-    want = _uninterrupted()
+    after_backup = [(0, 2 * BATCH), (2 * BATCH, N), (0, 2 * BATCH)]
   else:
-    # Keras 3 records the epoch only: it takes epoch 1 again from its first
-    # batch, from the state after epoch 1's first batch.
-    same_batches = _model()
-    _fit(same_batches, 1)
-    _fit(same_batches, 1, rows=BATCH)
-    _fit(same_batches, EPOCHS, initial_epoch=1)
-    want = _state(same_batches)
+    after_backup = [(0, N), (0, N)]
+  same_batches = _model()
+  for first, last in [(0, N), (0, BATCH)] + after_backup:
+    same_batches.fit(x[first:last], y[first:last], batch_size=BATCH,
+                     epochs=1, shuffle=False, verbose=0)
+  want = _state(same_batches)
   _assert_identical(_state(resumed), want)
 
 
@@ -161,7 +168,9 @@ def test_model_checkpoint_resumes_bit_for_bit(tmp_path, weights_only):
   _assert_identical(_state(resumed), _uninterrupted())
 
 
-@pytest.mark.parametrize("how", ["save_weights", "save", "keras_load_model"])
+@pytest.mark.parametrize("how", [
+    "save_weights", "save",
+    pytest.param("keras_load_model", marks=pytest.mark.slow)])  # 19 s
 def test_saved_and_loaded_model_resumes_bit_for_bit(tmp_path, how):
   first = _model()
   _fit(first, 1)
@@ -216,9 +225,5 @@ def test_tf_keras():
   """This file's tests again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
   if LEGACY:
     return  # this is the run under tf_keras
-  # Not yet the integer-save_freq BackupAndRestore: under tf_keras the
-  # resumed run's weights after its first step equal the uninterrupted
-  # run's, but its factor statistics and inverses do not (an open finding,
-  # issue 34; save_freq="epoch" and the other paths are exact).
   keras_optimizer_test.run_file_under_tf_keras(
-      __file__, "not tf_keras and not per_steps")
+      __file__, "not tf_keras")
