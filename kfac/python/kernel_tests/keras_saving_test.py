@@ -17,11 +17,15 @@ the batch); tf_keras skips the steps already taken but not their data.
 There the resumed run is compared, bit for bit, with a run fed the same
 batches without interruption.
 
+Loading into a model of another shape and loading a truncated file keep
+Keras's / TensorFlow's clear errors (.weights.h5 and tf.train.Checkpoint).
+
 Runs under the Keras of `tf.keras` (Keras 3 by default);
 `test_tf_keras` runs this file again with TF_USE_LEGACY_KERAS=1."""
 
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -218,6 +222,33 @@ def test_load_of_a_truncated_file_names_it(tmp_path):
   # h5py's read error ("Unable to synchronously open file (truncated file:
   # eof = ...)"; it does not repeat the path).
   assert "truncated file" in str(info.value), repr(info.value)
+
+
+def test_tf_checkpoint_errors_stay_tensorflows(tmp_path):
+  """tf.train.Checkpoint (what tf_keras's BackupAndRestore writes): a
+  Dense(16) checkpoint restored into Dense(32) fails in restore() with
+  TensorFlow's shape error, and a truncated data file with its read
+  error, before any K-FAC step."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  small = _model(hidden=16)
+  _fit(small, 1, rows=BATCH)
+  path = tf.train.Checkpoint(model=small, optimizer=small.optimizer).save(
+      str(tmp_path / "ckpt"))
+  big = _model(hidden=32)
+  with pytest.raises(ValueError) as info:
+    tf.train.Checkpoint(model=big, optimizer=big.optimizer).restore(path)
+  # "Received incompatible tensor with shape (6, 16) when attempting to
+  # restore variable with shape (6, 32) and name .../hidden/kernel:0" (the
+  # first variable TensorFlow restores: the kernel or the bias).
+  assert re.search(r"shape \((6, )?16,?\) .* shape \((6, )?32,?\) and name "
+                   r"\S*hidden/", str(info.value)), str(info.value)[:2000]
+  (data,) = [f for f in os.listdir(str(tmp_path)) if ".data-" in f]
+  data = os.path.join(str(tmp_path), data)
+  with open(data, "r+b") as f:
+    f.truncate(os.path.getsize(data) // 2)
+  same = _model(hidden=16)
+  with pytest.raises(IndexError, match="Read less bytes than requested"):
+    tf.train.Checkpoint(model=same, optimizer=same.optimizer).restore(path)
 
 
 @pytest.mark.slow  # subprocess: the file again under tf_keras
