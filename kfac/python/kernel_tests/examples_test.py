@@ -214,3 +214,18 @@ def test_influence_functions_example(tmp_path):
   for name, curve in results["evidence"].items():
     assert all(math.isfinite(v) for v in curve), name
     assert deltas[0] < results["best_delta"][name] < deltas[-1], name
+
+
+def test_keras_preemption_example():
+  """examples/keras_preemption.py: the run preempted at epoch 1 and resumed
+  by BackupAndRestore in a new model and Kfac runs epochs 1-2 only and
+  ends equal to the uninterrupted run (weights and K-FAC state, bit for
+  bit; the script exits 1 otherwise)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.run(
+      [sys.executable, str(EXAMPLES / "keras_preemption.py")],
+      cwd=str(EXAMPLES), env=env, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "resumed run: epochs [1, 2]" in proc.stdout, proc.stdout
+  assert "K-FAC state: 0\n" in proc.stdout, proc.stdout

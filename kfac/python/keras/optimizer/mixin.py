@@ -129,6 +129,17 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     # the model must not become a checkpoint dependency of the optimizer).
     object.__setattr__(self, "_kfac_model_ref", weakref.ref(model))
 
+  def __dir__(self):
+    # Keras's saving walks (keras saving_lib._walk_saveable, tf_keras's
+    # _walk_trackable) visit every attribute dir() lists and recurse into
+    # the Keras objects they return. The model owns the optimizer: reaching
+    # it back through `model` made load_weights recurse without end (the
+    # loader marks an object visited only after its children). The model
+    # is no part of the optimizer's saved state, so the walk must not see
+    # the attributes that return it.
+    return [name for name in super().__dir__()
+            if name not in _NOT_SAVED_ATTRIBUTES]
+
   @property
   def _kfac_model(self):
     ref = self._kfac_model_ref
@@ -312,6 +323,9 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
                        "not one of the step's." % variable.name)
     return decays
 
+
+# Attributes that return the model (hidden from dir(): see __dir__).
+_NOT_SAVED_ATTRIBUTES = frozenset(["model", "_kfac_model", "_kfac_model_ref"])
 
 # Kfac's names of the core optimizer's arguments.
 _CORE_NAMES = {"weight_decay": "decoupled_weight_decay"}
