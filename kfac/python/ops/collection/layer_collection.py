@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from kfac.python.ops.collection import default as default_lib
 from kfac.python.ops.collection import losses as losses_lib
+from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.collection import use_check
 from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.ekfac import scalings as ekfac_scalings
@@ -387,3 +388,14 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
   @property
   def is_finalized(self):
     return self._finalized
+
+  def memory_usage(self):
+    """(rows, total bytes) of K-FAC's state for this collection: one
+    collection/memory.BlockMemory per block (its parts: statistics and
+    their moving averages, inverses, powers, eigendecompositions as the
+    inverse method keeps them), predicted from static shapes before any of
+    it is allocated. The factors must exist: call it after the estimator
+    or optimizer was built on this collection (it checks the budget at
+    that point)."""
+    rows = memory_lib.memory_table(self.get_blocks())
+    return rows, memory_lib.total_bytes(rows)

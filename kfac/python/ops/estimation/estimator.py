@@ -25,6 +25,7 @@ device placement strategies of placement.py.
 
 import tensorflow as tf
 
+from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.estimation import modes as estimation_modes
 from kfac.python.ops.estimation import products
@@ -58,7 +59,8 @@ class FisherEstimator(products.ProductsMixin,
                state_store=None,
                lazy_statistics_sync=False,
                skip_non_finite=True,
-               sample_step=None):
+               sample_step=None,
+               memory_budget="auto"):
     """Creates the estimator.
 
     Args:
@@ -98,6 +100,12 @@ class FisherEstimator(products.ProductsMixin,
         store so that checkpoints restore it; the loss; the replica; the
         step), so a resumed run draws exactly what an uninterrupted one
         would.
+      memory_budget: bytes the K-FAC state (statistics, their moving
+        averages, inverses, ...; collection/memory.py) may take: "auto"
+        (default) for memory.DEFAULT_BUDGET_FRACTION of the machine's
+        physical memory, a number, or None for no check. Checked from the
+        static shapes when the factors are made, before any state is
+        allocated; over it, a ValueError names the largest layers.
 
     Raises:
       ValueError: for an unknown mode, a missing batch_size, no registered
@@ -134,6 +142,8 @@ class FisherEstimator(products.ProductsMixin,
     self._lazy_sync_ops = {}
     self._skip_non_finite = bool(skip_non_finite)
     self._sample_step = sample_step
+    self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
+                                                    memory_budget)
     self._finalized = False
 
   def _finalize(self):
@@ -194,6 +204,9 @@ class FisherEstimator(products.ProductsMixin,
         block.register_cholesky()
       if self._compute_cholesky_inverse:
         block.register_cholesky_inverse()
+    # Before any factor state exists (variables are made on first use).
+    memory_lib.check_budget(memory_lib.memory_table(blocks),
+                            self._memory_budget)
 
     if self._compute_params_stats:
       self._params_stats = self._make_params_stats(
