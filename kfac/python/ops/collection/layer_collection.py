@@ -88,6 +88,8 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
     self._uses = {}  # var.ref() -> registered uses (float: inf = any)
     self._factors = collections.OrderedDict()  # factor key -> factor
     self._factor_names = set()
+    # Layers re-registered to fit the memory budget (memory_fallback.py).
+    self.memory_fallbacks = []
     self._block_names = set()
     self._loss_dict = collections.OrderedDict()  # name -> [loss per tower]
     # kfac 0.2.x's public maps: loss -> its coefficient, and loss -> the
@@ -188,6 +190,12 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
 
 
   # ------------------------------------------------------------ factors
+  def reset_factors(self):
+    """Forgets the factors made so far (before any has state), so that the
+    blocks make them again (the memory fallback, memory_fallback.py)."""
+    self._factors.clear()
+    self._factor_names.clear()
+
   def make_or_get_factor(self, cls, args, name=None):
     """Returns the factor `cls(*args)`, sharing one instance per distinct
     (cls, args) in this collection."""

@@ -128,7 +128,7 @@ def memory_table(blocks):
   rows = []
   for block in blocks:
     parts = []
-    for factor in _block_factors(block):
+    for factor in block_factors(block):
       if id(factor) in seen:
         continue
       seen.add(id(factor))
@@ -138,7 +138,7 @@ def memory_table(blocks):
   return rows
 
 
-def _block_factors(block):
+def block_factors(block):
   try:
     factors = block.factors
     factors = factors() if callable(factors) else factors

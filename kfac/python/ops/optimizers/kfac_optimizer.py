@@ -29,6 +29,7 @@ parts, one responsibility each, are in this package:
 import tensorflow as tf
 
 from kfac.python.ops.collection import memory as memory_lib
+from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.adaptive import mixin as adaptive
 from kfac.python.ops.distribute import collective
@@ -114,6 +115,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                decoupled_weight_decay=None,
                decoupled_weight_decay_mask=None,
                memory_budget="auto",
+               over_budget="raise",
                **placement_kwargs):
     """Creates the optimizer; see optimizers/update_rule.py for the update
     rule.
@@ -163,7 +165,10 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     `memory_budget` (default "auto": memory.DEFAULT_BUDGET_FRACTION of the
     machine's physical memory; bytes; None for no check): the most K-FAC's
     state may take, checked from static shapes before it is allocated
-    (collection/memory.py, docs/reliability.md "Memory").
+    (collection/memory.py, docs/reliability.md "Memory"). Over it,
+    `over_budget="raise"` (default) raises a ValueError naming the largest
+    layers; "fallback" re-registers them with a cheaper approximation
+    (collection/memory_fallback.py).
     """
     hyperparameters.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
@@ -203,6 +208,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._placement_kwargs = args["placement_kwargs"]
     self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
                                                     args["memory_budget"])
+    self._over_budget = memory_fallback.check_over_budget(
+        type(self).__name__, args["over_budget"])
     self._lazy_statistics_sync = args["lazy_statistics_sync"]
     self._skip_non_finite = bool(args["skip_non_finite_steps"])
     self._compute_params_stats = args["compute_params_stats"]
@@ -262,6 +269,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
         sample_step=self.steps_taken,
         state_store=self._store,
         memory_budget=self._memory_budget,
+        over_budget=self._over_budget,
         **self._placement_kwargs)
 
   def _precon_damping(self):
