@@ -178,10 +178,23 @@ def test_over_budget_names_the_largest_layers(world):
 
 
 def test_budget_that_fits_and_none_pass():
-  _, total, allocated = _run_one_step("graph", memory_budget=10**6)
-  assert total == allocated
-  _, total, allocated = _run_one_step("graph", memory_budget=None)
-  assert total == allocated
+  for budget in (1984, None):
+    with tf.Graph().as_default():
+      vs = _variables()
+      x, ids, img = _data()
+      lc = kfac.LayerCollection()
+      _model(vs, lc, tf.constant(x), tf.constant(ids), tf.constant(img))
+      est = kfac.estimator.FisherEstimator(vs, 0.95, 0.1, lc,
+                                           memory_budget=budget)
+      est.factors  # pylint: disable=pointless-statement
+      assert lc.memory_usage()[1] == 1984
+  with tf.Graph().as_default():
+    vs = _variables()
+    lc = kfac.LayerCollection()
+    _model(vs, lc, tf.constant(x), tf.constant(ids), tf.constant(img))
+    est = kfac.estimator.FisherEstimator(vs, 0.95, 0.1, lc, memory_budget=1983)
+    with pytest.raises(ValueError, match="over the memory budget"):
+      est.factors  # pylint: disable=pointless-statement
 
 
 @pytest.mark.parametrize("bad", [0, -5, "lots", True])
@@ -196,3 +209,76 @@ def test_default_budget_is_a_fraction_of_physical_memory():
   assert memory.default_budget() == int(
       phys * memory.DEFAULT_BUDGET_FRACTION)
   assert memory.resolve_budget("x", "auto") == memory.default_budget()
+
+
+def _more_families(lc, series=True):
+  """Families the first model lacks: conv transpose, depthwise conv (kron
+  and diagonal), per-channel scale-and-shift, kron_series (multi-use),
+  kron_reduce, SUA conv, EKFAC conv transpose. Returns the variables."""
+  rng = np.random.RandomState(2)
+  img = tf.constant(rng.randn(4, 5, 5, 2).astype(np.float32))
+  seq = [tf.constant(rng.randn(4, 3).astype(np.float32)) for _ in range(2)]
+  kt = tf.Variable(rng.randn(2, 2, 3, 2).astype(np.float32), name="kt")
+  kte = tf.Variable(rng.randn(2, 2, 3, 2).astype(np.float32), name="kte")
+  dk = tf.Variable(rng.randn(2, 2, 2, 2).astype(np.float32), name="dk")
+  dkd = tf.Variable(rng.randn(2, 2, 2, 1).astype(np.float32), name="dkd")
+  sc = tf.Variable(np.ones(2, np.float32), name="sc")
+  sh = tf.Variable(np.zeros(2, np.float32), name="sh")
+  ws = tf.Variable(rng.randn(3, 3).astype(np.float32), name="ws")
+  wr = tf.Variable(rng.randn(2, 3).astype(np.float32), name="wr")
+  ksua = tf.Variable(rng.randn(3, 3, 2, 2).astype(np.float32), name="ksua")
+  outs = []
+  t = tf.nn.conv2d_transpose(img, kt, [4, 10, 10, 3], 2)
+  lc.register_conv2d_transpose(kt, img, t, 2, "SAME")
+  te = tf.nn.conv2d_transpose(img, kte, [4, 10, 10, 3], 2)
+  lc.register_conv2d_transpose(kte, img, te, 2, "SAME", approx="ekfac")
+  d = tf.nn.depthwise_conv2d(img, dk, [1, 1, 1, 1], "VALID")
+  lc.register_depthwise_conv2d(dk, img, d, [1, 1, 1, 1], "VALID",
+                               approx="kron")
+  dd = tf.nn.depthwise_conv2d(img, dkd, [1, 1, 1, 1], "VALID")
+  lc.register_depthwise_conv2d(dkd, img, dd, [1, 1, 1, 1], "VALID")
+  s = img * sc + sh
+  lc.register_scale_and_shift((sc, sh), img, s, approx="per_channel")
+  so = [tf.matmul(x, ws) for x in seq]
+  # (kron_series defines only the inverse.)
+  lc.register_fully_connected_multi(
+      ws, seq, so, approx="kron_series_1" if series else "kron_indep")
+  r = tf.einsum("bpi,io->bpo", tf.reshape(img, [4, 25, 2]), wr)
+  lc.register_fully_connected(wr, tf.reshape(img, [4, 25, 2]), r,
+                              approx="kron_reduce")
+  u = tf.nn.conv2d(img, ksua, 1, "SAME")
+  lc.register_conv2d(ksua, 1, "SAME", img, u, approx="kron_sua")
+  logits = (tf.reduce_sum(t, [1, 2])[:, :2] + tf.reduce_sum(te, [1, 2])[:, :2]
+            + tf.reduce_sum(d, [1, 2])[:, :2] + tf.reduce_sum(dd, [1, 2])
+            + tf.reduce_sum(s, [1, 2]) + so[0][:, :2] + so[1][:, :2]
+            + tf.reduce_sum(r, 1)[:, :2] + tf.reduce_sum(u, [1, 2]))
+  lc.register_softmax_cross_entropy_loss(logits)
+  return [kt, kte, dk, dkd, (sc, sh), ws, wr, ksua]
+
+
+@pytest.mark.parametrize("options", [
+    dict(exps=(-1,)),
+    dict(exps=(-1, 0.5, -0.5), compute_cholesky=True,
+         compute_cholesky_inverse=True)])
+def test_more_families_and_inverse_kinds(options):
+  with tf.Graph().as_default():
+    lc = kfac.LayerCollection()
+    params = _more_families(lc, series=len(options["exps"]) == 1)
+    variables = []
+    for p in params:
+      variables.extend(p if isinstance(p, tuple) else [p])
+    store = state.StateStore("s")
+    est = kfac.estimator.FisherEstimator(variables, 0.95, 0.1, lc,
+                                         state_store=store, **options)
+    est.factors  # pylint: disable=pointless-statement
+    rows, total = lc.memory_usage()
+    assert [r.name for r in rows] == ["kt", "kte", "dk", "dkd", "sc", "ws",
+                                      "wr", "ksua"]
+    assert all(r.nbytes > 0 for r in rows)
+    est.make_vars_and_create_op_thunks()
+    assert _factor_bytes(store, lc) == total
+    # Every part is accounted for exactly once.
+    created = {k for k in store.variables_by_name
+               if k.startswith(tuple(f.name + "/" for f in lc.get_factors()))}
+    predicted = [p.key for r in rows for p in r.parts]
+    assert sorted(predicted) == sorted(created)

@@ -319,6 +319,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     return self.registered_variables
 
   @property
+  def memory_budget(self):
+    """The memory budget in bytes (None: no check; collection/memory.py)."""
+    return self._memory_budget
+
+  @property
   def factors(self):
     return self._require_estimator().factors
 
