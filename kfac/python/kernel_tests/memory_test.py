@@ -174,7 +174,7 @@ def test_over_budget_names_the_largest_layers(world):
   assert listed == ("k (k:0): 592 B; w3 (w3:0): 372 B; w1 (w1:0, b1:0): "
                     "336 B; scale (scale:0, shift:0): 292 B; wm (wm:0): "
                     "168 B")
-  assert "approx='diagonal'" in message
+  assert "over_budget='fallback'" in message and "'diagonal'" in message
 
 
 def test_budget_that_fits_and_none_pass():

@@ -251,7 +251,8 @@ def check_budget(rows, budget):
   raise ValueError(
       "K-FAC's state would take %s (%d bytes), over the memory budget of %s "
       "(%d bytes). Largest layers: %s. Register those layers with a cheaper "
-      "approximation (approx='diagonal', see docs/approximations.md), "
+      "approximation (approx='kron_in_diag' or 'diagonal', see "
+      "docs/approximations.md) or let K-FAC do it (over_budget='fallback'), "
       "exclude them from K-FAC, or raise the budget (memory_budget=<bytes>, "
-      "or None for no check)." % (format_bytes(total), total,
+      "or None for no check; docs/reliability.md, Memory)." % (format_bytes(total), total,
                                   format_bytes(budget), int(budget), listed))
