@@ -591,5 +591,6 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
                               (block,))), approx or "default",
                     ", ".join(param_names(plan)), len(calls),
                     "fallback: " + reason if kind == "generic" else
-                    ", ".join("%s=%r" % kv for kv in sorted(options.items()))))
+                    ", ".join("%s=%r" % kv for kv in sorted(options.items())),
+                    block if isinstance(block, tuple) else (block,)))
   return rows

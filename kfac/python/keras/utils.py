@@ -180,8 +180,9 @@ def _register_generic_orphans(lc, model, variables, tf_vars, plans,
   if not orphans:
     return
   orphan_names = ", ".join(names.get(v.ref(), v.name) for v in orphans)
-  lc.register_generic(orphans[0] if len(orphans) == 1 else tuple(orphans),
-                      batch_size, approx=layer_registration.GENERIC_FALLBACK)
+  block = lc.register_generic(
+      orphans[0] if len(orphans) == 1 else tuple(orphans), batch_size,
+      approx=layer_registration.GENERIC_FALLBACK)
   message = ("kfac: variables %s belong to no layer of %r; registered with "
              "the generic %r approximation." %
              (orphan_names, model.name,
@@ -190,7 +191,7 @@ def _register_generic_orphans(lc, model, variables, tf_vars, plans,
   rows.append(layer_registration.Row(
       model.name, "(model)", "NaiveDiagonalFB",
       layer_registration.GENERIC_FALLBACK,
-      orphan_names, 0, "fallback: no owning layer"))
+      orphan_names, 0, "fallback: no owning layer", (block,)))
 
 
 def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
@@ -203,6 +204,26 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
   registration report. Arguments as get_layer_collection's;
   `default_conv_options` and `default_approx` as
   layer_registration.register_layers's."""
+  lc, rows, loss_lines = register_model_rows(
+      model, loss=loss, loss_weights=loss_weights,
+      fisher_approx=fisher_approx, layer_collection=layer_collection,
+      seed=seed, y_pred=y_pred, targets=targets, variables=variables,
+      warn=warn, registration_options=registration_options,
+      average_over_outputs=average_over_outputs,
+      default_conv_options=default_conv_options,
+      default_approx=default_approx)
+  return lc, layer_registration.format_report(rows, loss_lines)
+
+
+def register_model_rows(model, loss=None, loss_weights=None,
+                        fisher_approx=None, layer_collection=None, seed=None,
+                        y_pred=None, targets=None, variables=None, warn=None,
+                        registration_options=None,
+                        average_over_outputs=False,
+                        default_conv_options=None, default_approx=None):
+  """register_model, returning (layer_collection, report rows, loss lines)
+  (registration_report.format_report makes the text; with the memory
+  column once an optimizer has made the collection's factors)."""
   what = "kfac.keras.utils.get_layer_collection"
   source, recorded = _source_of_calls(model, what)
   lc = layer_collection or lc_lib.LayerCollection()
@@ -248,7 +269,7 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
     warn("sample_weight", "kfac: sample weights weight the gradient but not "
          "the curvature statistics (K-FAC's Fisher is over the model's "
          "predictive distribution).")
-  return lc, layer_registration.format_report(rows, loss_lines)
+  return lc, rows, loss_lines
 
 
 def _recorded_losses(recorder, model, loss, loss_weights, y_pred, targets):

@@ -113,7 +113,7 @@ def _report_blocks(report):
   """{layer name (last path component): block class} of a report."""
   blocks = {}
   for line in report.splitlines()[2:]:
-    if line.startswith("loss: "):
+    if line.startswith(("loss: ", "K-FAC state: ")):
       continue
     cells = line.split()
     blocks[cells[0].split("/")[-1]] = cells[2]

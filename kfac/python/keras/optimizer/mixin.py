@@ -10,6 +10,7 @@ import tensorflow as tf
 from kfac.python.keras import keras_flavor
 from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
+from kfac.python.keras import registration_report
 from kfac.python.keras import utils as keras_utils
 from kfac.python.keras.optimizer import arguments
 from kfac.python.keras.optimizer import config as config_lib
@@ -234,7 +235,10 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     """What each layer was registered as, from the last traced step (or the
     plan, before the first step)."""
     if self._kfac_report is not None:
-      return self._kfac_report
+      rows, loss_lines, lc = self._kfac_report
+      memory = registration_report.memory_of(
+          lc, getattr(self._kfac_core, "memory_budget", None))
+      return registration_report.format_report(rows, loss_lines, memory)
     if self._kfac_model is None:
       return "(no model yet)"
     plans = layer_registration.plan_layers(self._kfac_model,

@@ -181,7 +181,7 @@ class KfacStepMixin:
           tf.cast(collective.replica_id(), tf.int64) * 1000003,
           tf.constant(0, tf.int64)])
     keras_utils.name_state_by_structure(self._kfac_model)
-    lc, report = keras_utils.register_model(
+    lc, rows, loss_lines = keras_utils.register_model_rows(
         self._kfac_model, *self._kfac_losses(),
         fisher_approx=self._kfac_fisher_approx, seed=seed,
         variables=variables, warn=self._kfac_warn,
@@ -193,7 +193,9 @@ class KfacStepMixin:
         # The default recipe was tuned on the Keras loss's own scale; the
         # 0.2.x-style optimizer keeps kfac 0.2.x's coefficients.
         average_over_outputs=self._kfac_adaptive)
-    self._kfac_report = report
+    # Formatted when read (the memory column needs the factors, which the
+    # core optimizer makes from the collection).
+    self._kfac_report = (rows, loss_lines, lc)
     return lc
 
   def _kfac_after_apply(self, op, iteration):

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from kfac.python.ops.collection import default as default_lib
 from kfac.python.ops.collection import losses as losses_lib
+from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.collection import use_check
 from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.ekfac import scalings as ekfac_scalings
@@ -87,6 +88,8 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
     self._uses = {}  # var.ref() -> registered uses (float: inf = any)
     self._factors = collections.OrderedDict()  # factor key -> factor
     self._factor_names = set()
+    # Layers re-registered to fit the memory budget (memory_fallback.py).
+    self.memory_fallbacks = []
     self._block_names = set()
     self._loss_dict = collections.OrderedDict()  # name -> [loss per tower]
     # kfac 0.2.x's public maps: loss -> its coefficient, and loss -> the
@@ -187,6 +190,12 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
 
 
   # ------------------------------------------------------------ factors
+  def reset_factors(self):
+    """Forgets the factors made so far (before any has state), so that the
+    blocks make them again (the memory fallback, memory_fallback.py)."""
+    self._factors.clear()
+    self._factor_names.clear()
+
   def make_or_get_factor(self, cls, args, name=None):
     """Returns the factor `cls(*args)`, sharing one instance per distinct
     (cls, args) in this collection."""
@@ -387,3 +396,14 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
   @property
   def is_finalized(self):
     return self._finalized
+
+  def memory_usage(self):
+    """(rows, total bytes) of K-FAC's state for this collection: one
+    collection/memory.BlockMemory per block (its parts: statistics and
+    their moving averages, inverses, powers, eigendecompositions as the
+    inverse method keeps them), predicted from static shapes before any of
+    it is allocated. The factors must exist: call it after the estimator
+    or optimizer was built on this collection (it checks the budget at
+    that point)."""
+    rows = memory_lib.memory_table(self.get_blocks())
+    return rows, memory_lib.total_bytes(rows)

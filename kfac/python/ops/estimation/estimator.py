@@ -25,6 +25,8 @@ device placement strategies of placement.py.
 
 import tensorflow as tf
 
+from kfac.python.ops.collection import memory as memory_lib
+from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.estimation import modes as estimation_modes
 from kfac.python.ops.estimation import products
@@ -58,7 +60,9 @@ class FisherEstimator(products.ProductsMixin,
                state_store=None,
                lazy_statistics_sync=False,
                skip_non_finite=True,
-               sample_step=None):
+               sample_step=None,
+               memory_budget="auto",
+               over_budget="raise"):
     """Creates the estimator.
 
     Args:
@@ -98,6 +102,16 @@ class FisherEstimator(products.ProductsMixin,
         store so that checkpoints restore it; the loss; the replica; the
         step), so a resumed run draws exactly what an uninterrupted one
         would.
+      memory_budget: bytes the K-FAC state (statistics, their moving
+        averages, inverses, ...; collection/memory.py) may take: "auto"
+        (default) for memory.DEFAULT_BUDGET_FRACTION of the machine's
+        physical memory, a number, or None for no check. Checked from the
+        static shapes when the factors are made, before any state is
+        allocated; over it, a ValueError names the largest layers.
+      over_budget: "raise" (default) or "fallback": re-register the
+        largest layers with a cheaper approximation until the state fits
+        (collection/memory_fallback.py; listed in
+        layer_collection.memory_fallbacks, with a warning).
 
     Raises:
       ValueError: for an unknown mode, a missing batch_size, no registered
@@ -134,6 +148,10 @@ class FisherEstimator(products.ProductsMixin,
     self._lazy_sync_ops = {}
     self._skip_non_finite = bool(skip_non_finite)
     self._sample_step = sample_step
+    self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
+                                                    memory_budget)
+    self._over_budget = memory_fallback.check_over_budget(
+        type(self).__name__, over_budget)
     self._finalized = False
 
   def _finalize(self):
@@ -181,9 +199,23 @@ class FisherEstimator(products.ProductsMixin,
     if all(w == 1.0 for w in weights):
       weights = None
 
-    for block, (start, stop) in zip(blocks, spans):
-      grads_list = [tuple(g[start:stop]) for g in grads]
-      block.instantiate_factors(grads_list, self._damping_func, weights)
+    block_grads = {id(block): [tuple(g[start:stop]) for g in grads]
+                   for block, (start, stop) in zip(blocks, spans)}
+    self._instantiate_blocks(block_grads, weights)
+    self._check_memory(blocks, block_grads, weights)
+
+    if self._compute_params_stats:
+      self._params_stats = self._make_params_stats(
+          [g[n_block_xs:] for g in grads], [s.weight for s in sources])
+
+  def _instantiate_blocks(self, block_grads, weights):
+    """Makes every block's factors (in the state store) from its gradients
+    (block_grads: id(block) -> the block's gradient lists) and registers
+    the powers, Cholesky factors, ... the estimator needs."""
+    blocks = self._layers.get_blocks()
+    for block in blocks:
+      block.instantiate_factors(block_grads[id(block)], self._damping_func,
+                                weights)
     for factor in self._layers.get_factors():
       factor.attach_state_store(self._store)
     for block in blocks:
@@ -195,9 +227,24 @@ class FisherEstimator(products.ProductsMixin,
       if self._compute_cholesky_inverse:
         block.register_cholesky_inverse()
 
-    if self._compute_params_stats:
-      self._params_stats = self._make_params_stats(
-          [g[n_block_xs:] for g in grads], [s.weight for s in sources])
+  def _check_memory(self, blocks, block_grads, weights):
+    """The budget check, before any factor state exists (variables are
+    made on first use), with the fallback of over_budget="fallback"."""
+    rows = memory_lib.memory_table(blocks)
+    budget = self._memory_budget
+    if (budget is not None and self._over_budget == "fallback" and
+        memory_lib.total_bytes(rows) > budget):
+
+      def adopt(new, old):
+        block_grads[id(new)] = block_grads[id(old)]
+
+      def rebuild():
+        self._layers.reset_factors()
+        self._instantiate_blocks(block_grads, weights)
+
+      rows = memory_fallback.apply(self._layers, rows, budget, adopt,
+                                   rebuild)
+    memory_lib.check_budget(rows, budget)
 
   def _sample_seeds(self):
     """Loss index -> the stateless seed of its draws (see sample_step), or

@@ -28,6 +28,8 @@ parts, one responsibility each, are in this package:
 
 import tensorflow as tf
 
+from kfac.python.ops.collection import memory as memory_lib
+from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.adaptive import mixin as adaptive
 from kfac.python.ops.distribute import collective
@@ -112,6 +114,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                include_damping_in_qmodel_change=None,
                decoupled_weight_decay=None,
                decoupled_weight_decay_mask=None,
+               memory_budget="auto",
+               over_budget="raise",
                **placement_kwargs):
     """Creates the optimizer; see optimizers/update_rule.py for the update
     rule.
@@ -157,6 +161,14 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     `tf_replicator`: kfac 0.2.x's TF-Replicator object. TF-Replicator no
     longer exists; only None is accepted (use a tf.distribute strategy,
     docs/distributed.md).
+
+    `memory_budget` (default "auto": memory.DEFAULT_BUDGET_FRACTION of the
+    machine's physical memory; bytes; None for no check): the most K-FAC's
+    state may take, checked from static shapes before it is allocated
+    (collection/memory.py, docs/reliability.md "Memory"). Over it,
+    `over_budget="raise"` (default) raises a ValueError naming the largest
+    layers; "fallback" re-registers them with a cheaper approximation
+    (collection/memory_fallback.py).
     """
     hyperparameters.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
@@ -194,6 +206,10 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._batch_size = args["batch_size"]
     self._placement_strategy = args["placement_strategy"]
     self._placement_kwargs = args["placement_kwargs"]
+    self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
+                                                    args["memory_budget"])
+    self._over_budget = memory_fallback.check_over_budget(
+        type(self).__name__, args["over_budget"])
     self._lazy_statistics_sync = args["lazy_statistics_sync"]
     self._skip_non_finite = bool(args["skip_non_finite_steps"])
     self._compute_params_stats = args["compute_params_stats"]
@@ -252,6 +268,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
         skip_non_finite=self._skip_non_finite,
         sample_step=self.steps_taken,
         state_store=self._store,
+        memory_budget=self._memory_budget,
+        over_budget=self._over_budget,
         **self._placement_kwargs)
 
   def _precon_damping(self):
@@ -299,6 +317,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
   @property
   def variables(self):
     return self.registered_variables
+
+  @property
+  def memory_budget(self):
+    """The memory budget in bytes (None: no check; collection/memory.py)."""
+    return self._memory_budget
 
   @property
   def factors(self):

@@ -85,6 +85,14 @@ class LayerParametersDict(collections.abc.MutableMapping):
     for r in refs:
       self._owner[r] = ref_key
 
+  def replace_value(self, key, value):
+    """Sets the value of the existing `key`, keeping its place."""
+    ref_key = self._find(key)
+    if ref_key is None:
+      raise KeyError(key)
+    stored, _ = self._entries[ref_key]
+    self._entries[ref_key] = (stored, value)
+
   def __getitem__(self, key):
     ref_key = self._find(key)
     if ref_key is None:
