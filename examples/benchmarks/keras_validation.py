@@ -24,7 +24,8 @@ each take the learning rate of the tuned JSON (--tuned), or the middle of
 their grid when it has none (marked "untuned").
 
   --tune   runs every peer's grid and writes the best value per (workload,
-           optimizer), by the best validation figure of the run, to --tuned
+           optimizer), by the best validation figure of the run, into
+           --tuned (merged: pairs not tuned in this pass keep their value)
 
 Outputs in --output_dir: keras_validation.md (a table per workload:
 optimizer, grid value, final and best validation figure, the target = the
@@ -461,11 +462,22 @@ def main(argv):
     json.dump({"machine": machine, "command": command, "head": head,
                "date": started.isoformat(), "runs": results}, f, indent=1)
   if FLAGS.tune:
+    # Merged into the file: the pairs tuned here replace theirs, the others
+    # stay (each pair records the run that tuned it).
+    tuned_file = {"best": {}, "passes": []}
+    if os.path.exists(FLAGS.tuned):
+      with open(FLAGS.tuned) as f:
+        tuned_file = json.load(f)
+    tuned_file.setdefault("passes", []).append(
+        {"date": started.isoformat(), "machine": machine, "command": command,
+         "budget_s": FLAGS.budget_s})
+    for workload, best in tuned_values(results).items():
+      for opt, entry in best.items():
+        entry["pass"] = len(tuned_file["passes"]) - 1
+        tuned_file["best"].setdefault(workload, {})[opt] = entry
+    tuned_file["grids"] = vw.GRIDS
     with open(FLAGS.tuned, "w") as f:
-      json.dump({"date": started.isoformat(), "machine": machine,
-                 "command": command, "budget_s": FLAGS.budget_s,
-                 "grids": vw.GRIDS, "best": tuned_values(results)}, f,
-                indent=1, sort_keys=True)
+      json.dump(tuned_file, f, indent=1, sort_keys=True)
   text = head + "\n".join(table(results, w) for w in FLAGS.workloads)
   with open(os.path.join(FLAGS.output_dir, stem + ".md"), "w") as f:
     f.write(text)

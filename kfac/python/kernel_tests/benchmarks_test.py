@@ -477,3 +477,68 @@ def test_keras_validation_variant_errors():
     del val_workloads.KFAC_VARIANTS["kfac_bogus"]
   with pytest.raises(ValueError, match="unknown optimizer 'sgd'; one of kfac"):
     val_workloads.make_optimizer("sgd", model)
+
+
+def _schedule_free_reference(w0, grad, lr, steps, beta_1=0.9, beta_2=0.999,
+                             eps=1e-8):
+  """Schedule-free AdamW (Defazio et al. 2024, no warm-up), float64."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  y, z, x = w0.copy(), w0.copy(), w0.copy()
+  v = np.zeros_like(w0)
+  for t in range(1, steps + 1):
+    g = grad(y)
+    v = beta_2 * v + (1 - beta_2) * g * g
+    z = z - lr * g / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    x = (1 - 1.0 / t) * x + z / t
+    y = (1 - beta_1) * z + beta_1 * x
+  return y, z, x
+
+
+def test_keras_validation_schedule_free_matches_reference():
+  """The benchmark's ScheduleFreeAdamW = the float64 reference on a
+  quadratic (3 steps, eager and tf.function, built before or by the first
+  apply), and schedule_free_eval puts the weights at x and restores y."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import val_workloads  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  import keras  # pylint: disable=g-import-not-at-top
+  w0, c = np.array([0.5, 0.5, -1.0]), np.array([1.0, -2.0, 0.25])
+  grad = lambda w: 2.0 * (w - c) * np.array([1.0, 3.0, 0.5])
+  y_ref, z_ref, x_ref = _schedule_free_reference(w0, grad, 0.1, 3)
+  for traced in (False, True):
+    for build_first in (False, True):
+      var = keras.Variable(w0.astype("float32"))
+      opt = val_workloads.schedule_free_adamw_class()(0.1)
+      if build_first:
+        opt.build([var])
+      scale = tf.constant([1.0, 3.0, 0.5])
+      def step():
+        opt.apply([2.0 * (var - tf.constant(c, tf.float32)) * scale], [var])  # pylint: disable=cell-var-from-loop
+      step = tf.function(step) if traced else step
+      for _ in range(3):
+        step()
+      np.testing.assert_allclose(var.numpy(), y_ref, rtol=0, atol=2e-6)
+      np.testing.assert_allclose(opt._momentums[0].numpy(), z_ref, rtol=0,  # pylint: disable=protected-access
+                                 atol=2e-6)
+  model = keras.Sequential([keras.Input((3,)),
+                            keras.layers.Dense(1, use_bias=False)])
+  model.layers[0].kernel.assign(w0.reshape(3, 1).astype("float32"))
+  opt = val_workloads.schedule_free_adamw_class()(0.1)
+  model.compile(optimizer=opt, loss="mse")
+  batch = (np.eye(3, dtype="float32"), np.zeros((3, 1), "float32"))
+  for _ in range(3):
+    model.train_on_batch(*batch)
+  kernel = model.layers[0].kernel
+  y_now = kernel.numpy().copy()
+  z_now = opt._momentums[0].numpy()  # pylint: disable=protected-access
+  with val_workloads.schedule_free_eval(model, opt):
+    np.testing.assert_allclose(kernel.numpy(), (y_now - 0.1 * z_now) / 0.9,
+                               rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(kernel.numpy(), y_now, rtol=0, atol=0)
+  # Built by fit's first step, z started at the weights: the first step is
+  # Adam's (lr sign(g)), not a jump to -lr sign(g).
+  assert np.all(np.abs(y_now - w0.reshape(3, 1)) < 0.35), y_now
