@@ -247,9 +247,9 @@ def schedule_free_adamw_class():
   the model variable becomes y_t = (1 - 1/t) y_{t-1} + z_t / t, the running
   average of z with gradients taken there (measured: 3 steps on a
   quadratic match that to 1e-7 and miss the method by 1e-2). And its build
-  sets z to the initial weights with an assign that does not survive when
-  `fit` builds the optimizer (Keras builds it while tracing): z starts at
-  zero, so the first step sets every weight to about -lr sign(g)
+  assigns the initial weights to z, but when `fit` builds the optimizer z
+  starts at zero all the same (why was not investigated), so the first
+  step sets every weight to about -lr sign(g)
   (measured on this benchmark's CNN: every kernel moved by its own size
   plus lr, the loss at log(10) ever after, training accuracy 0.099 after an
   epoch at 2.5e-3). This subclass computes the method from a snapshot of z

@@ -539,6 +539,6 @@ def test_keras_validation_schedule_free_matches_reference():
     np.testing.assert_allclose(kernel.numpy(), (y_now - 0.1 * z_now) / 0.9,
                                rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(kernel.numpy(), y_now, rtol=0, atol=0)
-  # Built by fit's first step, z started at the weights: the first step is
+  # Built by fit, z started at the weights: the first step is
   # Adam's (lr sign(g)), not a jump to -lr sign(g).
   assert np.all(np.abs(y_now - w0.reshape(3, 1)) < 0.35), y_now
