@@ -25,15 +25,16 @@
 #                  LSTM/GRU) vs Adam and Muon in fit (keras_zoo.py); validation
 #                  accuracy per CPU second in Keras fit of Kfac(adaptive=True) vs Adam,
 #                  AdamW, Lion, Muon, ScheduleFreeAdamW on Fashion-MNIST (a CNN, a ViT,
-#                  a GRU, the autoencoder; keras_validation.py, about 30 minutes)
+#                  a GRU, the autoencoder; keras_validation.py: a pair of 60 s runs took
+#                  about 4 minutes on the loaded 2-core machine, so about 50 minutes)
 #   make bench-step  only the step time against the old kfac 0.2.4 and SGD
 #                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
 #                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
 #                  minutes on the loaded 2-core dev machine); BENCH_STEP_FLAGS adds flags,
 #                  e.g. BENCH_STEP_FLAGS=--threads=1 for CPU times on a loaded machine
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
-#                  and of keras_validation.py (the peers' learning rates, about 70 minutes;
-#                  writes examples/benchmarks/keras_validation_tuned.json)
+#                  and of keras_validation.py (the peers' learning rates, 60 runs: about
+#                  2 hours at that pace; writes examples/benchmarks/keras_validation_tuned.json)
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make test-tf215  the Estimator / TPUEstimator tests and a core subset under
 #                  TensorFlow 2.15 in .venv-tf215 (about 1.5 min to install
