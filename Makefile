@@ -22,13 +22,19 @@
 #                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam; Kfac(adaptive=True)
 #                  vs Adam CPU ms/step on MobileNetV2, EfficientNetB0, a BN ResNet, a transformer
 #                  (keras_zoo_step_time.py); the Keras model zoo (keras.applications, ViT, GPT,
-#                  LSTM/GRU) vs Adam and Muon in fit (keras_zoo.py)
+#                  LSTM/GRU) vs Adam and Muon in fit (keras_zoo.py); validation
+#                  accuracy per CPU second in Keras fit of Kfac(adaptive=True) vs Adam,
+#                  AdamW, Lion, Muon, ScheduleFreeAdamW on Fashion-MNIST (a CNN, a ViT,
+#                  a GRU, the autoencoder; keras_validation.py: a pair of 60 s runs took
+#                  about 4 minutes on the loaded 2-core machine, so about 50 minutes)
 #   make bench-step  only the step time against the old kfac 0.2.4 and SGD
 #                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
 #                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
 #                  minutes on the loaded 2-core dev machine); BENCH_STEP_FLAGS adds flags,
 #                  e.g. BENCH_STEP_FLAGS=--threads=1 for CPU times on a loaded machine
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
+#                  and of keras_validation.py (the peers' learning rates, 60 runs: about
+#                  2 hours at that pace; writes examples/benchmarks/keras_validation_tuned.json)
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make test-tf215  the Estimator / TPUEstimator tests and a core subset under
 #                  TensorFlow 2.15 in .venv-tf215 (about 1.5 min to install
@@ -201,6 +207,7 @@ bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
 	$(VPY) examples/benchmarks/keras_zoo.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_zoo_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/keras_validation.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
 
 BENCH_STEP_FLAGS :=
@@ -211,6 +218,7 @@ bench-step: venv data $(OLD_KFAC_STAMP)
 
 bench-tune: venv data
 	$(VPY) examples/benchmarks/time_to_target.py --tune --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/keras_validation.py --tune --output_dir=$(BENCH_OUT)
 
 clean:
 	rm -rf build dist *.egg-info bench_results adaptive_autoencoder_results demo_results \

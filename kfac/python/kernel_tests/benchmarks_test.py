@@ -386,3 +386,159 @@ def test_keras_zoo_step_time_quick(tmp_path):
   assert table.startswith("| model | adam ms/step | kfac ms/step | kfac / "
                           "adam |"), table
   assert "| gpt | " in table
+
+
+def _keras_validation(tmp_path, flags):
+  return _run("keras_validation.py", [
+      "--size=tiny", "--max_steps=6", "--eval_every=3", "--batch_size=64",
+      "--train_examples=512", "--val_examples=256"] + flags, tmp_path)
+
+
+def test_keras_validation_tiny(tmp_path):
+  """keras_validation.py on the tiny CNN, 6 steps per run (7 worker
+  processes, ~1 CPU-minute): every optimizer runs from the same initial
+  validation figure, is evaluated before the first step and every 3 steps,
+  its training time is counted, and the table, JSON and plot are
+  written."""
+  optimizers = ["kfac", "kfac_l2", "adam", "adamw", "lion", "muon",
+                "schedulefree"]
+  stdout = _keras_validation(tmp_path, [
+      "--workloads=cnn", "--optimizers=" + ",".join(optimizers),
+      "--tuned=%s" % (tmp_path / "absent.json")])
+  assert "cnn adam 0.001 step 3 val acc" in stdout, stdout[-2000:]
+  with open(tmp_path / "keras_validation.json") as f:
+    runs = json.load(f)["runs"]
+  assert sorted(r["optimizer"] for r in runs) == sorted(optimizers)
+  for r in runs:
+    assert "error" not in r, r
+    assert [p["step"] for p in r["points"]] == [0, 3, 6], r
+    assert all(math.isfinite(p["metric"]) for p in r["points"]), r
+    assert r["steps"] == 6 and r["train_cpu_s"] > 0, r
+    assert r["points"][-1]["cpu_s"] == r["train_cpu_s"], r
+    assert r["untuned"] == (r["optimizer"] in ("adam", "adamw", "lion", "muon",
+                                               "schedulefree")), r
+    assert 0 <= r["final"] <= 1, r
+    if r["optimizer"] == "schedulefree":  # also judged at its point y
+      assert all("metric_at_y" in p for p in r["points"]), r
+  # Same seed, same initial weights: the same figure before any step.
+  assert len({r["points"][0]["metric"] for r in runs}) == 1, runs
+  table = (tmp_path / "keras_validation.md").read_text()
+  assert "### cnn" in table
+  assert "| optimizer | grid value | final val acc | best val acc |" in table
+  assert "schedulefree 0.0025 evaluated at its training point y" in table
+  for o in optimizers:
+    assert "| %s |" % o in table, table
+  assert "pinned to 1 thread(s)" in table
+  _png(tmp_path / "keras_validation.png")
+
+
+def test_keras_validation_tune_then_run(tmp_path):
+  """--tune runs Adam's grid and writes the best value, which the next run
+  reads (and reproduces the tuning run of that value)."""
+  tuned = tmp_path / "tuned.json"
+  _keras_validation(tmp_path, ["--tune", "--workloads=autoencoder",
+                               "--optimizers=adam", "--tuned=%s" % tuned])
+  with open(tmp_path / "keras_validation_tune.json") as f:
+    runs = json.load(f)["runs"]
+  assert sorted(r["value"] for r in runs) == [3e-4, 1e-3, 3e-3]
+  best = min(runs, key=lambda r: r["best"])
+  with open(tuned) as f:
+    chosen = json.load(f)["best"]["autoencoder"]["adam"]
+  assert chosen["learning_rate"] == best["value"]
+  assert chosen["best"] == best["best"]
+  table = (tmp_path / "keras_validation_tune.md").read_text()
+  assert "| optimizer | grid value | final val loss | best val loss |" in table
+  assert "Target = val loss %.4f" % best["best"] in table
+  _keras_validation(tmp_path, ["--workloads=autoencoder",
+                               "--optimizers=adam", "--tuned=%s" % tuned])
+  with open(tmp_path / "keras_validation.json") as f:
+    (run,) = json.load(f)["runs"]
+  assert run["value"] == best["value"] and not run["untuned"]
+  # Same seed and batches as the tuning run of that value: same figures.
+  assert [p["metric"] for p in run["points"]] == pytest.approx(
+      [p["metric"] for p in best["points"]], rel=1e-4)
+
+
+def test_keras_validation_variant_errors():
+  """A K-FAC variant whose keyword arguments Kfac rejects fails with the
+  variant's name and Kfac's reason; an unknown name lists the choices."""
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import val_workloads  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  import keras  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  val_workloads.KFAC_VARIANTS["kfac_bogus"] = {"bogus_argument": 1}
+  try:
+    with pytest.raises(ValueError, match="kfac_bogus.*bogus_argument"):
+      val_workloads.make_optimizer("kfac_bogus", model)
+  finally:
+    del val_workloads.KFAC_VARIANTS["kfac_bogus"]
+  with pytest.raises(ValueError, match="unknown optimizer 'sgd'; one of kfac"):
+    val_workloads.make_optimizer("sgd", model)
+
+
+def _schedule_free_reference(w0, grad, lr, steps, beta_1=0.9, beta_2=0.999,
+                             eps=1e-8):
+  """Schedule-free AdamW (Defazio et al. 2024, no warm-up), float64."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  y, z, x = w0.copy(), w0.copy(), w0.copy()
+  v = np.zeros_like(w0)
+  for t in range(1, steps + 1):
+    g = grad(y)
+    v = beta_2 * v + (1 - beta_2) * g * g
+    z = z - lr * g / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    x = (1 - 1.0 / t) * x + z / t
+    y = (1 - beta_1) * z + beta_1 * x
+  return y, z, x
+
+
+def test_keras_validation_schedule_free_matches_reference():
+  """The benchmark's ScheduleFreeAdamW = the float64 reference on a
+  quadratic (3 steps, eager and tf.function, built before or by the first
+  apply), and schedule_free_eval puts the weights at x and restores y."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import val_workloads  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  import keras  # pylint: disable=g-import-not-at-top
+  w0, c = np.array([0.5, 0.5, -1.0]), np.array([1.0, -2.0, 0.25])
+  grad = lambda w: 2.0 * (w - c) * np.array([1.0, 3.0, 0.5])
+  y_ref, z_ref, x_ref = _schedule_free_reference(w0, grad, 0.1, 3)
+  for traced in (False, True):
+    for build_first in (False, True):
+      var = keras.Variable(w0.astype("float32"))
+      opt = val_workloads.schedule_free_adamw_class()(0.1)
+      if build_first:
+        opt.build([var])
+      scale = tf.constant([1.0, 3.0, 0.5])
+      def step():
+        opt.apply([2.0 * (var - tf.constant(c, tf.float32)) * scale], [var])  # pylint: disable=cell-var-from-loop
+      step = tf.function(step) if traced else step
+      for _ in range(3):
+        step()
+      np.testing.assert_allclose(var.numpy(), y_ref, rtol=0, atol=2e-6)
+      np.testing.assert_allclose(opt._momentums[0].numpy(), z_ref, rtol=0,  # pylint: disable=protected-access
+                                 atol=2e-6)
+  model = keras.Sequential([keras.Input((3,)),
+                            keras.layers.Dense(1, use_bias=False)])
+  model.layers[0].kernel.assign(w0.reshape(3, 1).astype("float32"))
+  opt = val_workloads.schedule_free_adamw_class()(0.1)
+  model.compile(optimizer=opt, loss="mse")
+  batch = (np.eye(3, dtype="float32"), np.zeros((3, 1), "float32"))
+  for _ in range(3):
+    model.train_on_batch(*batch)
+  kernel = model.layers[0].kernel
+  y_now = kernel.numpy().copy()
+  z_now = opt._momentums[0].numpy()  # pylint: disable=protected-access
+  with val_workloads.schedule_free_eval(model, opt):
+    np.testing.assert_allclose(kernel.numpy(), (y_now - 0.1 * z_now) / 0.9,
+                               rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(kernel.numpy(), y_now, rtol=0, atol=0)
+  # Built by fit, z started at the weights: the first step is
+  # Adam's (lr sign(g)), not a jump to -lr sign(g).
+  assert np.all(np.abs(y_now - w0.reshape(3, 1)) < 0.35), y_now

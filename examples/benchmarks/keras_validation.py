@@ -1,0 +1,492 @@
+r"""Validation accuracy per second in Keras `fit`: K-FAC's default recipe
+against the optimizers Keras 3.15 ships (issue 33).
+
+Every (workload, optimizer) run is one fresh worker process that seeds
+Keras (keras.utils.set_random_seed: the same initial weights for every
+optimizer), builds the model of val_workloads.py, compiles it with the
+optimizer and trains it with one `model.fit` over the same batches in the
+same order (--batch_size, drawn from a seeded permutation of the training
+subset), for a fixed TRAINING budget of --budget_s seconds of the worker's
+CPU time, with TensorFlow pinned to --threads thread(s) (intra- and
+inter-op parallelism; tf.data's private pool likewise): on a shared
+machine the CPU time of a one-thread process barely depends on what else
+runs, where its wall time does. Wall time is recorded too. Every
+--eval_every steps (and before the first step) the clock stops, the model
+is evaluated on the validation set, and the clock goes on: validation time
+is not training time. The first step (which traces fit's train function)
+is not counted either; its CPU and wall seconds are reported apart.
+
+Optimizers (val_workloads.py): `kfac` = Kfac(model=model, adaptive=True),
+the recipe, untouched and never tuned; the names of KFAC_VARIANTS are
+recipe ablations (Kfac keyword arguments); the peers adam, adamw, lion,
+muon, schedulefree (ScheduleFreeAdamW, evaluated at its averaged point)
+each take the learning rate of the tuned JSON (--tuned), or the middle of
+their grid when it has none (marked "untuned").
+
+  --tune   runs every peer's grid and writes the best value per (workload,
+           optimizer), by the best validation figure of the run, into
+           --tuned (merged: pairs not tuned in this pass keep their value)
+
+Outputs in --output_dir: keras_validation.md (a table per workload:
+optimizer, grid value, final and best validation figure, the target = the
+best validation figure any peer reached in its budget, CPU seconds and
+steps to the target, ms/step, K-FAC's time to the target over the fastest
+peer's), keras_validation.json (every run, every evaluation) and
+keras_validation.png (validation figure against CPU seconds and against
+steps, a column per workload). Progress lines while it runs.
+
+  python examples/benchmarks/keras_validation.py --tune     # the grids
+  python examples/benchmarks/keras_validation.py            # tuned values
+  python examples/benchmarks/keras_validation.py --workloads=cnn \
+      --optimizers=kfac,kfac_wd,adam --budget_s=30
+"""
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app
+from absl import flags
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import val_workloads as vw
+
+DEFAULT_OPTIMIZERS = ("kfac",) + vw.PEERS
+
+flags.DEFINE_list("workloads", list(vw.WORKLOADS), "Workloads to run.")
+flags.DEFINE_list("optimizers", list(DEFAULT_OPTIMIZERS),
+                  "Optimizers: kfac, the K-FAC variants (%s) and the peers "
+                  "(%s)." % (", ".join(list(vw.KFAC_VARIANTS)[1:]),
+                             ", ".join(vw.PEERS)))
+flags.DEFINE_bool("tune", False, "Run the peers' grids and write --tuned.")
+flags.DEFINE_string("tuned", os.path.join(HERE, "keras_validation_tuned.json"),
+                    "The tuned values (read, or written by --tune).")
+flags.DEFINE_float("budget_s", 60.0, "Training CPU seconds per run.")
+flags.DEFINE_integer("max_steps", 0, "Also stop after this many steps (0: no "
+                     "limit; the smoke test's budget).")
+flags.DEFINE_integer("eval_every", 40, "Steps between validations.")
+flags.DEFINE_integer("batch_size", 256, "Training batch size.")
+flags.DEFINE_integer("train_examples", 20000, "Training images (a fixed "
+                     "seeded subset).")
+flags.DEFINE_integer("val_examples", 10000, "Validation images (the test "
+                     "set's first ones).")
+flags.DEFINE_integer("threads", 1, "TensorFlow threads per worker.")
+flags.DEFINE_integer("parallel", 2, "Workers at once (at most 2).")
+flags.DEFINE_enum("size", "full", ["full", "tiny"], "Model sizes.")
+flags.DEFINE_integer("seed", 0, "Seed of the weights, subset and batches.")
+flags.DEFINE_string("output_dir", "bench_results", "Where to write.")
+flags.DEFINE_string("worker", None, "(internal) workload,optimizer[,value].")
+FLAGS = flags.FLAGS
+
+BN_BATCHES = 8  # batches that recompute ScheduleFree's batch-norm statistics
+
+
+def _finite(v):
+  return v is not None and math.isfinite(v)
+
+
+def run_worker(workload, opt_name, value):
+  """One run in this process; prints PROGRESS lines, returns the result."""
+  import numpy as np
+  import tensorflow as tf
+  tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
+  tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
+  import keras
+  x, y, vx, vy = vw.load(workload, FLAGS.train_examples, FLAGS.val_examples,
+                         FLAGS.seed)
+  keras.utils.set_random_seed(FLAGS.seed)
+  model = vw.build(workload, FLAGS.size)
+  opt = vw.make_optimizer(opt_name, model, value)
+  model.compile(optimizer=opt, loss=vw.loss(workload),
+                metrics=vw.metrics(workload))
+  b = FLAGS.batch_size
+  per_epoch = len(x) // b
+  rng = np.random.RandomState(FLAGS.seed + 1)
+  order = np.concatenate([rng.permutation(len(x))[:per_epoch * b]
+                          for _ in range(40)]).astype("int32")
+  options = tf.data.Options()
+  options.threading.private_threadpool_size = FLAGS.threads
+  xs, ys = tf.constant(x), tf.constant(y)
+  train = (tf.data.Dataset.from_tensor_slices(order).batch(b)
+           .map(lambda i: (tf.gather(xs, i), tf.gather(ys, i)))
+           .repeat().prefetch(2).with_options(options))
+  val = (tf.data.Dataset.from_tensor_slices((vx, vy)).batch(1000)
+         .with_options(options))
+  bn_batches = [x[k * b:(k + 1) * b] for k in range(BN_BATCHES)]
+  key = "loss" if vw.is_loss_metric(workload) else "accuracy"
+  result = {"workload": workload, "optimizer": opt_name, "value": value,
+            "kwargs": vw.KFAC_VARIANTS.get(opt_name),
+            "parameters": int(model.count_params()), "points": []}
+  state = {"step": 0, "cpu": 0.0, "wall": 0.0, "mark": None}
+
+  def evaluate(train_loss):
+    with vw.schedule_free_eval(model, opt, bn_batches):
+      logs = model.evaluate(val, verbose=0, return_dict=True)
+    metric = float(logs[key])
+    point = dict(step=state["step"], cpu_s=state["cpu"], wall_s=state["wall"],
+                 metric=metric, train_loss=train_loss)
+    if isinstance(opt, keras.optimizers.ScheduleFreeAdamW):
+      # For the record: the figure at the training point y as well.
+      point["metric_at_y"] = float(
+          model.evaluate(val, verbose=0, return_dict=True)[key])
+    result["points"].append(point)
+    print("PROGRESS %s %s%s step %d %s %.4f train cpu %.1f s wall %.1f s" % (
+        workload, opt_name, "" if value is None else " %g" % value,
+        state["step"], vw.metric_name(workload), metric, state["cpu"],
+        state["wall"]), flush=True)
+
+  def out_of_budget():
+    return state["cpu"] >= FLAGS.budget_s or (
+        FLAGS.max_steps and state["step"] >= FLAGS.max_steps)
+
+  class Clock(keras.callbacks.Callback):
+    """Counts training CPU/wall time between the end of the first step and
+    the end of the run, less the validations."""
+
+    def on_train_batch_end(self, batch, logs=None):
+      state["step"] += 1
+      cpu, wall = time.process_time(), time.perf_counter()
+      if state["mark"] is None:  # the end of the first (tracing) step
+        result["first_step_cpu_s"] = cpu - state["start"][0]
+        result["first_step_wall_s"] = wall - state["start"][1]
+      else:
+        state["cpu"] += cpu - state["mark"][0]
+        state["wall"] += wall - state["mark"][1]
+      state["mark"] = (cpu, wall)
+      loss = float((logs or {}).get("loss", 0.0))
+      if not math.isfinite(loss):
+        result["diverged_at_step"] = state["step"]
+        self.model.stop_training = True
+      if out_of_budget():
+        self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+      cpu, wall = time.process_time(), time.perf_counter()
+      state["cpu"] += cpu - state["mark"][0]
+      state["wall"] += wall - state["mark"][1]
+      loss = float((logs or {}).get("loss", float("nan")))
+      evaluate(loss)
+      if out_of_budget():
+        self.model.stop_training = True
+      state["mark"] = (time.process_time(), time.perf_counter())
+
+  evaluate(None)
+  state["start"] = (time.process_time(), time.perf_counter())
+  model.fit(train, steps_per_epoch=FLAGS.eval_every, epochs=10 ** 6,
+            verbose=0, callbacks=[Clock()])
+  metrics = [p["metric"] for p in result["points"]]
+  finite = [m for m in metrics if math.isfinite(m)]
+  pick = min if vw.is_loss_metric(workload) else max
+  result.update(
+      steps=state["step"], train_cpu_s=state["cpu"],
+      train_wall_s=state["wall"],
+      ms_per_step_cpu=1e3 * state["cpu"] / max(state["step"] - 1, 1),
+      ms_per_step_wall=1e3 * state["wall"] / max(state["step"] - 1, 1),
+      final=metrics[-1], best=pick(finite) if finite else float("nan"))
+  return result
+
+
+# ----------------------------------------------------------------- driver
+
+
+def jobs(tuned):
+  """[(workload, optimizer, value, untuned)] in the order they run: per
+  workload, the optimizers taking turns (one grid value of each in turn)."""
+  out = []
+  for workload in FLAGS.workloads:
+    rounds = []
+    for opt in FLAGS.optimizers:
+      if opt in vw.KFAC_VARIANTS:
+        values = [(None, False)]
+      elif FLAGS.tune:
+        values = [(v, False) for v in vw.GRIDS[opt]]
+      else:
+        best = tuned.get(workload, {}).get(opt)
+        values = [(best["learning_rate"], False) if best else
+                  (vw.GRIDS[opt][len(vw.GRIDS[opt]) // 2], True)]
+      for k, (v, untuned) in enumerate(values):
+        rounds.append((k, workload, opt, v, untuned))
+    out += [r[1:] for r in sorted(rounds, key=lambda r: r[0])]
+  return out
+
+
+def _spawn(job, lock):
+  workload, opt, value, untuned = job
+  argv = [sys.executable, os.path.abspath(__file__),
+          "--worker=%s,%s%s" % (workload, opt,
+                                "" if value is None else ",%r" % value)]
+  for name in ("budget_s", "max_steps", "eval_every", "batch_size",
+               "train_examples", "val_examples", "threads", "size", "seed"):
+    argv.append("--%s=%s" % (name, getattr(FLAGS, name)))
+  proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  result = None
+  for line in proc.stdout:
+    if line.startswith("PROGRESS "):
+      with lock:
+        print(line[len("PROGRESS "):].rstrip(), flush=True)
+    elif line.startswith("RESULT "):
+      result = json.loads(line[len("RESULT "):])
+  stderr = proc.stderr.read()
+  proc.wait()
+  if result is None:
+    tail = [l for l in stderr.strip().splitlines() if l.strip()][-1:]
+    result = {"workload": workload, "optimizer": opt, "value": value,
+              "error": " | ".join(tail) or "exit %d" % proc.returncode}
+  result["untuned"] = untuned
+  return result
+
+
+def run_all(job_list):
+  """Runs the jobs, FLAGS.parallel at a time, in order; results in order."""
+  results = [None] * len(job_list)
+  lock, nxt = threading.Lock(), [0]
+
+  def loop():
+    while True:
+      with lock:
+        k = nxt[0]
+        nxt[0] += 1
+      if k >= len(job_list):
+        return
+      results[k] = _spawn(job_list[k], lock)
+      r = results[k]
+      with lock:
+        print("done %s %s%s: %s" % (
+            r["workload"], r["optimizer"],
+            "" if r.get("value") is None else " %g" % r["value"],
+            r.get("error") or "%d steps, %.1f ms/step (CPU), final %.4f, "
+            "best %.4f" % (r["steps"], r["ms_per_step_cpu"], r["final"],
+                           r["best"])), flush=True)
+
+  threads = [threading.Thread(target=loop)
+             for _ in range(max(1, min(2, FLAGS.parallel)))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return results
+
+
+def time_to(run, workload, target):
+  """(CPU seconds, steps) of the first validation at least as good as the
+  target, or None."""
+  if run is None or "error" in run or not _finite(target):
+    return None
+  for p in run["points"]:
+    if math.isfinite(p["metric"]) and vw.better(workload, p["metric"],
+                                                 target):
+      return p["cpu_s"], p["step"]
+  return None
+
+
+def target_of(runs, workload):
+  """The best validation figure any peer reached, and the run."""
+  peers = [r for r in runs if r["optimizer"] in vw.PEERS and "error" not in r
+           and _finite(r["best"])]
+  if not peers:
+    return float("nan"), None
+  pick = min if vw.is_loss_metric(workload) else max
+  best = pick(peers, key=lambda r: r["best"])
+  return best["best"], best
+
+
+def label(r):
+  if r.get("value") is None:
+    return r["optimizer"]
+  return "%s %g" % (r["optimizer"], r["value"])
+
+
+def table(results, workload):
+  """The markdown table of one workload."""
+  runs = [r for r in results if r["workload"] == workload]
+  target, setter = target_of(runs, workload)
+  reached = {id(r): time_to(r, workload, target) for r in runs}
+  peer_times = [reached[id(r)][0] for r in runs
+                if r["optimizer"] in vw.PEERS and reached[id(r)]]
+  fastest = min(peer_times) if peer_times else None
+  metric = vw.metric_name(workload)
+  lines = [
+      "### %s" % workload, "",
+      "Target = %s %.4f, the best any peer reached in its budget (%s)." % (
+          metric, target, label(setter) if setter else "-"), "",
+      "| optimizer | grid value | final %s | best %s | steps | ms/step (CPU)"
+      " | CPU s to target | steps to target | time / fastest peer's | first "
+      "step CPU s |" % (metric, metric),
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    if "error" in r:
+      lines.append("| %s | | error: %s | | | | | | | |" % (
+          label(r), r["error"][:300].replace("|", "/")))
+      continue
+    value = "-" if r.get("value") is None else "%g%s" % (
+        r["value"], " (untuned)" if r.get("untuned") else "")
+    hit = reached[id(r)]
+    ratio = "-"
+    if hit and fastest:
+      ratio = "%.2fx" % (hit[0] / fastest) if fastest > 0 else "-"
+    lines.append("| %s | %s | %.4f | %.4f | %d | %.1f | %s | %s | %s | %.1f "
+                 "|%s" % (
+                     r["optimizer"], value, r["final"], r["best"], r["steps"],
+                     r["ms_per_step_cpu"],
+                     "%.1f" % hit[0] if hit else "not reached",
+                     "%d" % hit[1] if hit else "not reached", ratio,
+                     r["first_step_cpu_s"],
+                     " diverged at step %d" % r["diverged_at_step"]
+                     if "diverged_at_step" in r else ""))
+  for r in runs:
+    ys = [p["metric_at_y"] for p in r.get("points", ()) if "metric_at_y" in p]
+    if ys:
+      pick = min if vw.is_loss_metric(workload) else max
+      lines.append("")
+      lines.append(
+          "%s evaluated at its training point y instead of its averaged "
+          "point x (for the record): final %.4f, best %.4f." % (
+              label(r), ys[-1], pick(ys)))
+  return "\n".join(lines) + "\n"
+
+
+def machine_line():
+  cpu = platform.processor() or "?"
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  import keras
+  import tensorflow as tf
+  return ("%s, %d cores, %s, TF %s, Keras %s, load average %.2f at start; "
+          "times are the worker's CPU seconds with TensorFlow pinned to %d "
+          "thread(s), %d worker(s) at once" % (
+              cpu, os.cpu_count() or 0, platform.platform(), tf.__version__,
+              keras.__version__, os.getloadavg()[0], FLAGS.threads,
+              FLAGS.parallel))
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  workloads = [w for w in FLAGS.workloads
+               if any(r["workload"] == w and "points" in r for r in results)]
+  if not workloads:
+    return
+  fig, axes = plt.subplots(2, len(workloads), squeeze=False,
+                           figsize=(4.5 * len(workloads), 7))
+  for col, workload in enumerate(workloads):
+    runs = [r for r in results if r["workload"] == workload and "points" in r]
+    target, _ = target_of(runs, workload)
+    for row, (xkey, xlabel) in enumerate((("cpu_s", "training CPU seconds"),
+                                          ("step", "steps"))):
+      ax = axes[row][col]
+      for r in runs:
+        pts = r["points"]
+        style = "-" if r["optimizer"] in vw.KFAC_VARIANTS else "--"
+        ax.plot([p[xkey] for p in pts], [p["metric"] for p in pts], style,
+                marker=".", label=label(r))
+      if _finite(target):
+        ax.axhline(target, color="gray", lw=0.8, ls=":")
+      ax.set_title(workload)
+      ax.set_xlabel(xlabel)
+      ax.set_ylabel(vw.metric_name(workload))
+      if not vw.is_loss_metric(workload) and _finite(target):
+        ax.set_ylim(max(0.0, target - 0.25), min(1.0, target + 0.05))
+      ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def tuned_values(results):
+  """{workload: {optimizer: {learning_rate, best}}}: each peer's grid value
+  with the best validation figure."""
+  out = {}
+  for r in results:
+    if "error" in r or r["optimizer"] not in vw.PEERS or not _finite(
+        r["best"]):
+      continue
+    cur = out.setdefault(r["workload"], {}).get(r["optimizer"])
+    if cur is None or (vw.better(r["workload"], r["best"], cur["best"]) and
+                       r["best"] != cur["best"]):
+      out[r["workload"]][r["optimizer"]] = {"learning_rate": r["value"],
+                                            "best": r["best"]}
+  return out
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    parts = FLAGS.worker.split(",")
+    value = float(parts[2]) if len(parts) > 2 else None
+    print("RESULT " + json.dumps(run_worker(parts[0], parts[1], value)),
+          flush=True)
+    return
+  for w in FLAGS.workloads:
+    if w not in vw.WORKLOADS:
+      raise app.UsageError("unknown workload %r; one of %s" % (
+          w, ", ".join(vw.WORKLOADS)))
+  for o in FLAGS.optimizers:
+    if o not in vw.optimizer_names():
+      raise app.UsageError("unknown optimizer %r; one of %s" % (
+          o, ", ".join(vw.optimizer_names())))
+  tuned = {}
+  if not FLAGS.tune and os.path.exists(FLAGS.tuned):
+    with open(FLAGS.tuned) as f:
+      tuned = json.load(f)["best"]
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  machine = machine_line()
+  started = datetime.datetime.now(datetime.timezone.utc)
+  print("keras_validation: %s" % machine, flush=True)
+  results = run_all(jobs(tuned))
+  command = " ".join(["keras_validation.py"] + sys.argv[1:])
+  head = ("Keras validation benchmark, %s UTC, %s; `%s`; budget %g training "
+          "CPU s per run%s, validation every %d steps (not counted), batch "
+          "%d, %d training / %d validation images, size %s\n\n" % (
+              started.strftime("%Y-%m-%d %H:%M"), machine, command,
+              FLAGS.budget_s, " or %d steps" % FLAGS.max_steps
+              if FLAGS.max_steps else "", FLAGS.eval_every, FLAGS.batch_size,
+              FLAGS.train_examples, FLAGS.val_examples, FLAGS.size))
+  stem = "keras_validation_tune" if FLAGS.tune else "keras_validation"
+  with open(os.path.join(FLAGS.output_dir, stem + ".json"), "w") as f:
+    json.dump({"machine": machine, "command": command, "head": head,
+               "date": started.isoformat(), "runs": results}, f, indent=1)
+  if FLAGS.tune:
+    # Merged into the file: the pairs tuned here replace theirs, the others
+    # stay (each pair records the run that tuned it).
+    tuned_file = {"best": {}, "passes": []}
+    if os.path.exists(FLAGS.tuned):
+      with open(FLAGS.tuned) as f:
+        tuned_file = json.load(f)
+    tuned_file.setdefault("passes", []).append(
+        {"date": started.isoformat(), "machine": machine, "command": command,
+         "budget_s": FLAGS.budget_s})
+    for workload, best in tuned_values(results).items():
+      for opt, entry in best.items():
+        entry["pass"] = len(tuned_file["passes"]) - 1
+        tuned_file["best"].setdefault(workload, {})[opt] = entry
+    tuned_file["grids"] = vw.GRIDS
+    with open(FLAGS.tuned, "w") as f:
+      json.dump(tuned_file, f, indent=1, sort_keys=True)
+  text = head + "\n".join(table(results, w) for w in FLAGS.workloads)
+  with open(os.path.join(FLAGS.output_dir, stem + ".md"), "w") as f:
+    f.write(text)
+  plot(results, os.path.join(FLAGS.output_dir, stem + ".png"))
+  print(text, flush=True)
+  failed = [r for r in results if "error" in r]
+  if failed:
+    sys.exit("keras_validation: %d run(s) failed" % len(failed))
+
+
+if __name__ == "__main__":
+  app.run(main)
