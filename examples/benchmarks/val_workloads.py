@@ -70,6 +70,7 @@ PEER_NOTES = {
 KFAC_VARIANTS = {
     "kfac": {},
     "kfac_wd": {"weight_decay": 1e-4},
+    "kfac_wd3": {"weight_decay": 1e-3},
     "kfac_l2": {"l2_reg": 1e-5},
     "kfac_damping_1e-2": {"damping": 1e-2},
 }
