@@ -46,6 +46,7 @@ import kfac
 from kfac.python.keras import keras_flavor
 from kfac.python.keras import probabilities
 from kfac.python.keras import utils as keras_utils
+from kfac.python.kernel_tests import kfac_test_util
 
 keras = keras_flavor.keras_module()
 LEGACY = keras_flavor.legacy_keras_active()
@@ -220,17 +221,8 @@ def _check(registered, brute, case, average, rel):
 
 @pytest.fixture
 def float64_keras():
-  old = keras.backend.floatx()
-  config = getattr(keras, "config", None)
-  set_policy = getattr(config, "set_dtype_policy", None)
-  old_policy = config.dtype_policy() if set_policy else None
-  keras.backend.set_floatx("float64")
-  if set_policy:
-    set_policy("float64")
-  yield
-  keras.backend.set_floatx(old)
-  if set_policy:
-    set_policy(old_policy)
+  with kfac_test_util.keras_float64(keras):
+    yield
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -39,6 +39,7 @@ from kfac.python.keras import layer_recorder
 from kfac.python.keras import recurrent
 from kfac.python.keras import utils as keras_utils
 from kfac.python.kernel_tests import keras_optimizer_test as base
+from kfac.python.kernel_tests import kfac_test_util
 from kfac.python.ops.compat_utils import forward_gradients
 
 keras = keras_flavor.keras_module()
@@ -49,17 +50,8 @@ N, T, D = 3, 4, 3
 def float64_keras():
   """floatx and (Keras 3) the dtype policy float64 for the module; see
   keras_registration_test.float64_keras."""
-  old = keras.backend.floatx()
-  config = getattr(keras, "config", None)
-  set_policy = getattr(config, "set_dtype_policy", None)
-  old_policy = config.dtype_policy() if set_policy else None
-  keras.backend.set_floatx("float64")
-  if set_policy:
-    set_policy("float64")
-  yield
-  keras.backend.set_floatx(old)
-  if set_policy:
-    set_policy(old_policy)
+  with kfac_test_util.keras_float64(keras):
+    yield
 
 
 def _cells(model):

@@ -75,6 +75,7 @@ from kfac.python.keras import keras_flavor
 from kfac.python.keras import layer_registration
 from kfac.python.keras import loss_registration
 from kfac.python.keras import utils as keras_utils
+from kfac.python.kernel_tests import kfac_test_util
 
 keras = keras_flavor.keras_module()
 
@@ -92,17 +93,8 @@ def float64_keras():
   policy the first time any layer is built (from floatx at that moment), so
   after other tests built layers, floatx alone would not change the layers'
   dtype: the policy is set too, and both are restored."""
-  old = keras.backend.floatx()
-  config = getattr(keras, "config", None)
-  set_policy = getattr(config, "set_dtype_policy", None)
-  old_policy = config.dtype_policy() if set_policy else None
-  keras.backend.set_floatx("float64")
-  if set_policy:
-    set_policy("float64")
-  yield
-  keras.backend.set_floatx(old)
-  if set_policy:
-    set_policy(old_policy)
+  with kfac_test_util.keras_float64(keras):
+    yield
 
 
 def _rng(seed):

@@ -77,3 +77,23 @@ def control_flow(version):
     yield version
   finally:
     control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
+
+
+@contextlib.contextmanager
+def keras_float64(keras):
+  """Keras's floatx and (Keras 3) its global dtype policy set to float64
+  inside the block, restored after: float64 layers for the brute-force
+  comparisons. `keras` is the flavour's module (Keras 3 or tf_keras)."""
+  old = keras.backend.floatx()
+  config = getattr(keras, "config", None)
+  set_policy = getattr(config, "set_dtype_policy", None)
+  old_policy = config.dtype_policy() if set_policy else None
+  keras.backend.set_floatx("float64")
+  if set_policy:
+    set_policy("float64")
+  try:
+    yield
+  finally:
+    keras.backend.set_floatx(old)
+    if set_policy:
+      set_policy(old_policy)

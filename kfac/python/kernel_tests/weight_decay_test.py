@@ -36,6 +36,7 @@ import tensorflow as tf
 import kfac
 import kfac.keras
 from kfac.python.kernel_tests import keras_optimizer_test as base
+from kfac.python.kernel_tests import kfac_test_util
 from kfac.python.kernel_tests import reference
 
 keras = base.keras
@@ -49,17 +50,8 @@ TOL = 1e-12
 @pytest.fixture(autouse=True)
 def float64_keras():
   """floatx (and Keras 3's dtype policy) float64 for each test."""
-  old = keras.backend.floatx()
-  config = getattr(keras, "config", None)
-  set_policy = getattr(config, "set_dtype_policy", None)
-  old_policy = config.dtype_policy() if set_policy else None
-  keras.backend.set_floatx("float64")
-  if set_policy:
-    set_policy("float64")
-  yield
-  keras.backend.set_floatx(old)
-  if set_policy:
-    set_policy(old_policy)
+  with kfac_test_util.keras_float64(keras):
+    yield
 
 
 def _data():
