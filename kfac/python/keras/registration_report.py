@@ -18,15 +18,17 @@ def _compact(nbytes):
 
 def memory_of(layer_collection, budget=None):
   """What the report shows about memory: {block name: bytes}, {block name:
-  memory_fallback.Fallback}, the total and the budget; None while the
-  collection's factors do not exist yet (before the first step)."""
+  memory_fallback.Fallback}, the total, the budget and the estimated working
+  memory of the largest inversion; None while the collection's factors do
+  not exist yet (before the first step)."""
   try:
     rows, total = layer_collection.memory_usage()
   except ValueError:
     return None
   fallbacks = {f.name: f for f in
                getattr(layer_collection, "memory_fallbacks", ())}
-  return ({r.name: r.nbytes for r in rows}, fallbacks, total, budget)
+  return ({r.name: r.nbytes for r in rows}, fallbacks, total, budget,
+          memory_lib.working_bytes(rows))
 
 
 def format_report(rows, losses=(), memory=None):
@@ -39,7 +41,7 @@ def format_report(rows, losses=(), memory=None):
     cells = [r.layer, r.layer_class, r.registration, r.approx, str(r.calls),
              r.params, r.note]
     if memory is not None:
-      by_block, fallbacks, _, _ = memory
+      by_block, fallbacks = memory[:2]
       names = [b.name for b in r.blocks]
       cells.insert(6, _compact(sum(by_block.get(n, 0) for n in names)))
       notes = ["memory fallback: %s -> %s (was %s)" %
@@ -57,9 +59,11 @@ def format_report(rows, losses=(), memory=None):
   for loss in losses:
     lines.append("loss: " + loss)
   if memory is not None:
-    _, _, total, budget = memory
-    lines.append("K-FAC state: %s in total (%d bytes)%s" % (
+    _, _, total, budget, work = memory
+    lines.append("K-FAC state: %s in total (%d bytes)%s%s" % (
         memory_lib.format_bytes(total), total,
         "" if budget is None else "; memory budget %s" %
-        memory_lib.format_bytes(budget)))
+        memory_lib.format_bytes(budget),
+        "" if not work else "; inverting the largest factor needs some %s "
+        "more while it runs" % memory_lib.format_bytes(work)))
   return "\n".join(lines)

@@ -9,6 +9,16 @@ import numpy as np
 import pytest
 
 import kfac
+from kfac.python.ops.collection import memory
+
+
+@pytest.fixture(autouse=True)
+def state_only_budget(monkeypatch):
+  """These tests pin the budget's accounting of the state; the working
+  memory of inversions (memory.working_bytes) is tested on its own in
+  memory_test.py."""
+  monkeypatch.setattr(memory, "WORKING_BYTES_PER_ENTRY", 0)
+
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -9,7 +9,17 @@ import pytest
 import tensorflow as tf
 
 import kfac
+from kfac.python.ops.collection import memory
 from kfac.python.kernel_tests import reference as ref
+
+
+@pytest.fixture(autouse=True)
+def state_only_budget(monkeypatch):
+  """These tests pin the budget's accounting of the state; the working
+  memory of inversions (memory.working_bytes) is tested on its own in
+  memory_test.py."""
+  monkeypatch.setattr(memory, "WORKING_BYTES_PER_ENTRY", 0)
+
 
 # The tf.function run repeats the TF1 run's math at a higher tracing cost.
 WORLDS = ref.WORLDS_TF2_SLOW

@@ -9,6 +9,19 @@ import kfac
 from kfac.python.ops.collection import memory
 from kfac.python.ops.tensors import state
 
+
+# The module's value, before state_only_budget sets it to 0 in each test.
+WORKING_BYTES_PER_ENTRY = memory.WORKING_BYTES_PER_ENTRY
+
+
+@pytest.fixture(autouse=True)
+def state_only_budget(monkeypatch):
+  """These tests pin the budget's accounting of the state; the working
+  memory of inversions (memory.working_bytes) is tested on its own in
+  memory_test.py."""
+  monkeypatch.setattr(memory, "WORKING_BYTES_PER_ENTRY", 0)
+
+
 WORLDS = ("graph", "function")
 F32 = 4
 
@@ -195,6 +208,34 @@ def test_budget_that_fits_and_none_pass():
     est = kfac.estimator.FisherEstimator(vs, 0.95, 0.1, lc, memory_budget=1983)
     with pytest.raises(ValueError, match="over the memory budget"):
       est.factors  # pylint: disable=pointless-statement
+
+
+def test_budget_counts_the_working_memory_of_the_largest_inversion(
+    monkeypatch):
+  monkeypatch.setattr(memory, "WORKING_BYTES_PER_ENTRY",
+                      WORKING_BYTES_PER_ENTRY)
+  # The model's largest square state part is the conv layer's 8x8 input
+  # factor: 64 entries of working memory on top of the 1984 bytes of state.
+  work = 64 * WORKING_BYTES_PER_ENTRY
+  x, ids, img = _data()
+
+  def estimator(budget):
+    with tf.Graph().as_default():
+      vs = _variables()
+      lc = kfac.LayerCollection()
+      _model(vs, lc, tf.constant(x), tf.constant(ids), tf.constant(img))
+      est = kfac.estimator.FisherEstimator(vs, 0.95, 0.1, lc,
+                                           memory_budget=budget)
+      est.factors  # pylint: disable=pointless-statement
+      rows, total = lc.memory_usage()
+      assert total == 1984 and memory.working_bytes(rows) == work
+      assert memory.needed_bytes(rows) == 1984 + work
+
+  estimator(1984 + work)
+  with pytest.raises(ValueError) as info:
+    estimator(1984 + work - 1)
+  assert ("1984 bytes) and inverting its largest factor some 3.5 KiB more, "
+          "over the memory budget of 5.4 KiB (5567 bytes)") in str(info.value)
 
 
 @pytest.mark.parametrize("bad", [0, -5, "lots", True])

@@ -13,7 +13,8 @@ a per-family formula.
 
 `memory_table(blocks)` gives one `BlockMemory` per block (a factor shared
 by several blocks is counted once, with the first); `check_budget` raises,
-before any state exists, when the total exceeds the budget. The budget
+before any state exists, when the total and the estimated working memory
+of the largest inversion (`working_bytes`) exceed the budget. The budget
 defaults to DEFAULT_BUDGET_FRACTION of the machine's physical memory
 (`default_budget`). All of this is build-time Python over static shapes:
 nothing runs per step.
@@ -32,6 +33,13 @@ import tensorflow as tf
 
 # The default budget: this fraction of the machine's physical memory.
 DEFAULT_BUDGET_FRACTION = 0.5
+# Inverting (or decomposing) an n x n factor needs working memory besides
+# the state: measured (a TF1 Session, float32, invert_every=1, one Dense
+# layer of d inputs) as peak RSS minus the process's baseline and the
+# predicted state, 11.4x the factor's float32 bytes at d = 4000 (730 MiB)
+# and 14.3x at d = 10000 (5.6 GiB) - some seven float64 copies. The budget
+# check counts this many bytes per entry of the largest square state part.
+WORKING_BYTES_PER_ENTRY = 14 * 4
 
 Part = collections.namedtuple("Part", ["factor", "key", "shape", "dtype",
                                        "nbytes"])
@@ -175,6 +183,24 @@ def total_bytes(rows):
   return sum(r.nbytes for r in rows)
 
 
+def working_bytes(rows):
+  """The estimated transient memory of inverting the largest square
+  factor (WORKING_BYTES_PER_ENTRY per entry; 0 without square parts)."""
+  largest = 0
+  for r in rows:
+    for p in r.parts:
+      shape = [int(d) for d in p.shape]
+      if len(shape) >= 2 and shape[-1] == shape[-2]:
+        largest = max(largest, shape[-1] * shape[-1])
+  return largest * WORKING_BYTES_PER_ENTRY
+
+
+def needed_bytes(rows):
+  """What the budget is checked against: the state and the working memory
+  of the largest inversion."""
+  return total_bytes(rows) + working_bytes(rows)
+
+
 def format_bytes(n):
   for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
     if n >= size:
@@ -191,6 +217,9 @@ def format_table(rows):
     lines.append("%s (%s): %s [%s]" % (r.name, r.params,
                                        format_bytes(r.nbytes), kinds))
   lines.append("total: %s" % format_bytes(total_bytes(rows)))
+  if working_bytes(rows):
+    lines.append("working memory of the largest inversion (estimated, while "
+                 "it runs): %s" % format_bytes(working_bytes(rows)))
   return "\n".join(lines)
 
 
@@ -243,16 +272,20 @@ def check_budget(rows, budget):
   if budget is None:
     return
   total = total_bytes(rows)
-  if total <= budget:
+  work = working_bytes(rows)
+  if total + work <= budget:
     return
   largest = sorted(rows, key=lambda r: -r.nbytes)
   listed = "; ".join("%s (%s): %s" % (r.name, r.params, format_bytes(r.nbytes))
                      for r in largest[:5] if r.nbytes)
   raise ValueError(
-      "K-FAC's state would take %s (%d bytes), over the memory budget of %s "
+      "K-FAC's state would take %s (%d bytes)%s, over the memory budget of %s "
       "(%d bytes). Largest layers: %s. Register those layers with a cheaper "
       "approximation (approx='kron_in_diag' or 'diagonal', see "
       "docs/approximations.md) or let K-FAC do it (over_budget='fallback'), "
       "exclude them from K-FAC, or raise the budget (memory_budget=<bytes>, "
-      "or None for no check; docs/reliability.md, Memory)." % (format_bytes(total), total,
-                                  format_bytes(budget), int(budget), listed))
+      "or None for no check; docs/reliability.md, Memory)." % (
+          format_bytes(total), total,
+          " and inverting its largest factor some %s more" %
+          format_bytes(work) if work else "",
+          format_bytes(budget), int(budget), listed))

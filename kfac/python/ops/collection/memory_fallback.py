@@ -110,7 +110,7 @@ def apply(layer_collection, rows, budget, adopt, rebuild):
   order = sorted(range(len(rows)), key=lambda i: -rows[i].nbytes)
   for level in (0, 1):
     for i in order:
-      if memory_lib.total_bytes(rows) <= budget:
+      if memory_lib.needed_bytes(rows) <= budget:
         break
       variant = cheaper_variant(rows[i].block, level)
       if variant is None:

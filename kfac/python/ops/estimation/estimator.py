@@ -233,7 +233,7 @@ class FisherEstimator(products.ProductsMixin,
     rows = memory_lib.memory_table(blocks)
     budget = self._memory_budget
     if (budget is not None and self._over_budget == "fallback" and
-        memory_lib.total_bytes(rows) > budget):
+        memory_lib.needed_bytes(rows) > budget):
 
       def adopt(new, old):
         block_grads[id(new)] = block_grads[id(old)]
