@@ -255,6 +255,20 @@ def register_model_rows(model, loss=None, loss_weights=None,
   _register_generic_orphans(lc, model, variables, tf_vars, plans, batch_size,
                             warn, rows)
 
+  loss_lines = register_loss_pairs(lc, pairs, targets, seed,
+                                   average_over_outputs)
+  if sample_weight is not None and warn is not None:
+    warn("sample_weight", "kfac: sample weights weight the gradient but not "
+         "the curvature statistics (K-FAC's Fisher is over the model's "
+         "predictive distribution).")
+  return lc, rows, loss_lines
+
+
+def register_loss_pairs(lc, pairs, targets, seed=None,
+                        average_over_outputs=False):
+  """Registers each (loss, weight, prediction) of `pairs` on lc with its
+  targets (a structure aligned with pairs, or None); returns the report's
+  loss lines."""
   target_list = ([None] * len(pairs) if targets is None else
                  tf.nest.flatten(targets) if len(pairs) > 1 else [targets])
   if len(target_list) != len(pairs):
@@ -265,11 +279,13 @@ def register_model_rows(model, loss=None, loss_weights=None,
     loss_lines.append(loss_registration.register_keras_loss(
         lc, one_loss, pred, targets=target, coeff=weight,
         seed=_seed_for(seed, i), average_over_outputs=average_over_outputs))
-  if sample_weight is not None and warn is not None:
-    warn("sample_weight", "kfac: sample weights weight the gradient but not "
-         "the curvature statistics (K-FAC's Fisher is over the model's "
-         "predictive distribution).")
-  return lc, rows, loss_lines
+  return loss_lines
+
+
+def loss_pairs(model, loss, loss_weights, y_pred):
+  """(loss, weight, prediction) triples of the model's outputs y_pred."""
+  return loss_registration.flatten_outputs(
+      loss, loss_weights, y_pred, model_args.output_names(model) or None)
 
 
 def _recorded_losses(recorder, model, loss, loss_weights, y_pred, targets):
@@ -292,8 +308,7 @@ def _recorded_losses(recorder, model, loss, loss_weights, y_pred, targets):
       raise RegistrationError(
           "No loss: pass loss=... to Kfac / get_layer_collection, or compile "
           "the model with a loss.")
-  pairs = loss_registration.flatten_outputs(
-      loss, loss_weights, y_pred, model_args.output_names(model) or None)
+  pairs = loss_pairs(model, loss, loss_weights, y_pred)
   return pairs, targets, loss_args.get("sample_weight")
 
 

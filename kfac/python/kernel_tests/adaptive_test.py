@@ -164,6 +164,10 @@ class Trainer:
 
   def __init__(self, world, inits, opt_kwargs, set_batches=True):
     self.world = world
+    opt_kwargs = dict(opt_kwargs)
+    # qmodel_rows=M: the quadratic model's curvature on the batch's first M
+    # rows (a qmodel_layer_collection set on every trace).
+    self.qmodel_rows = opt_kwargs.pop("qmodel_rows", None)
     self.set_batches = set_batches and (opt_kwargs.get("adapt_damping") or
                                         opt_kwargs.get("calibrate_damping"))
     self.opt_kwargs = dict(opt_kwargs)
@@ -189,6 +193,12 @@ class Trainer:
     lc.register_softmax_cross_entropy_loss(logits, targets=labels)
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=labels, logits=logits))
+    if self.qmodel_rows is not None:
+      rows = self.qmodel_rows
+      sub = kfac.LayerCollection()
+      sub.register_softmax_cross_entropy_loss(
+          ref.mlp_forward(self.variables, x[:rows]), targets=labels[:rows])
+      self.opt.set_qmodel_layer_collection(sub)
     if self.set_batches:
       self.opt.set_train_batch((x, labels))
       self.opt.set_prev_train_batch(prev)
@@ -263,10 +273,11 @@ def _inits(seed=0):
 
 
 def _qmodel_reference(reference, precon_mat, prev_delta, damping, l2_reg,
-                      fixed_mu=None, rescale=1.0):
-  """(delta, -alpha, mu, model change) of one quadratic-model step."""
+                      fixed_mu=None, rescale=1.0, curvature=None):
+  """(delta, -alpha, mu, model change) of one quadratic-model step
+  (`curvature`: C of the model if not the batch's, `reference`'s)."""
   g = reference.grad()
-  c_mat = reference.curvature()
+  c_mat = reference.curvature() if curvature is None else curvature
   p = np.linalg.solve(precon_mat, g)
   d = prev_delta
   vecs = np.stack([p, d], 1)
@@ -288,9 +299,14 @@ def _qmodel_reference(reference, precon_mat, prev_delta, damping, l2_reg,
 
 
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
-@pytest.mark.parametrize("variant", ["qmodel", "fixedmu", "rescale_l2"])
+@pytest.mark.parametrize("variant", ["qmodel", "fixedmu", "rescale_l2",
+                                     "sub_batch"])
 def test_qmodel_steps_match_the_exact_quadratic_model(world, variant):
+  """sub_batch: the model's curvature C is that of the mean loss over the
+  batch's first 3 of 5 rows (qmodel_layer_collection), the gradient and
+  the preconditioner the whole batch's."""
   damping, l2_reg, fixed_mu, rescale = 0.05, 0.0, None, 1.0
+  rows = None
   kwargs = dict(learning_rate=None, momentum=None, momentum_type="qmodel",
                 damping=damping)
   if variant == "fixedmu":
@@ -299,6 +315,9 @@ def test_qmodel_steps_match_the_exact_quadratic_model(world, variant):
   elif variant == "rescale_l2":
     l2_reg, rescale = 0.01, 0.8
     kwargs.update(l2_reg=l2_reg, qmodel_update_rescale=rescale)
+  elif variant == "sub_batch":
+    rows = 3
+    kwargs.update(qmodel_rows=rows)
   trainer = Trainer(world, _inits(), kwargs)
   prev_delta = np.zeros(sum(p.size for p in _inits()))
   for t, batch in enumerate(_batches(3)):
@@ -307,9 +326,14 @@ def test_qmodel_steps_match_the_exact_quadratic_model(world, variant):
     after = trainer.params()
     delta = ref.flat(after) - ref.flat(before)
     precon = trainer.precon_matrix(damping + l2_reg)
+    curvature = None if rows is None else Reference(
+        before, batch[0][:rows], batch[1][:rows]).curvature()
     want, lr, mu, change = _qmodel_reference(
         Reference(before, *batch), precon, prev_delta, damping, l2_reg,
-        fixed_mu=fixed_mu, rescale=rescale)
+        fixed_mu=fixed_mu, rescale=rescale, curvature=curvature)
+    if rows is not None and t == 0:  # the rows' C is not the batch's
+      assert not np.allclose(curvature, Reference(before, *batch).curvature(),
+                             rtol=0.05)
     np.testing.assert_allclose(delta, want, rtol=RTOL, atol=1e-14,
                                err_msg="step %d" % t)
     rec = trainer.records()
@@ -557,6 +581,10 @@ def test_damping_calibration_during_burn_in(world, momentum_type, initial):
           norm_constraint=1.0), "norm_constraint"),
     (dict(learning_rate=0.1, qmodel_update_rescale=0.5),
      "qmodel_update_rescale"),
+    (dict(learning_rate=0.1, qmodel_layer_collection=kfac.LayerCollection()),
+     "qmodel_layer_collection is used by the quadratic model only"),
+    (dict(learning_rate=None, momentum=None, momentum_type="qmodel",
+          qmodel_layer_collection=[]), "must be a LayerCollection"),
     (dict(learning_rate=0.1, adapt_damping=True), "needs loss_fn"),
     (dict(learning_rate=0.1, adapt_damping=True, loss_fn=lambda b: 0.0,
           damping=tf.constant(0.1)), "initial damping"),

@@ -10,8 +10,10 @@ Checked:
 * a custom tf.function loop with set_train_batch takes the same steps as
   fit; jit_compile=True takes the same steps (rtol 1e-5); model.save and
   saving_utils.load_model resume on bit-identical weights and damping;
-* the loss evaluations of the damping rule leave the model's state as one
-  training step leaves it: BatchNorm moving statistics and the Keras 3
+* qmodel_batch_fraction (the quadratic model's curvature on the batch's
+  first rows) takes the steps of the core's qmodel_layer_collection;
+* the loss evaluations of the damping rule (and qmodel_batch_fraction's
+  forward pass) leave the model's state as one training step leaves it: BatchNorm moving statistics and the Keras 3
   dropout seed state equal those of a non-adaptive run (so dropout draws
   the same masks before and after the update);
 * TensorBoard gets rho and qmodel_change; the config round-trips;
@@ -49,9 +51,11 @@ def _adaptive(model, **kwargs):
   return model, opt
 
 
-def _tf1_adaptive_reference(steps, **core_kwargs):
+def _tf1_adaptive_reference(steps, qmodel_rows=None, **core_kwargs):
   """Weights, damping, learning rate and rho after `steps` adaptive steps
-  of the core optimizer on the same model in a TF1 graph."""
+  of the core optimizer on the same model in a TF1 graph (qmodel_rows: the
+  quadratic model's curvature on the batch's first rows, through a
+  qmodel_layer_collection)."""
   x_all, y_all = base._data()  # pylint: disable=protected-access
   batch = base.BATCH
   graph = tf.Graph()
@@ -85,6 +89,11 @@ def _tf1_adaptive_reference(steps, **core_kwargs):
         loss_fn=lambda b: mean_loss(b[1], forward(b[0])[2]),
         relative_min_damping=recipe.RELATIVE_MIN_DAMPING,
         cov_update_every=recipe.COV_UPDATE_EVERY)
+    if qmodel_rows is not None:
+      rows = kfac.LayerCollection()
+      rows.register_categorical_predictive_distribution(
+          forward(x[:qmodel_rows])[2])
+      kwargs.update(qmodel_layer_collection=rows)
     kwargs.update(core_kwargs)
     opt = kfac.PeriodicInvCovUpdateKfacOpt(**kwargs)
     train = opt.minimize(mean_loss(y, logits), var_list=variables)
@@ -97,13 +106,28 @@ def _tf1_adaptive_reference(steps, **core_kwargs):
                            learning_rate=opt.learning_rate, rho=opt.rho))
 
 
-@pytest.mark.parametrize("calibrate", [False, True])
-def test_adaptive_fit_equals_tf1_graph_steps(calibrate):
+@pytest.mark.parametrize("calibrate, fraction", [(False, None), (True, None),
+                                                (False, 0.3)])
+def test_adaptive_fit_equals_tf1_graph_steps(calibrate, fraction):
+  """fraction: qmodel_batch_fraction, the quadratic model's curvature on
+  the batch's first ceil(fraction * batch) rows in fit and through the
+  core's qmodel_layer_collection in the TF1 graph."""
   extra = dict(num_burnin_steps=1, calibrate_damping=True) if calibrate \
       else {}
-  model, opt = _adaptive(base.sequential_model(), **extra)
+  rows = None
+  if fraction is not None:
+    extra_keras = dict(qmodel_batch_fraction=fraction)
+    rows = int(np.ceil(fraction * base.BATCH))
+    assert 0 < rows < base.BATCH
+  else:
+    extra_keras = {}
+  model, opt = _adaptive(base.sequential_model(), **extra, **extra_keras)
   base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
-  want = _tf1_adaptive_reference(N_STEPS, **extra)
+  want = _tf1_adaptive_reference(N_STEPS, qmodel_rows=rows, **extra)
+  if fraction is not None:  # the rows' curvature makes other steps
+    whole = _tf1_adaptive_reference(N_STEPS, **extra)
+    assert max(np.max(np.abs(a - b)) for a, b in
+               zip(want["weights"], whole["weights"])) > 1e-3
   base._assert_weights(model.get_weights(), want["weights"], rtol=1e-4,  # pylint: disable=protected-access
                        atol=1e-6)
   core = opt.kfac_optimizer
@@ -234,43 +258,48 @@ def _state(model):
           if "moving" in v.name or "seed" in v.name]
 
 
-@pytest.mark.slow  # end to end: 2 runs of 2 fits, BatchNorm and dropout
+@pytest.mark.slow  # end to end: 3 runs of 2 fits, BatchNorm and dropout
 def test_loss_evaluations_leave_the_model_state_as_one_step():
   """BatchNorm statistics after the first step (same weights before its
   forward pass) and the dropout seed state after 3 steps equal those of a
-  run without the damping rule."""
+  run without the damping rule; also with qmodel_batch_fraction (its extra
+  forward pass of the batch's first rows leaves the state alone too)."""
   x_all, y_all = base._data()  # pylint: disable=protected-access
   b = base.BATCH
   states = {}
   weights = _noisy_model().get_weights()
-  for adaptive in (False, True):
+  for run in ("fixed", "adaptive", "fraction"):
     model = _noisy_model()
     model.set_weights(weights)
     kwargs = dict(damping=DAMPING, model=model, invert_every=1,
                   loss="sparse_categorical_crossentropy", seed=1)
-    if adaptive:
-      kwargs.update(adaptive=True, damping_adaptation_interval=1)
-    else:
+    if run == "fixed":
       kwargs.update(learning_rate=0.01)
+    else:
+      kwargs.update(adaptive=True, damping_adaptation_interval=1)
+    if run == "fraction":
+      kwargs.update(qmodel_batch_fraction=0.5)
     opt = kfac.keras.optimizers.Kfac(**kwargs)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     model.fit(x_all[:b], y_all[:b], batch_size=b, verbose=0, shuffle=False)
     first = _state(model)
     model.fit(x_all[b:3 * b], y_all[b:3 * b], batch_size=b, verbose=0,
               shuffle=False)
-    states[adaptive] = (first, _state(model), opt)
-  (first0, last0, _), (first1, last1, opt) = states[False], states[True]
-  assert len(first0) == len(first1) >= 2
-  for a, c in zip(first0, first1):
-    np.testing.assert_allclose(a, c, rtol=1e-6)
-  if not LEGACY:  # Keras 3: the seed generator advanced once per step
-    seeds = [(a, c) for a, c, v in zip(
-        last0, last1, keras_flavor.state_variables(model)) if "seed" in
-             v.name]
-    assert seeds
-    for a, c in seeds:
-      np.testing.assert_array_equal(a, c)
-  assert np.isfinite(float(opt.kfac_optimizer.rho))
+    states[run] = (first, _state(model), opt)
+  first0, last0, _ = states["fixed"]
+  for run in ("adaptive", "fraction"):
+    first1, last1, opt = states[run]
+    assert len(first0) == len(first1) >= 2
+    for a, c in zip(first0, first1):
+      np.testing.assert_allclose(a, c, rtol=1e-6, err_msg=run)
+    if not LEGACY:  # Keras 3: the seed generator advanced once per step
+      seeds = [(a, c) for a, c, v in zip(
+          last0, last1, keras_flavor.state_variables(model)) if "seed" in
+               v.name]
+      assert seeds
+      for a, c in seeds:
+        np.testing.assert_array_equal(a, c, err_msg=run)
+    assert np.isfinite(float(opt.kfac_optimizer.rho))
 
 
 def test_tensorboard_scalars_and_config(tmp_path):
@@ -370,6 +399,13 @@ def test_recipe_registration_defaults_unless_told_otherwise():
      "sets update_damping_immediately"),
     (dict(learning_rate=0.1, train_batch=(1, 2)), "needs adaptive=True"),
     (dict(learning_rate=0.1, calibrate_damping=True), "num_burnin_steps"),
+    (dict(adaptive=True, qmodel_batch_fraction=0), "in \\(0, 1\\]"),
+    (dict(adaptive=True, qmodel_batch_fraction=1.5), "in \\(0, 1\\]"),
+    (dict(adaptive=True, qmodel_batch_fraction="half"), "in \\(0, 1\\]"),
+    (dict(learning_rate=0.1, qmodel_batch_fraction=0.5),
+     "quadratic model only"),
+    (dict(adaptive=True, qmodel_layer_collection=kfac.LayerCollection()),
+     "pass qmodel_batch_fraction"),
 ])
 def test_errors(kwargs, match):
   options = dict(damping=0.1)

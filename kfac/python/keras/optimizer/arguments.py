@@ -40,6 +40,11 @@ def _check_kwargs(kfac_kwargs):
         "use_weight_decay=True (kfac 0.2.x's, with weight_decay_coeff): both "
         "decay the weights; choose one (weight_decay also works with "
         "adaptive=True)." % (kfac_kwargs["weight_decay"],))
+  if "qmodel_layer_collection" in kfac_kwargs:
+    raise ValueError(
+        "Kfac builds the quadratic model's collection itself: pass "
+        "qmodel_batch_fraction=... (the share of each batch its curvature "
+        "products use) instead of qmodel_layer_collection.")
   for key in ("layer_collection", "var_list", "name"):
     if key in kfac_kwargs:
       raise ValueError("Pass %s as an argument of Kfac, not in kfac_kwargs."
@@ -82,6 +87,19 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
           (kfac_kwargs["momentum"],))
   elif learning_rate is None:
     raise ValueError("Kfac needs learning_rate (adaptive=False).")
+  fraction = kfac_kwargs.get("qmodel_batch_fraction")
+  if fraction is not None:
+    if (not arguments.is_number(fraction) or isinstance(fraction, bool) or
+        not 0 < fraction <= 1):
+      raise ValueError("Kfac's qmodel_batch_fraction must be a number in "
+                       "(0, 1] (the share of each batch the quadratic "
+                       "model's curvature products use), got %r."
+                       % (fraction,))
+    if not str(momentum_type).startswith("qmodel"):
+      raise ValueError(
+          "qmodel_batch_fraction is used by the quadratic model only "
+          "(adaptive=True, or momentum_type 'qmodel' / 'qmodel_fixedmu'); "
+          "got momentum_type=%r." % (momentum_type,))
   if arguments.is_number(learning_rate):
     arguments.check("Kfac", "learning_rate", learning_rate,
                     arguments.NON_NEGATIVE)

@@ -87,8 +87,13 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
         raise ValueError("Kfac's %s must be a number (schedules: use "
                          "kfac.keras.callbacks), got %r." % (name, value))
       self._kfac_hyper[name] = self._kfac_make_variable(name, float(value))
+    fraction = kfac_kwargs.get("qmodel_batch_fraction")
+    # The whole batch: the training collection's losses, no extra pass.
+    self._kfac_qmodel_fraction = (None if fraction is None or fraction >= 1
+                                  else float(fraction))
     core_kwargs = {k: v for k, v in kfac_kwargs.items()
-                   if k not in arguments.MUTABLE_HYPERPARAMETERS}
+                   if k not in arguments.MUTABLE_HYPERPARAMETERS and
+                   k != "qmodel_batch_fraction"}
     for name, var in self._kfac_hyper.items():
       core_kwargs[_CORE_NAMES.get(name, name)] = var
     if "weight_decay" in self._kfac_hyper:

@@ -15,6 +15,7 @@ from kfac.python.keras import layer_recorder
 from kfac.python.keras import utils as keras_utils
 from kfac.python.keras.optimizer import losses
 from kfac.python.ops.adaptive import recipe
+from kfac.python.ops.collection import layer_collection as lc_lib
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.tensors import utils as kfac_utils
 
@@ -60,8 +61,21 @@ class KfacStepMixin:
     """The training loss on `batch` with the dropout masks of the step's
     training forward pass, leaving the model's state as it was (see the
     package docstring)."""
-    model = self._kfac_model
     x, y, sample_weight = batch
+    model = self._kfac_model
+
+    def loss():
+      y_pred = model(x, training=True)
+      return model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                sample_weight=sample_weight)
+    return self._kfac_stateless(loss)
+
+  def _kfac_stateless(self, compute):
+    """compute() -- a training-mode call of the model, unrecorded -- run
+    with the random layers' seed states of the step's training forward pass
+    and the model's state restored after it; its output (a structure of
+    tensors) once restored."""
+    model = self._kfac_model
     recorder = layer_recorder.recorder_for(model)
     state = keras_flavor.state_variables(model)
     known = {v.ref() for v in state}
@@ -74,14 +88,35 @@ class KfacStepMixin:
       replayed = [v.assign(value, read_value=False) for v, value in replay]
     with tf.control_dependencies(saved + replayed):
       with recorder.paused():
-        y_pred = model(x, training=True)
-        loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
-                                  sample_weight=sample_weight)
-    with tf.control_dependencies([loss]):
+        out = compute()
+    with tf.control_dependencies(tf.nest.flatten(out)):
       restored = [v.assign(value, read_value=False)
                   for v, value in zip(state, saved)]
     with tf.control_dependencies(restored):
-      return tf.identity(loss)
+      return tf.nest.map_structure(tf.identity, out)
+
+  def _kfac_qmodel_collection(self):
+    """A LayerCollection with the model's losses on the first
+    ceil(qmodel_batch_fraction * batch) examples of the step's batch, from
+    an extra training-mode forward pass of those rows (state left as it
+    was): the quadratic model's exact curvature products are taken there
+    (the core's qmodel_layer_collection)."""
+    x, y, _ = self._kfac_batch()
+    first = tf.nest.flatten(x)[0]
+    rows = tf.cast(tf.math.ceil(
+        self._kfac_qmodel_fraction *
+        tf.cast(tf.shape(first)[0], tf.float64)), tf.int32)
+    head = lambda t: t[:rows]  # pylint: disable=unnecessary-lambda-assignment
+    x_rows = tf.nest.map_structure(head, x)
+    y_rows = None if y is None else tf.nest.map_structure(head, y)
+    model = self._kfac_model
+    y_pred = self._kfac_stateless(lambda: model(x_rows, training=True))
+    loss, weights = self._kfac_losses()
+    lc = lc_lib.LayerCollection()
+    keras_utils.register_loss_pairs(
+        lc, keras_utils.loss_pairs(model, loss, weights, y_pred), y_rows,
+        average_over_outputs=self._kfac_adaptive)
+    return lc
 
   # -------------------------------------------------------------- the step
   def _kfac_warn(self, key, message):
@@ -152,6 +187,9 @@ class KfacStepMixin:
       lc = self._kfac_register(variables, replicas)
       if self._kfac_adaptive or self._kfac_core.calibrate_damping:
         self._kfac_core.set_train_batch(self._kfac_batch())
+      if self._kfac_qmodel_fraction is not None:
+        self._kfac_core.set_qmodel_layer_collection(
+            self._kfac_qmodel_collection())
       if in_branch:  # the sources and their gradients, built there
         self._kfac_core.set_layer_collection(lc)
         self._kfac_core.estimator.instantiate_variables()

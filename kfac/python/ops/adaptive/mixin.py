@@ -21,6 +21,11 @@ Fisher for the Fisher / empirical-Fisher estimation modes and the GGN for
 the *_GGN modes. N is `batch_size` when given, else the number of rows of
 the first registered loss's inputs (summed over its towers): pass
 batch_size when the loss you minimise is not the mean over those rows.
+With a `qmodel_layer_collection` (its losses registered on the model's
+outputs for part of the batch), C is the curvature over those rows alone,
+with N scaled by their share of the batch: the two curvature products, the
+largest extra cost of an adaptive step, are then paid on those rows only
+(kfac.keras's qmodel_batch_fraction); g and p stay the whole batch's.
 "qmodel_fixedmu" keeps mu = momentum and solves for alpha alone.
 `qmodel_update_rescale` s multiplies both coefficients after the solve.
 The recorded `learning_rate` is -alpha * s, `momentum` mu * s.
@@ -336,22 +341,60 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
             for name, value in sorted(update.records.items())]
 
   # ------------------------------------------------------------ curvature
+  def set_qmodel_layer_collection(self, layer_collection):
+    """The LayerCollection whose losses define the quadratic model's
+    exact curvature (the constructor's qmodel_layer_collection; None: the
+    training collection's); in a tf.function set it on every trace."""
+    if layer_collection is not None:
+      if not (self._momentum_type.startswith("qmodel") or
+              self._exact_damping_model):
+        raise ValueError(
+            "qmodel_layer_collection is used by the quadratic model only "
+            "(momentum_type 'qmodel' / 'qmodel_fixedmu', or "
+            "always_use_exact_qmodel_for_damping_adjustment=True); got "
+            "momentum_type=%r." % self._momentum_type)
+      if not hasattr(layer_collection, "losses_with_coeffs"):
+        raise ValueError("qmodel_layer_collection must be a LayerCollection "
+                         "with the loss registered on it, got %r."
+                         % (layer_collection,))
+    self._qmodel_layers = layer_collection
+
+  @staticmethod
+  def _rows(layer_collection, what):
+    """The number of rows of the first registered loss's inputs, summed
+    over its towers."""
+    towers = layer_collection.towers_by_loss
+    if not towers:
+      raise ValueError("The quadratic model needs a loss registered on %s."
+                       % what)
+    return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
+                             for loss in towers[0]]), tf.float64)
+
   def _batch_size_value(self):
     if self._batch_size is not None:
       return utils.cast(self._batch_size, tf.float64)
-    towers = self._layers.towers_by_loss
-    if not towers:
-      raise ValueError("The quadratic model needs a registered loss.")
-    return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
-                             for loss in towers[0]]), tf.float64)
+    return self._rows(self._layers, "the layer collection")
+
+  def _qmodel_curvature_source(self):
+    """(layer collection, N): the losses of the quadratic model's
+    curvature and the batch size its summed products are divided by. With
+    a qmodel_layer_collection, N scales the training batch size by its
+    share of the rows."""
+    sub = self._qmodel_layers
+    if sub is None:
+      return self._layers, self._batch_size_value()
+    share = (self._rows(sub, "qmodel_layer_collection") /
+             self._rows(self._layers, "the layer collection"))
+    return sub, self._batch_size_value() * share
 
   def _curvature_gram(self, variables, vectors):
     """[[u^T C v for v in vectors] for u in vectors]: the exact curvature of
     the mean loss (C = summed-loss curvature / batch size) on each pair of
-    vectors (each a list aligned with `variables`), in float64."""
+    vectors (each a list aligned with `variables`), in float64; on the
+    qmodel_layer_collection's rows where one is set."""
     from kfac.python.ops import curvature_matrix_vector_products as cmvp  # pylint: disable=g-import-not-at-top
-    computer = cmvp.CurvatureMatrixVectorProductComputer(self._layers,
-                                                         variables)
+    layers, n = self._qmodel_curvature_source()
+    computer = cmvp.CurvatureMatrixVectorProductComputer(layers, variables)
     if self._require_estimator().mat_type == "GGN":
       factors = [computer.multiply_ggn_factor_transpose(v) for v in vectors]
       signs = computer.ggn_factor_signs
@@ -359,7 +402,6 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
       factors = [computer.multiply_fisher_factor_transpose(v)
                  for v in vectors]
       signs = [None] * len(factors[0])
-    n = self._batch_size_value()
     gram = []
     for fu in factors:
       row = []

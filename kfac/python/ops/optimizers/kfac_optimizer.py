@@ -65,6 +65,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
   _prev_train_batch = replicas.PerReplicaAttribute()
   _commit_active = replicas.PerReplicaAttribute()
   _pre_update_op = replicas.PerReplicaAttribute()
+  _qmodel_layers = replicas.PerReplicaAttribute()
 
   def __init__(self,
                learning_rate,
@@ -116,6 +117,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                decoupled_weight_decay_mask=None,
                memory_budget="auto",
                over_budget="raise",
+               qmodel_layer_collection=None,
                **placement_kwargs):
     """Creates the optimizer; see optimizers/update_rule.py for the update
     rule.
@@ -169,6 +171,16 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     `over_budget="raise"` (default) raises a ValueError naming the largest
     layers; "fallback" re-registers them with a cheaper approximation
     (collection/memory_fallback.py).
+
+    `qmodel_layer_collection` (not in kfac 0.2.x; default None): a
+    LayerCollection whose registered losses, and nothing else of it, define
+    the exact curvature of the quadratic model (momentum types "qmodel*"
+    and always_use_exact_qmodel_for_damping_adjustment) in place of
+    `layer_collection`'s losses: register the loss on the model's outputs
+    for a part of the batch (its first rows, say) and the curvature
+    products, the largest cost of an adaptive step, are paid on that part
+    only (adaptive/mixin.py; `set_qmodel_layer_collection` sets it per
+    trace).
     """
     hyperparameters.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
@@ -182,6 +194,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._keep_hyperparameters(args)
     self._make_state(name, max_consecutive_skipped_steps)
     self._init_adaptive({arg: args[arg] for arg in adaptive.ARGUMENTS})
+    self._qmodel_layers = None
+    if qmodel_layer_collection is not None:
+      self.set_qmodel_layer_collection(qmodel_layer_collection)
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
 
