@@ -30,7 +30,7 @@ _FMNIST = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
 # Snippets that took 2 s or more of CPU each (measured on 2 shared cores)
 # run in the slow tier (make test-slow; CI runs both tiers), the others in
 # the fast tier. test_slow_snippets_exist keeps every name here a snippet.
-SLOW_SNIPPETS = ("adaptive-0", "adaptive-1", "convolutions-0", "distributed-1",
+SLOW_SNIPPETS = ("adaptive-0", "adaptive-2", "convolutions-0", "distributed-1",
                  "ekfac-0", "graph_search-1", "keras-0", "keras-2", "keras-4",
                  "keras-5", "normalization_layers-0", "recipe-0", "recipe-1",
                  "reliability-2", "tf2-0")
