@@ -43,8 +43,11 @@ registrations (`register`):
                        [batch, T, 2, 3 units] (each use's unused columns get
                        no gradient).
 
-The forward equals the layer's (same operations, other summation order: to
-rounding). Anything else falls back to the generic block with the reason
+The loop (tf.scan over the steps) runs as one op with an exact forward-mode
+rule (recurrent_loop.py), so the adaptive step's Jacobian-vector products
+pass it as a tangent loop instead of a double backward through the whole
+graph. The forward equals the layer's (same operations, other summation
+order: to rounding). Anything else falls back to the generic block with the reason
 (`unsupported_reason`): dropout or recurrent dropout in training, masks,
 stateful layers, time_major (tf_keras), cells of another class, a cell run
 outside such a layer (keras.layers.RNN(cell)), a layer called several times
@@ -57,6 +60,7 @@ import tensorflow as tf
 
 from kfac.python.keras import conv_variants
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import recurrent_loop
 
 # The recorded call of a recognised layer, kept as the cell's
 # `Call.preactivations`: `uses` is a list of (param indices into the plan's
@@ -125,19 +129,15 @@ def _initial_state(layer, kwargs, batch, units, dtype, count):
 
 
 def _weights(cell, dtype):
-  """(kernel, recurrent kernel, bias): the kernel and bias read once outside
-  the loop and cast to the compute dtype as the layer's autocast does; the
-  recurrent kernel as a function the loop body calls, reading the variable
-  there. (The adaptive step's forward-mode products walk op by op from the
-  variables' reads and send a loop that reads a variable to the
-  whole-graph method, which differentiates through it; a loop that only
-  captures tensors read outside it gets no tangent from that walk.)"""
+  """(kernel, recurrent kernel, bias), each read once outside the loop and
+  cast to the compute dtype as the layer's autocast does. (The loop is one
+  op with a forward-mode rule, recurrent_loop.py: the adaptive step's
+  products reach the recurrent kernel through that op's input.)"""
   def read(var):
     return tf.cast(tf.convert_to_tensor(keras_flavor.unwrap_variable(var)),
                    dtype)
-  recurrent = keras_flavor.unwrap_variable(cell.recurrent_kernel)
   bias = getattr(cell, "bias", None) if cell.use_bias else None
-  return (read(cell.kernel), lambda: tf.cast(recurrent, dtype),
+  return (read(cell.kernel), read(cell.recurrent_kernel),
           None if bias is None else read(bias))
 
 
@@ -159,17 +159,17 @@ def lstm_forward(cell, x, state):
   probe = tf.zeros_like(z)
   act, rec_act = cell.activation, cell.recurrent_activation
 
-  def step(carry, elems):
+  def step(carry, elems, params):
     h, c = carry
     z_t, p_t = elems
-    gates = z_t + (tf.matmul(h, recurrent()) + p_t)
+    gates = z_t + (tf.matmul(h, params[0]) + p_t)
     i, f, g, o = tf.split(gates, 4, axis=-1)
     c = rec_act(f) * c + rec_act(i) * act(g)
     h = rec_act(o) * act(c)
     return h, c
 
-  hs, cs = tf.scan(step, (_time_major(z), _time_major(probe)),
-                   initializer=tuple(state))
+  hs, cs = recurrent_loop.scan(step, (_time_major(z), _time_major(probe)),
+                               tuple(state), (recurrent,))
   outputs = _batch_major(hs)
   h_prev = _shifted(state[0], hs)
   first = [0, 2] if bias is not None else [0]
@@ -208,15 +208,15 @@ def gru_forward(cell, x, state):
     bias_probe = None
     x_proj = z
 
-  def step(carry, elems):
+  def step(carry, elems, params):
     h = carry[0]
     x_t, p_t = elems[0], elems[1]
     if reset_after:
-      inner = tf.matmul(h, recurrent()) + p_t
+      inner = tf.matmul(h, params[0]) + p_t
       if rec_bias is not None:
         b_t = elems[2]
         x_t = x_t + b_t[:, 0]
-        inner = inner + (rec_bias + b_t[:, 1])
+        inner = inner + (params[1] + b_t[:, 1])
       x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
       r_z, r_r, r_h = tf.split(inner, 3, axis=-1)
       zg = rec_act(x_z + r_z)
@@ -225,7 +225,7 @@ def gru_forward(cell, x, state):
       return (zg * h + (1 - zg) * hh,)
     else:
       x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
-      u = recurrent()
+      u = params[0]
       inner = tf.matmul(h, u[:, :2 * units]) + p_t[:, 0, :2 * units]
       zg = rec_act(x_z + inner[:, :units])
       r = rec_act(x_r + inner[:, units:])
@@ -240,8 +240,10 @@ def gru_forward(cell, x, state):
     elems.append(_time_major(bias_probe))
   # (a carry passed through unchanged breaks the loop's gradient in a TF1
   # graph: reset_after carries h alone)
-  carried = tf.scan(step, tuple(elems), initializer=(
-      (state[0],) if reset_after else (state[0], tf.zeros_like(state[0]))))
+  params = (recurrent,) if rec_bias is None else (recurrent, rec_bias)
+  carried = recurrent_loop.scan(step, tuple(elems), (
+      (state[0],) if reset_after else (state[0], tf.zeros_like(state[0]))),
+                                params)
   hs = carried[0]
   outputs = _batch_major(hs)
   h_prev = _shifted(state[0], hs)
