@@ -105,3 +105,24 @@ def test_a_plain_scan_is_refused_by_the_walk():
 
   with pytest.raises(forward_mode.UnsupportedGraph, match="variant output"):
     build.get_concrete_function()
+
+
+@pytest.mark.parametrize("world", ref.WORLDS)
+def test_the_whole_graph_fallback_differentiates_through_the_loop_op(world):
+  """Where another op on the path makes the walk refuse it (TF1 control
+  flow), fwd_gradients falls back to the whole-graph double backward,
+  which differentiates through the loop op's function twice."""
+  from kfac.python.ops.compat_utils import forward_gradients  # pylint: disable=g-import-not-at-top
+  want_jvp, _ = _eager_reference(())
+  tangents = _tangents()
+
+  def build(vs):
+    xs = [tf.convert_to_tensor(v) for v in vs]
+    elems, init, params = _split(xs)
+    out = recurrent_loop.scan(_step, elems, init, params)
+    return [forward_gradients.whole_graph_jvp(
+        list(out), xs, [tf.constant(t) for t in tangents])]
+
+  jvps = ref.run_stages(world, _inits(), build)[0]
+  for got, want in zip(jvps, want_jvp):
+    np.testing.assert_allclose(got, want, **TOL)
