@@ -15,7 +15,8 @@ the layer's own weights and activations whose tensors K-FAC can register:
   to it at each step, so the gradient w.r.t. P is each step's gradient of
   the recurrent product (for GRU with reset_after=True the reset gate
   multiplies the candidate part of that product: its gradient is not the
-  input projection's);
+  input projection's). An LSTM adds the product to Z before any
+  nonlinearity, so its gradient is Z's and it needs no probe;
 * the inputs of the recurrent kernel are h_{t-1}: the hidden sequence
   shifted by one step, the initial state first.
 
@@ -27,7 +28,7 @@ layer on a sequence; kfac 0.2.4's `register_fully_connected_multi` /
 registrations (`register`):
 
   LSTM                 (kernel, bias) on X and Z; recurrent_kernel on
-                       h_{t-1} and P.
+                       h_{t-1} and Z (the two blocks share Z's G factor).
   GRU reset_after=True (bias [2, 3 units]: input and recurrent bias) kernel
                        on X and Z (without bias); recurrent_kernel on
                        h_{t-1} and P; the bias as a dense weight [2, 3 units]
@@ -43,8 +44,12 @@ registrations (`register`):
                        [batch, T, 2, 3 units] (each use's unused columns get
                        no gradient).
 
-The forward equals the layer's (same operations, other summation order: to
-rounding). Anything else falls back to the generic block with the reason
+The loop (tf.scan over the steps) runs as one op with an exact forward-mode
+rule (recurrent_loop.py), so the adaptive step's Jacobian-vector products
+pass it as a tangent loop instead of a double backward through the whole
+graph. The probes, biases and the gates' blocks of Z and U are added and
+split outside the loop, whose body is matmuls and elementwise ops only. The forward equals the layer's (same operations, other summation
+order: to rounding). Anything else falls back to the generic block with the reason
 (`unsupported_reason`): dropout or recurrent dropout in training, masks,
 stateful layers, time_major (tf_keras), cells of another class, a cell run
 outside such a layer (keras.layers.RNN(cell)), a layer called several times
@@ -57,6 +62,7 @@ import tensorflow as tf
 
 from kfac.python.keras import conv_variants
 from kfac.python.keras import keras_flavor
+from kfac.python.keras import recurrent_loop
 
 # The recorded call of a recognised layer, kept as the cell's
 # `Call.preactivations`: `uses` is a list of (param indices into the plan's
@@ -125,19 +131,15 @@ def _initial_state(layer, kwargs, batch, units, dtype, count):
 
 
 def _weights(cell, dtype):
-  """(kernel, recurrent kernel, bias): the kernel and bias read once outside
-  the loop and cast to the compute dtype as the layer's autocast does; the
-  recurrent kernel as a function the loop body calls, reading the variable
-  there. (The adaptive step's forward-mode products walk op by op from the
-  variables' reads and send a loop that reads a variable to the
-  whole-graph method, which differentiates through it; a loop that only
-  captures tensors read outside it gets no tangent from that walk.)"""
+  """(kernel, recurrent kernel, bias), each read once outside the loop and
+  cast to the compute dtype as the layer's autocast does. (The loop is one
+  op with a forward-mode rule, recurrent_loop.py: the adaptive step's
+  products reach the recurrent kernel through that op's input.)"""
   def read(var):
     return tf.cast(tf.convert_to_tensor(keras_flavor.unwrap_variable(var)),
                    dtype)
-  recurrent = keras_flavor.unwrap_variable(cell.recurrent_kernel)
   bias = getattr(cell, "bias", None) if cell.use_bias else None
-  return (read(cell.kernel), lambda: tf.cast(recurrent, dtype),
+  return (read(cell.kernel), read(cell.recurrent_kernel),
           None if bias is None else read(bias))
 
 
@@ -149,31 +151,49 @@ def _batch_major(x):
   return _time_major(x)
 
 
+def _project(x, kernel):
+  """x [batch, T, in] @ kernel as one MatMul (a direct forward-mode rule;
+  an Einsum takes the walk's generic rule, a double backward)."""
+  shape = tf.concat([tf.shape(x)[:2], tf.shape(kernel)[1:]], 0)
+  return tf.reshape(tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), kernel),
+                    shape)
+
+
+def _gate_steps(t, n):
+  """The n gate blocks of t [batch, T, n * units], time-major: split once
+  outside the loop, so that the loop body neither splits nor slices (a
+  slice in the body costs a StridedSliceGrad of the whole step in every
+  backward step)."""
+  return tf.split(_time_major(t), n, axis=-1)
+
+
 def lstm_forward(cell, x, state):
   """LSTM over x [batch, T, in] from state (h0, c0). Returns (outputs
-  [batch, T, units], (h_T, c_T), uses)."""
+  [batch, T, units], (h_T, c_T), uses).
+
+  The recurrent product adds to the input projection Z before any
+  nonlinearity, so its per-step gradient is Z's: the recurrent kernel is
+  registered on (h_{t-1}, Z), and its G factor is the input kernel's (one
+  factor, shared by the layer collection)."""
   kernel, recurrent, bias = _weights(cell, x.dtype)
-  z = tf.einsum("bti,ig->btg", x, kernel)
+  z = _project(x, kernel)
   if bias is not None:
     z = z + bias
-  probe = tf.zeros_like(z)
   act, rec_act = cell.activation, cell.recurrent_activation
 
-  def step(carry, elems):
+  def step(carry, elems, params):
     h, c = carry
-    z_t, p_t = elems
-    gates = z_t + (tf.matmul(h, recurrent()) + p_t)
-    i, f, g, o = tf.split(gates, 4, axis=-1)
+    i, f, g, o = [z_t + tf.matmul(h, u) for z_t, u in zip(elems, params)]
     c = rec_act(f) * c + rec_act(i) * act(g)
     h = rec_act(o) * act(c)
     return h, c
 
-  hs, cs = tf.scan(step, (_time_major(z), _time_major(probe)),
-                   initializer=tuple(state))
+  hs, cs = recurrent_loop.scan(step, _gate_steps(z, 4), tuple(state),
+                               tf.split(recurrent, 4, axis=1))
   outputs = _batch_major(hs)
   h_prev = _shifted(state[0], hs)
   first = [0, 2] if bias is not None else [0]
-  uses = [(first, x, z), ([1], h_prev, probe)]
+  uses = [(first, x, z), ([1], h_prev, z)]
   return outputs, (hs[-1], cs[-1]), uses
 
 
@@ -184,64 +204,56 @@ def _shifted(h0, hs):
 
 def gru_forward(cell, x, state):
   """GRU over x [batch, T, in] from state (h0,). Returns (outputs,
-  (h_T,), uses); see the module docstring for the registrations."""
+  (h_T,), uses); see the module docstring for the registrations.
+
+  The probes and biases are added outside the loop (a zero probe added to
+  the input of the loop that the step adds to a product has that product's
+  gradient), and the gates' blocks are split outside it too."""
   kernel, recurrent, bias = _weights(cell, x.dtype)
   units = cell.units
   reset_after = cell.reset_after
-  z = tf.einsum("bti,ig->btg", x, kernel)
-  in_bias = rec_bias = None
-  if bias is not None:
-    if reset_after:
-      in_bias, rec_bias = tf.unstack(bias)  # one read (the use check)
-    else:
-      in_bias = bias
+  z = _project(x, kernel)
   act, rec_act = cell.activation, cell.recurrent_activation
   shape = tf.concat([tf.shape(z)[:2], [2, 3 * units]], 0)
+  u_z, u_r, u_h = tf.split(recurrent, 3, axis=1)
   if reset_after:
     probe = tf.zeros_like(z)
-    bias_probe = tf.zeros(shape, z.dtype) if bias is not None else None
-    x_proj = z if in_bias is None else z + in_bias
-  else:
-    if in_bias is not None:
-      z = z + in_bias
-    probe = tf.zeros(shape, z.dtype)
+    x_in, p_in = z, probe
     bias_probe = None
-    x_proj = z
+    if bias is not None:
+      in_bias, rec_bias = tf.unstack(bias)  # one read (the use check)
+      bias_probe = tf.zeros(shape, z.dtype)
+      # (unstack: its gradient is one stack, two slices' are two
+      # StridedSliceGrads of the whole probe)
+      q_in, q_rec = tf.unstack(bias_probe, axis=2)
+      x_in = z + (in_bias + q_in)
+      p_in = probe + (rec_bias + q_rec)
+    elems = _gate_steps(x_in, 3) + _gate_steps(p_in, 3)
+  else:
+    if bias is not None:
+      z = z + bias
+    probe = tf.zeros(shape, z.dtype)
+    elems = _gate_steps(z, 3) + _gate_steps(probe[:, :, 0, :2 * units], 2) + [
+        _time_major(probe[:, :, 1, 2 * units:])]
 
-  def step(carry, elems):
+  def step(carry, elems, params):
     h = carry[0]
-    x_t, p_t = elems[0], elems[1]
+    x_z, x_r, x_h, p_z, p_r, p_h = elems
+    w_z, w_r, w_h = params
+    zg = rec_act(x_z + (tf.matmul(h, w_z) + p_z))
+    r = rec_act(x_r + (tf.matmul(h, w_r) + p_r))
     if reset_after:
-      inner = tf.matmul(h, recurrent()) + p_t
-      if rec_bias is not None:
-        b_t = elems[2]
-        x_t = x_t + b_t[:, 0]
-        inner = inner + (rec_bias + b_t[:, 1])
-      x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
-      r_z, r_r, r_h = tf.split(inner, 3, axis=-1)
-      zg = rec_act(x_z + r_z)
-      r = rec_act(x_r + r_r)
-      hh = act(x_h + r * r_h)
+      hh = act(x_h + r * (tf.matmul(h, w_h) + p_h))
       return (zg * h + (1 - zg) * hh,)
-    else:
-      x_z, x_r, x_h = tf.split(x_t, 3, axis=-1)
-      u = recurrent()
-      inner = tf.matmul(h, u[:, :2 * units]) + p_t[:, 0, :2 * units]
-      zg = rec_act(x_z + inner[:, :units])
-      r = rec_act(x_r + inner[:, units:])
-      rh = r * h
-      hh = act(x_h + (tf.matmul(rh, u[:, 2 * units:]) +
-                      p_t[:, 1, 2 * units:]))
-    h_new = zg * h + (1 - zg) * hh
-    return h_new, rh
+    rh = r * h
+    hh = act(x_h + (tf.matmul(rh, w_h) + p_h))
+    return zg * h + (1 - zg) * hh, rh
 
-  elems = [_time_major(x_proj), _time_major(probe)]
-  if reset_after and bias_probe is not None:
-    elems.append(_time_major(bias_probe))
   # (a carry passed through unchanged breaks the loop's gradient in a TF1
   # graph: reset_after carries h alone)
-  carried = tf.scan(step, tuple(elems), initializer=(
-      (state[0],) if reset_after else (state[0], tf.zeros_like(state[0]))))
+  carried = recurrent_loop.scan(step, elems, (
+      (state[0],) if reset_after else (state[0], tf.zeros_like(state[0]))),
+                                (u_z, u_r, u_h))
   hs = carried[0]
   outputs = _batch_major(hs)
   h_prev = _shifted(state[0], hs)

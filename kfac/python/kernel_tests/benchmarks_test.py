@@ -21,6 +21,8 @@ fast anything is.
   strategies agree, "auto" picks the smaller memory; tables and plots.
 * side_by_side with a fake backend (~10 s): a step that raises
   InvalidArgumentError ends that run with a NaN loss, the others go on.
+* recurrent_step_time.py on a tiny GRU and LSTM, every configuration
+  (~1 min): the rounds are timed and the table and JSON written.
 * autoencoder_step_time.py at batch 16 with blocks of 2 steps, SGD and this
   kfac in TF2 behaviour and in legacy mode (~2 min): both ways of running
   a step (train_op only, train_op + loss) are timed for every
@@ -386,6 +388,25 @@ def test_keras_zoo_step_time_quick(tmp_path):
   assert table.startswith("| model | adam ms/step | kfac ms/step | kfac / "
                           "adam |"), table
   assert "| gpt | " in table
+
+
+def test_recurrent_step_time_quick(tmp_path):
+  """recurrent_step_time.py times every configuration on a tiny GRU and
+  LSTM and writes its table and JSON (times not checked)."""
+  configs = ["adam", "adam_rec", "kfac", "kfac_nostats", "kfac_nodamp"]
+  _run("recurrent_step_time.py", [
+      "--units=4", "--time_steps=5", "--batch_size=8", "--steps=2",
+      "--warmup_steps=6", "--rounds=2", "--configs=" + ",".join(configs)],
+       tmp_path)
+  with open(tmp_path / "recurrent_step_time.json") as f:
+    out = json.load(f)
+  assert sorted(out["ms_per_step"]) == ["gru", "lstm"]
+  for cell in ("gru", "lstm"):
+    for config in configs:
+      rounds = out["ms_per_step"][cell][config]
+      assert len(rounds) == 2 and min(rounds) > 0, (cell, config, rounds)
+  table = (tmp_path / "recurrent_step_time.md").read_text()
+  assert table.count("\n") == 2 + 2 * len(configs), table
 
 
 def _keras_validation(tmp_path, flags):

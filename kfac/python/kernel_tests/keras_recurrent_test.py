@@ -40,7 +40,7 @@ from kfac.python.keras import recurrent
 from kfac.python.keras import utils as keras_utils
 from kfac.python.kernel_tests import keras_optimizer_test as base
 from kfac.python.kernel_tests import kfac_test_util
-from kfac.python.ops.compat_utils import forward_gradients
+from kfac.python.ops import forward_mode
 
 keras = keras_flavor.keras_module()
 N, T, D = 3, 4, 3
@@ -155,12 +155,16 @@ def test_recorded_forward_equals_the_layer(name, initial_state):
 
 @pytest.mark.parametrize("name", ["lstm", "gru", "gru_reset_before"])
 def test_forward_mode_products_reach_the_recurrent_weights(name):
-  """The adaptive step's curvature products are forward-mode JVPs
-  (fwd_gradients: walked op by op from the variables' reads, or by the
-  whole-graph method): through the recorded formulation they equal the
-  tape's JVP (ForwardAccumulator) of the layer's own forward, 1e-10 (a
-  formulation whose loop captured only tensors read outside it got no
-  tangent from the op-by-op walk, and the adaptive step diverged)."""
+  """The adaptive step's curvature products are forward-mode JVPs walked
+  op by op from the variables' reads: through the recorded formulation
+  (its loop one op with a tangent-loop rule, recurrent_loop.py) they equal
+  the tape's JVP (ForwardAccumulator) of the layer's own forward, 1e-10.
+  forward_mode.jvp itself, not fwd_gradients: it raises where the walk
+  cannot pass the loop, so this also guards that the products do not go
+  through the whole-graph double backward (a reverse pass and its
+  reverse through the loop, most of a GRU step's cost). (A formulation
+  whose loop captured only tensors read outside it once got no tangent,
+  and the adaptive step diverged.)"""
   model = _model(CONFIGS[name])
   _randomize(model, 4)
   rng = np.random.RandomState(5)
@@ -173,7 +177,7 @@ def test_forward_mode_products_reach_the_recurrent_weights(name):
   @tf.function
   def recorded():
     y = model(x, training=True)
-    return forward_gradients.fwd_gradients([y], weights, tangents)[0]
+    return forward_mode.jvp([y], weights, tangents)[0]
 
   with tf.autodiff.ForwardAccumulator(weights, tangents) as acc:
     y = model(x, training=True)  # eager: Keras's own loop

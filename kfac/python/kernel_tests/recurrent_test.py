@@ -264,3 +264,56 @@ def test_the_probes_carry_each_steps_gradient():
       assert not rec[:, :, 0, 2 * U:].any() and not rec[:, :, 1, :2 * U].any()
     else:
       np.testing.assert_allclose(rec, jac["rec"][:, :, 0], **TOL)
+
+
+def test_lstm_recurrent_kernel_shares_the_input_kernels_output_factor():
+  """The LSTM's recurrent product adds to the input projection before any
+  nonlinearity, so both kernels are registered on Z: one G factor (its
+  statistics computed once; the values are checked against the brute force
+  in test_factors_and_preconditioned_gradient_are_the_brute_force_ones)."""
+  import kfac  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    vs = [tf.Variable(v) for v in _inits("lstm", 1)]
+    lc = kfac.LayerCollection()
+    h, uses = _formulation("lstm", vs, tf.constant(_data(2)[0]))
+    for idx, ins, outs in uses:
+      lc.register_fully_connected(
+          tuple(vs[i] for i in idx) if len(idx) > 1 else vs[idx[0]], ins,
+          outs)
+    lc.register_squared_error_loss(h, targets=tf.zeros_like(h))
+    est, _ = util.estimator_stages(util.new_store(), lc, vs, "exact_GGN")
+    kernel, rec = est.blocks
+    assert uses[0][2] is uses[1][2]
+    assert kernel.factors()[1] is rec.factors()[1]
+    assert kernel.factors()[0] is not rec.factors()[0]
+
+
+def _loop_body_op_types(graph):
+  """The op types of the While bodies inside the function call ops of
+  `graph` (recurrent_loop.scan's loop)."""
+  types_ = set()
+  for op in graph.get_operations():
+    if op.type not in ("PartitionedCall", "StatefulPartitionedCall"):
+      continue
+    fn = graph._get_function(op.get_attr("f").name)  # pylint: disable=protected-access
+    for inner in fn.graph.get_operations():
+      if inner.type in ("While", "StatelessWhile"):
+        body = fn.graph._get_function(  # pylint: disable=protected-access
+            inner.get_attr("body").name)
+        types_ |= {o.type for o in body.graph.get_operations()}
+  return types_
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_loop_body_neither_splits_nor_slices(kind):
+  """The gates' blocks, probes and biases are split outside the loop: a
+  split or slice in the body costs a copy per step, and a slice a
+  StridedSliceGrad of the whole step in every backward step (measured: a
+  third of the statistics' cost of a GRU(128) step)."""
+  with tf.Graph().as_default() as graph:
+    vs = [tf.Variable(v) for v in _inits(kind, 1)]
+    _formulation(kind, vs, tf.constant(_data(2)[0]))
+    body = _loop_body_op_types(graph)
+  assert "MatMul" in body, body  # (the loop was found)
+  assert not body & {"Split", "SplitV", "StridedSlice", "Slice", "Unpack",
+                     "Einsum"}, body

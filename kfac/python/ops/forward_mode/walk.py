@@ -42,6 +42,8 @@ dependence through state only (a variable assigned from the sources and
 read again has no data edge from them, as for tf.gradients).
 """
 
+import weakref
+
 import tensorflow as tf
 # The registry of gradient functions (tf.gradients looks them up there).
 from tensorflow.python.framework import ops as tf_ops  # pylint: disable=g-direct-tensorflow-import
@@ -65,6 +67,18 @@ _NEEDS_GRADIENTS_MACHINERY = frozenset([
 
 class UnsupportedGraph(Exception):
   """The path holds ops the op-by-op walk does not handle."""
+
+
+# {graph: {op name: rule}}: rules given for single ops by the code that
+# built them (e.g. a function call running a recurrent loop, whose exact
+# forward derivative is a tangent loop: kfac/python/keras/recurrent_loop.py).
+_OP_RULES = weakref.WeakKeyDictionary()
+
+
+def register_op_rule(op, rule):
+  """Makes `rule(op, tangents) -> [tangent or None per output]` the
+  forward derivative of `op` (one op of a built graph) in this walk."""
+  _OP_RULES.setdefault(op.graph, {})[op.name] = rule
 
 
 def _as_list(x):
@@ -254,7 +268,8 @@ def jvp(ys, xs, tangents, stop_gradients=None):
         _check_opaque_outputs(op, on_path, wanted, stops)
         if not any(_differentiable(o) for o in op.outputs):
           continue
-        rule = rules.rule_for(op) or _generic
+        rule = (_OP_RULES.get(graph, {}).get(op.name) or
+                rules.rule_for(op) or _generic)
         outs = rule(op, ins)
       for out, t in zip(op.outputs, outs):
         if t is not None and _differentiable(out) and (
