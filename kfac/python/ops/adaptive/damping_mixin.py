@@ -12,7 +12,9 @@ counter is a multiple of it).
 
 * update_damping_immediately=True: on such a step the loss before is the
   passed loss (`minimize`'s loss or `set_loss`; with use_passed_loss=False,
-  loss_fn(train_batch) evaluated before the update), and the loss after is
+  loss_fn(train_batch) evaluated before the update, or the value of it
+  given by `set_train_batch_loss`, e.g. the Keras optimizer's training
+  loss), and the loss after is
   loss_fn(train_batch) evaluated after the update, in the same step: one
   extra forward pass on adaptation steps only.
 * update_damping_immediately=False: on such a step the loss before and the
