@@ -15,10 +15,11 @@ new set, and the optimizer reads the set of the graph it is building.
 Under a tf.distribute strategy with several replicas, whose replicas trace
 into one graph, they are kept per replica as well.
 The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
-`sample_weight` of a `fit` step, and the loss it returns. At the start of each call of the model in
-training mode (`training=True` or a tensor, as an argument or, for a
-Keras 3 `call` without one, in Keras's call context) the random states of its
-random layers (keras_flavor.random_state_variables) are read;
+`sample_weight` of a `fit` step, and the loss it returns. At the start of
+each call of the model in training mode (`training=True` or a tensor, as
+an argument or, for a Keras 3 `call` without one, in Keras's call
+context) the random states of its random layers
+(keras_flavor.random_state_variables) are read;
 `random_states` gives those of the latest such call in the graph, which
 the damping rule sets back to replay that forward pass's dropout masks.
 """
