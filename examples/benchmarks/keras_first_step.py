@@ -1,8 +1,8 @@
 """The first `train_on_batch` of a keras.applications model (trace + first
 step) with Kfac(adaptive=True) or Adam: wall and process CPU seconds, the
-mean of the next 3 steps, and the peak resident memory (after the first call
-and at the end). One model and optimizer per process; run them one at a
-time (a K-FAC run takes minutes and GBs):
+mean of the next 3 steps (wall and CPU ms), and the peak resident memory
+(after the first call and at the end). One model and optimizer per
+process; run them one at a time (a K-FAC run takes minutes and GBs):
 
   .venv/bin/python examples/benchmarks/keras_first_step.py effnet kfac
 
@@ -43,11 +43,13 @@ def main(argv):
   rss_first = _peak_rss_gb()
   for _ in range(3):
     model.train_on_batch(x, y)
-  wall2 = time.time()
+  wall2, cpu2 = time.time(), time.process_time()
   print("RESULT %s %s first_call_wall=%.1f s first_call_cpu=%.1f s "
-        "next_steps_ms=%.0f peak_rss=%.2f GB peak_rss_after_first_call=%.2f "
-        "GB" % (name, opt_name, wall1 - wall0, cpu1 - cpu0,
-                (wall2 - wall1) / 3 * 1000, _peak_rss_gb(), rss_first),
+        "next_steps_ms=%.0f next_steps_cpu_ms=%.0f peak_rss=%.2f GB "
+        "peak_rss_after_first_call=%.2f GB" % (
+            name, opt_name, wall1 - wall0, cpu1 - cpu0,
+            (wall2 - wall1) / 3 * 1000, (cpu2 - cpu1) / 3 * 1000,
+            _peak_rss_gb(), rss_first),
         flush=True)
 
 

@@ -15,10 +15,11 @@ new set, and the optimizer reads the set of the graph it is building.
 Under a tf.distribute strategy with several replicas, whose replicas trace
 into one graph, they are kept per replica as well.
 The model's `compute_loss` is wrapped too, to record `y`, `y_pred` and
-`sample_weight` of a `fit` step. At the start of each call of the model in
-training mode (`training=True` or a tensor, as an argument or, for a
-Keras 3 `call` without one, in Keras's call context) the random states of its
-random layers (keras_flavor.random_state_variables) are read;
+`sample_weight` of a `fit` step, and the loss it returns. At the start of
+each call of the model in training mode (`training=True` or a tensor, as
+an argument or, for a Keras 3 `call` without one, in Keras's call
+context) the random states of its random layers
+(keras_flavor.random_state_variables) are read;
 `random_states` gives those of the latest such call in the graph, which
 the damping rule sets back to replay that forward pass's dropout masks.
 """
@@ -215,7 +216,10 @@ class ModelRecorder:
         recorded = dict(zip(names, args))
         recorded.update({k: v for k, v in kwargs.items() if k in names})
         _put(recorder._loss_args, graph, recorded)
-      return original_loss(*args, **kwargs)
+      loss = original_loss(*args, **kwargs)
+      if graph is not None:
+        recorded["loss"] = loss
+      return loss
 
     object.__setattr__(model, "compute_loss", compute_loss)
     self._wrapped.add(id(model))
@@ -251,7 +255,7 @@ class ModelRecorder:
 
   def loss_args(self, graph=None):
     """{"y", "y_pred", "sample_weight", "x"} of the model's compute_loss in
-    `graph`, or None."""
+    `graph` and the "loss" it returned, or None."""
     graph = graph or _tracing_graph()
     return self._loss_args.get(graph) if graph is not None else None
 

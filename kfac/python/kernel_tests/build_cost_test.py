@@ -12,6 +12,7 @@ timing:
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import kfac
@@ -132,3 +133,63 @@ def test_step_graph_grows_linearly_with_depth():
   # for every added layer).
   assert second <= first, sizes
   assert second <= 550, sizes
+
+
+def _count_model_calls(model):
+  """Counts the model's training-mode calls while tracing (the training
+  forward pass and each of the damping rule's evaluations of the loss)."""
+  count = [0]
+  call = model.call
+
+  def counted(*args, **kwargs):
+    if not tf.executing_eagerly():
+      count[0] += 1
+    return call(*args, **kwargs)
+  object.__setattr__(model, "call", counted)
+  return count
+
+
+def test_damping_rule_reuses_the_training_loss_in_fit():
+  """With adaptive=True (calibration in burn-in, then the damping rule) the
+  loss before the update is fit's own training loss (the same value: the
+  rule replays the training pass's dropout masks): the traced step calls
+  the model 3 times (training pass, the calibration's trial, the rule's
+  loss after the update), was 5. In a custom loop whose loss is not
+  model.compute_loss, loss_fn evaluates it: 5 calls. The value kept as the
+  loss before the update is the training loss (the float64 brute force of
+  the rule with dropout: keras_dropout_damping_test.py)."""
+  for custom in (False, True):
+    model = _model()
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(),
+                                     adaptive=True)
+    model.compile(optimizer=opt, loss=_loss())
+    count = _count_model_calls(model)
+    x, y = _data()
+    if custom:
+      loss_fn = _loss()
+
+      @tf.function
+      def step(x, y):
+        with tf.GradientTape() as tape:
+          loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.set_train_batch((x, y))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+      step(x, y)
+    else:
+      model.train_on_batch(x, y)
+    assert count[0] == (5 if custom else 3), (custom, count[0])
+  # fit's loss is the one kept as the loss before the update: on the first
+  # step after the burn-in (an adaptation step) it equals the loss
+  # train_on_batch returns.
+  model = _model()
+  opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(), adaptive=True,
+                                   num_burnin_steps=1)
+  model.compile(optimizer=opt, loss=_loss())
+  x, y = _data()
+  model.train_on_batch(x, y)
+  loss = float(model.train_on_batch(x, y))
+  kept = float(opt.kfac_optimizer.state_store.get(
+      "adaptive/loss_before").numpy())
+  assert kept == pytest.approx(loss, rel=1e-6)

@@ -57,6 +57,23 @@ class KfacStepMixin:
                        "got %d elements." % len(batch))
     return batch if len(batch) == 3 else batch + (None,)
 
+  def _kfac_training_loss(self, batch, replicas):
+    """The training forward pass's own loss (model.compute_loss in this
+    trace) when it is _kfac_loss_fn(batch) before the update: computed on
+    this very batch, Keras 3 (whose random layers draw from seed states,
+    which _kfac_loss_fn replays: same masks), one replica; else None, and
+    the damping rule evaluates _kfac_loss_fn(batch) before the update.
+    Saves a forward pass of the model, in the graph and on each step that
+    evaluates the loss (adaptation and burn-in steps)."""
+    if replicas > 1 or keras_flavor.legacy_keras_active():
+      return None  # tf_keras's default dropout is not replayed
+    recorded = layer_recorder.recorder_for(self._kfac_model).loss_args()
+    if not recorded or recorded.get("loss") is None:
+      return None
+    same = all(recorded.get(name) is value for name, value in zip(
+        ("x", "y", "sample_weight"), batch))
+    return recorded["loss"] if same else None
+
   def _kfac_loss_fn(self, batch):
     """The training loss on `batch` with the dropout masks of the step's
     training forward pass, leaving the model's state as it was (see the
@@ -186,7 +203,10 @@ class KfacStepMixin:
     with forward.as_default() if in_branch else contextlib.nullcontext():
       lc = self._kfac_register(variables, replicas)
       if self._kfac_adaptive or self._kfac_core.calibrate_damping:
-        self._kfac_core.set_train_batch(self._kfac_batch())
+        batch = self._kfac_batch()
+        self._kfac_core.set_train_batch(batch)
+        self._kfac_core.set_train_batch_loss(
+            self._kfac_training_loss(batch, replicas))
       if self._kfac_qmodel_fraction is not None:
         self._kfac_core.set_qmodel_layer_collection(
             self._kfac_qmodel_collection())

@@ -12,7 +12,9 @@ counter is a multiple of it).
 
 * update_damping_immediately=True: on such a step the loss before is the
   passed loss (`minimize`'s loss or `set_loss`; with use_passed_loss=False,
-  loss_fn(train_batch) evaluated before the update), and the loss after is
+  loss_fn(train_batch) evaluated before the update, or the value of it
+  given by `set_train_batch_loss`, e.g. the Keras optimizer's training
+  loss), and the loss after is
   loss_fn(train_batch) evaluated after the update, in the same step: one
   extra forward pass on adaptation steps only.
 * update_damping_immediately=False: on such a step the loss before and the
@@ -80,6 +82,26 @@ class AdaptiveDampingMixin:
     """The previous step's batch (update_damping_immediately=False)."""
     self._prev_train_batch = prev_train_batch
 
+  def set_train_batch_loss(self, loss):
+    """loss_fn(train_batch) at the current parameters, already computed in
+    this trace (e.g. the training forward pass's own loss, when loss_fn
+    replays that pass), or None.
+
+    With use_passed_loss=False the rule and the calibration then take it as
+    the loss before the update instead of evaluating loss_fn(train_batch)
+    once more: the same value, without another forward pass of the model
+    in the graph and at run time. It must be exactly that value (same
+    batch, same parameters, same random draws). One replica only; in a
+    tf.function call it on every trace (a tensor of another graph is not
+    used)."""
+    if loss is not None and collective.is_distributed():
+      raise ValueError(
+          "set_train_batch_loss is for one replica: under several replicas "
+          "loss_fn(train_batch) is evaluated and averaged across them.")
+    self._train_batch_loss = (
+        None if loss is None else
+        (tf.compat.v1.get_default_graph(), loss))
+
   # ------------------------------------------------------------ losses
   def _adaptation_step(self):
     counter = tf.convert_to_tensor(self.counter)
@@ -115,6 +137,28 @@ class AdaptiveDampingMixin:
   def _evaluate_loss_fn(self, batch, what):
     """loss_fn(batch) now (one replica: the calibration)."""
     return self._loss_value(self._checked_batch(batch, what))
+
+  def _given_train_batch_loss(self):
+    """The float64 loss set by set_train_batch_loss in this trace (in the
+    current graph or one enclosing it), or None."""
+    given = getattr(self, "_train_batch_loss", None)
+    if given is None:
+      return None
+    graph, loss = given
+    current = tf.compat.v1.get_default_graph()
+    while current is not None and current is not graph:
+      current = getattr(current, "outer_graph", None)
+    if current is None:
+      return None  # set in another trace
+    return tf.cast(loss, tf.float64)
+
+  def _loss_before_update(self):
+    """loss_fn(train_batch) before the update: the loss set by
+    set_train_batch_loss, else evaluated now."""
+    given = self._given_train_batch_loss()
+    if given is not None:
+      return given
+    return self._evaluate_loss_fn(self._train_batch, "train_batch")
 
   def _cond_with_loss(self, pred, batch, what, make_op, args=()):
     """An op that, when `pred` holds, evaluates loss_fn(batch) and runs
@@ -196,8 +240,12 @@ class AdaptiveDampingMixin:
     adapt_now = self._adaptation_step()
     if not self._use_passed_loss:
       keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
-      ops.append(self._cond_with_loss(adapt_now, self._train_batch,
-                                      "train_batch", keep.assign))
+      given = self._given_train_batch_loss()
+      if given is not None:  # no evaluation needed
+        ops.append(utils.cond_op(adapt_now, lambda: keep.assign(given)))
+      else:
+        ops.append(self._cond_with_loss(adapt_now, self._train_batch,
+                                        "train_batch", keep.assign))
     return ops
 
   # ------------------------------------------------------ delayed rule
@@ -303,7 +351,7 @@ class AdaptiveDampingMixin:
     if self._use_passed_loss:
       before = self._passed_loss_value()
     else:
-      before = self._evaluate_loss_fn(self._train_batch, "train_batch")
+      before = self._loss_before_update()
     saved = [tf.identity(v.read_value()) for v in variables]
     with tf.control_dependencies(saved + [before]):
       trial = tf.group(*[v.assign_add(d) for d, v in zip(deltas, variables)])

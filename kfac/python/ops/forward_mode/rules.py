@@ -7,7 +7,10 @@ gradient differentiated again, see walk.py) costs more than the direct
 formula: the broadcasting adds (their gradient sums over the broadcast
 axes and the second pass materialises the broadcast), and the matrix
 products and convolutions that dominate a network. The rest are the cheap
-ops met on every path, where a direct rule saves a dummy cotangent per op.
+ops met on every path, where a direct rule saves a dummy cotangent per op,
+among them batch normalization's StopGradient, SquaredDifference and Rsqrt
+(on ResNet50, 318 of the 322 ops of its two products that took the generic
+path: each built a dummy, the op's gradient and its derivative).
 
 MaxPool keeps the generic path (MaxPoolGradGrad, about 9 ms per pooling
 and tangent on the benchmark convnet): the tangent at each window's first
@@ -168,6 +171,30 @@ def _sigmoid(op, tangents):
           tf.raw_ops.SigmoidGrad(y=op.outputs[0], dy=t)]
 
 
+def _rsqrt(op, tangents):
+  t = tangents[0]
+  return [None if t is None else tf.raw_ops.RsqrtGrad(y=op.outputs[0], dy=t)]
+
+
+def _squared_difference(op, tangents):
+  """d (x - y)^2 = 2 (x - y) (dx - dy); the product with the output-shaped
+  x - y broadcasts like the op did."""
+  x, y = op.inputs[0], op.inputs[1]
+  tx, ty = tangents[0], tangents[1]
+  if ty is None:
+    t = tx
+  elif tx is None:
+    t = -ty
+  else:
+    t = tx - ty
+  return [2.0 * (x - y) * t]
+
+
+def _stop_gradient(op, tangents):
+  del tangents  # no tangent flows through, as no gradient does
+  return [None] * len(op.outputs)
+
+
 def _batch_matmul_supported(op):
   return op.type != "BatchMatMulV3" or (
       op.get_attr("Ta") == op.get_attr("Tb") == op.get_attr("Tout"))
@@ -190,6 +217,10 @@ RULES = {
     "Relu": _relu,
     "Tanh": _tanh,
     "Sigmoid": _sigmoid,
+    # Batch normalization's (Keras 3 builds it from these ops).
+    "Rsqrt": _rsqrt,
+    "SquaredDifference": _squared_difference,
+    "StopGradient": _stop_gradient,
 }
 RULES.update({name: _first_input(fn) for name, fn in _LINEAR_IN_FIRST.items()})
 
