@@ -390,6 +390,12 @@ def test_batch_size_checked_at_run_time(kind):
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match="batch_size must be >= 1"):
     fn(tf.constant(0, tf.int64))
+  # A rejected size draws nothing: the stream goes on where it was (a
+  # failed check must not cancel a draw in flight and end the iterator).
+  for _ in range(30):
+    with pytest.raises(tf.errors.InvalidArgumentError):
+      fn(tf.constant(MAX + 1, tf.int64))
+  assert fn(tf.constant(2, tf.int64)).shape == (2,)
   with tf.Graph().as_default():
     reader = module.VariableBatchReader(dataset(), MAX, seed=0)
     size = tf.compat.v1.placeholder(tf.int32, [])

@@ -386,8 +386,10 @@ class VariableBatchReader(ReaderBase):
       with tf.control_dependencies(checks):
         rows = self._stream.rows(size, static)
       return rows, self._stream.padded(rows, size)
-    full = self._next_max_batch()
+    # The batch is drawn only after the checks pass: a failed check must not
+    # cancel a draw in flight, which would leave the iterator at its end.
     with tf.control_dependencies(checks):
+      full = self._next_max_batch()
       end = static if static is not None else size
       return ([tf.identity(f[:end]) for f in full],
               [tf.identity(f) for f in full])
