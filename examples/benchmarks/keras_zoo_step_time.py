@@ -9,7 +9,9 @@ classifiers), its data and losses, batch 64.
 Configurations: `adam` (keras.optimizers.Adam(1e-3)) and `kfac`
 (kfac.keras.optimizers.Kfac(model=..., loss=..., adaptive=True), the
 default recipe); `kfac_full_patches` is the recipe with every conv patch in
-the input statistics (the recipe before it sub-sampled them).
+the input statistics (the recipe before it sub-sampled them);
+`kfac_qmodel_half` the recipe with qmodel_batch_fraction=0.5 (the quadratic
+model's curvature products on half of each batch).
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
@@ -44,12 +46,13 @@ sys.path.insert(0, HERE)
 import zoo_models
 
 MODELS = zoo_models.NAMES
-CONFIGS = ("adam", "kfac")
+CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half")
 flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
                              "vit", "gpt"], "Which models (%s)." %
                   ", ".join(MODELS))
 flags.DEFINE_list("configs", list(CONFIGS), "Which configurations (adam, "
-                  "kfac, kfac_full_patches); the first is the baseline.")
+                  "kfac, kfac_full_patches, kfac_qmodel_half); the first is "
+                  "the baseline.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
 flags.DEFINE_integer("steps", 20, "Steps per timed fit call.")
 flags.DEFINE_integer("warmup_steps", 10, "Untimed steps after the build.")
@@ -69,8 +72,10 @@ def make(keras, kfac_keras, name, config):
   loss = zoo_models.loss(name)
   if config == "adam":
     opt = keras.optimizers.Adam(1e-3)
-  elif config in ("kfac", "kfac_full_patches"):
+  elif config in CONFIGS:
     kwargs = {}
+    if config == "kfac_qmodel_half":
+      kwargs["qmodel_batch_fraction"] = 0.5
     if config == "kfac_full_patches":
       kwargs["registration_options"] = {
           keras.layers.Conv2D: {"sub_sample_patches": False}}
