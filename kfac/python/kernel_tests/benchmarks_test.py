@@ -375,18 +375,19 @@ def test_keras_zoo_step_time_quick(tmp_path):
   GPT-style transformer of the zoo and writes its table and JSON (times
   not checked)."""
   _run("keras_zoo_step_time.py", [
-      "--models=gpt", "--configs=adam,kfac", "--steps=2",
+      "--models=gpt", "--configs=adam,kfac,kfac_qmodel_half", "--steps=2",
       "--warmup_steps=1", "--rounds=2", "--batch_size=16"], tmp_path)
   with open(tmp_path / "keras_zoo_step_time.json") as f:
     (row,) = json.load(f)
   assert row["model"] == "gpt"
-  for config in ("adam", "kfac"):
+  for config in ("adam", "kfac", "kfac_qmodel_half"):
     assert len(row["configs"][config]["ms_rounds"]) == 2
     assert row["configs"][config]["ms_best"] > 0
     assert math.isfinite(row["configs"][config]["last_loss"])
   table = (tmp_path / "keras_zoo_step_time.md").read_text()
-  assert table.startswith("| model | adam ms/step | kfac ms/step | kfac / "
-                          "adam |"), table
+  assert table.startswith(
+      "| model | adam ms/step | kfac ms/step | kfac_qmodel_half ms/step | "
+      "kfac / adam | kfac_qmodel_half / adam |"), table
   assert "| gpt | " in table
 
 
