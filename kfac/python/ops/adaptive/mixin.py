@@ -130,6 +130,28 @@ def sum_inner64(xs, ys):
   return tf.add_n([inner64(x, y) for x, y in zip(xs, ys)])
 
 
+def gram64(vectors):
+  """[[<u, v> for v in vectors] for u in vectors] in float64, where each
+  vector is a list of tensors aligned with the others (one per variable).
+
+  Per position one [k, n] x [n, k] product of the stacked, flattened
+  entries: the graph grows by k + 3 ops per variable, where an inner
+  product per pair (sum_inner64) costs 4 per pair: 6 instead of 20 for the
+  quadratic model's p, d and g on every variable of a model."""
+  k = len(vectors)
+  flat = tf.constant([-1], tf.int32)
+  blocks = []
+  for parts in zip(*vectors):
+    parts = [tf.convert_to_tensor(t) for t in parts]
+    if len({t.dtype for t in parts}) > 1:
+      parts = [tf.cast(t, tf.float64) for t in parts]
+    rows = tf.cast(tf.stack([tf.reshape(t, flat) for t in parts]),
+                   tf.float64)
+    blocks.append(tf.matmul(rows, rows, transpose_b=True))
+  total = tf.add_n(blocks)
+  return [[total[i, j] for j in range(k)] for i in range(k)]
+
+
 class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
   """Quadratic model and damping adaptation for KfacOptimizer."""
 
@@ -328,13 +350,11 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     for name in _RECORDS:  # all readable from the first step on
       self._record(name)
     if self._compute_norm_stats:
-      grads = update.grads
-      update.records["grad_norm"] = tf.sqrt(sum_inner64(grads, grads))
-      precon = [p for p, _ in update.precon]
-      update.records["precon_grad_norm"] = tf.sqrt(
-          sum_inner64(precon, precon))
       deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
-      update.records["update_norm"] = tf.sqrt(sum_inner64(deltas, deltas))
+      inner = gram64([update.grads, [p for p, _ in update.precon], deltas])
+      for i, name in enumerate(("grad_norm", "precon_grad_norm",
+                                "update_norm")):
+        update.records[name] = tf.sqrt(inner[i][i])
     if update.model_change is not None:
       update.records["qmodel_change"] = update.model_change
     return [self._record(name).assign(utils.cast(value, tf.float64))
@@ -436,9 +456,9 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
     velocities = [self._velocity(v) for v in variables]
     prev = [tf.convert_to_tensor(v) for v in velocities]
     gram = self._curvature_gram(variables, [precon, prev])
-    dots = [[sum_inner64(precon, precon), sum_inner64(precon, prev)],
-            [None, sum_inner64(prev, prev)]]
-    dots[1][0] = dots[0][1]
+    # Every inner product of p, d and g the model needs, in one Gram.
+    inner = gram64([precon, prev, grads])
+    dots = [inner[0][:2], inner[1][:2]]
     damping = utils.cast(self._read(self._damping), tf.float64)
     l2_reg = tf.constant(float(self._l2_reg), tf.float64)
 
@@ -447,8 +467,7 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
               for i in range(2)]
 
     solve_m = model(damping + l2_reg)
-    c1 = sum_inner64(grads, precon)
-    c2 = sum_inner64(grads, prev)
+    c1, c2 = inner[2][0], inner[2][1]
     if self._momentum_type == "qmodel":
       alpha, mu = quadratic_model.solve_two_by_two(
           solve_m[0][0], solve_m[0][1], solve_m[1][1], c1, c2)
@@ -484,12 +503,13 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
       variables = [v for _, v in grads_and_vars]
       deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
       curvature = self._curvature_gram(variables, [deltas])[0][0]
-      sq = sum_inner64(deltas, deltas)
+      inner = gram64([deltas, grads])
+      sq = inner[0][0]
       diagonal = tf.constant(float(self._l2_reg), tf.float64)
       if self._include_damping_in_qmodel_change:
         diagonal += utils.cast(self._read(self._damping), tf.float64)
       update.model_change = (0.5 * (curvature + diagonal * sq) +
-                             sum_inner64(grads, deltas))
+                             inner[1][0])
       return
 
     def approximate():
