@@ -2,6 +2,7 @@
 
 import inspect
 import numbers
+import weakref
 
 import tensorflow as tf
 
@@ -116,6 +117,46 @@ def scalar_identity(value):
 
 def zeros_like_if_none(grads, like):
   return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
+
+
+# Per graph: {(value, dtype name): Const} for shared_constant.
+_SHARED_CONSTANTS = weakref.WeakKeyDictionary()
+
+
+def shared_constant(value, dtype):
+  """tf.constant(value, dtype), made once per graph and reused by every
+  caller in that graph (a new one in eager mode and inside TF1 control-flow
+  contexts). For the scalars that per-factor ops take as inputs (diagonal
+  offsets, reduction axes, dimensions): a model with hundreds of factors
+  would otherwise build a Const node per op. Made without the control
+  dependencies, device and colocation in scope, so that sharing it orders
+  and places nothing."""
+  dtype = tf.as_dtype(dtype)
+  if tf.executing_eagerly():
+    return tf.constant(value, dtype)
+  graph = tf.compat.v1.get_default_graph()
+  if graph._get_control_flow_context() is not None:  # pylint: disable=protected-access
+    return tf.constant(value, dtype)
+  cache = _SHARED_CONSTANTS.setdefault(graph, {})
+  key = (repr(value), dtype.name)
+  found = cache.get(key)
+  if found is None:
+    with tf.control_dependencies(None), graph.colocate_with(
+        None, ignore_existing=True), graph.device(None), tf.name_scope(
+            "shared_constants/"):
+      found = tf.constant(value, dtype)
+    cache[key] = found
+  return found
+
+
+def trace(mat):
+  """The trace of a square matrix (or of each of a batch [..., n, n]), as
+  tf.linalg.trace computes it, with shared constants (shared_constant)."""
+  diag = tf.raw_ops.MatrixDiagPartV3(
+      input=mat, k=shared_constant(0, tf.int32),
+      padding_value=shared_constant(0, mat.dtype), align="RIGHT_LEFT")
+  return tf.raw_ops.Sum(input=diag, axis=shared_constant(-1, tf.int32),
+                        keep_dims=False)
 
 
 def cast(value, dtype):

@@ -39,7 +39,8 @@ class BatchedSquareFactor(MatmulProductsMixin, FisherFactor):
 
   def normalized_traces(self):
     cov = tf.convert_to_tensor(self.get_cov_var())
-    return tf.linalg.trace(cov) / tf.cast(self._n, cov.dtype)
+    return tf.math.truediv(utils.trace(cov),
+                           utils.shared_constant(self._n, cov.dtype))
 
   def normalized_trace(self):
     return tf.reduce_mean(self.normalized_traces())

@@ -279,8 +279,10 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
     return self.get_cov_var()
 
   def normalized_trace(self):
-    cov = self.get_cov_var()
-    return tf.linalg.trace(cov) / tf.cast(self._cov_shape[0], self._dtype)
+    cov = tf.convert_to_tensor(self.get_cov_var())
+    return tf.math.truediv(
+        utils.trace(cov), utils.shared_constant(self._cov_shape[0],
+                                                cov.dtype))
 
   @staticmethod
   def _find(registry, key_fn, key):
