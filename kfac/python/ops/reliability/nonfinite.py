@@ -41,9 +41,21 @@ def _float_values(tensors):
       yield t
 
 
+def _all(flags):
+  """tf.reduce_all over every axis, with the axes a shared constant (one
+  per graph and rank: a model's hundreds of checked tensors share them)."""
+  rank = flags.shape.rank
+  if rank is None:
+    return tf.reduce_all(flags)
+  if rank == 0:
+    return flags
+  return tf.raw_ops.All(input=flags, axis=utils.shared_constant(
+      list(range(rank)), tf.int32), keep_dims=False)
+
+
 def finite_flag(tensors):
   """A boolean scalar: every entry of every (floating) tensor is finite."""
-  flags = [tf.reduce_all(tf.math.is_finite(t))
+  flags = [_all(tf.math.is_finite(t))
            for t in _float_values(utils.ensure_sequence(tensors))]
   if not flags:
     return tf.constant(True)

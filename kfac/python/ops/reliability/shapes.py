@@ -8,10 +8,12 @@ error at the step instead of statistics of the wrong rows."""
 import tensorflow as tf
 
 
-def _rows(tensor):
-  if tensor.shape.rank is None or tensor.shape.rank == 0:
-    return None, None
-  return tensor.shape[0], tf.shape(tensor)[0]
+def _has_rows(tensor):
+  return tensor.shape.rank is not None and tensor.shape.rank > 0
+
+
+def _dynamic_rows(tensor):
+  return tf.shape(tensor)[0]
 
 
 def row_check(tensor, other, what, tensor_name, other_name):
@@ -24,10 +26,9 @@ def row_check(tensor, other, what, tensor_name, other_name):
   """
   if not (tf.is_tensor(tensor) and tf.is_tensor(other)):
     return None
-  static_a, dynamic_a = _rows(tensor)
-  static_b, dynamic_b = _rows(other)
-  if dynamic_a is None or dynamic_b is None:
+  if not (_has_rows(tensor) and _has_rows(other)):
     return None
+  static_a, static_b = tensor.shape[0], other.shape[0]
   if static_a is not None and static_b is not None:
     if static_a != static_b:
       raise ValueError(
@@ -40,7 +41,9 @@ def row_check(tensor, other, what, tensor_name, other_name):
     return None
   message = "%s: %s and %s have different numbers of rows (examples)" % (
       what, tensor_name, other_name)
-  check = tf.debugging.assert_equal(dynamic_a, dynamic_b, message=message)
+  # Row counts read at run time only here (none for static shapes).
+  check = tf.debugging.assert_equal(_dynamic_rows(tensor),
+                                    _dynamic_rows(other), message=message)
   # TF1 graphs log an error for an assertion no op uses; a collection
   # that never builds statistics (an optimizer that failed, curvature
   # products only) need not.
