@@ -483,8 +483,13 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
                model(l2_reg))
     update.model_change = quadratic_model.model_value(
         alpha, mu, model_m[0][0], model_m[0][1], model_m[1][1], c1, c2)
+    coefficients = {}  # dtype -> (alpha, mu): cast once per dtype
     for p, d, var, velocity in zip(precon, prev, variables, velocities):
-      delta = (tf.cast(alpha, var.dtype) * p + tf.cast(mu, var.dtype) * d)
+      dtype = tf.as_dtype(var.dtype).base_dtype
+      if dtype not in coefficients:
+        coefficients[dtype] = (tf.cast(alpha, dtype), tf.cast(mu, dtype))
+      a, m = coefficients[dtype]
+      delta = a * p + m * d
       update.deltas.append((delta, var))
       update.velocity_assigns.append((velocity, delta))
     update.precon = list(zip(precon, variables))

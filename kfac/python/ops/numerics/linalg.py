@@ -31,7 +31,15 @@ from kfac.python.ops.numerics import xla_linalg
 
 
 def symmetrize(mat):
-  return 0.5 * (mat + tf.linalg.matrix_transpose(mat))
+  """(mat + mat^T) / 2 (of the last two axes), with shared constants."""
+  mat = tf.convert_to_tensor(mat)
+  rank = mat.shape.rank
+  if rank is None:
+    return 0.5 * (mat + tf.linalg.matrix_transpose(mat))
+  perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+  transposed = tf.raw_ops.Transpose(
+      x=mat, perm=utils.shared_constant(perm, tf.int32))
+  return utils.shared_constant(0.5, mat.dtype) * (mat + transposed)
 
 
 def add_to_diagonal(mat, value):

@@ -53,8 +53,10 @@ def compute_pi(left_trace_ratio, right_trace_ratio):
   """
   left = tf.cast(left_trace_ratio, tf.float64)
   right = tf.cast(right_trace_ratio, tf.float64)
-  ok = tf.logical_and(left > 0, right > 0)
-  one = tf.ones_like(left)
+  zero = utils.shared_constant(0.0, tf.float64)
+  ok = tf.logical_and(left > zero, right > zero)
+  one = (utils.shared_constant(1.0, tf.float64) if left.shape.rank == 0
+         else tf.ones_like(left))
   return tf.where(ok, tf.sqrt(tf.where(ok, left, one)) /
                   tf.sqrt(tf.where(ok, right, one)), one)
 
