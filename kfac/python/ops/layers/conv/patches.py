@@ -32,6 +32,8 @@ import math
 
 import tensorflow as tf
 
+from kfac.python.ops.tensors import utils
+
 _CHANNELS_FIRST_FORMATS = ("NCW", "NCHW", "NCDHW", "channels_first")
 _CHANNELS_LAST_FORMATS = ("NWC", "NHWC", "NDHWC", "channels_last")
 
@@ -311,28 +313,37 @@ def sample_patch_rows(x, spec, row_indices):
   before = [padding_amounts(n, k, s, d, spec.padding, i)[0]
             for i, (n, k, s, d) in enumerate(zip(
                 in_spatial, spec.kernel_shape, spec.strides, spec.dilations))]
+  # The index arithmetic's constants are shared by every convolution of
+  # the graph with the same geometry (utils.shared_constant): a model's
+  # dozens of convolutions would otherwise build a few dozen Consts each.
+  const = lambda value: utils.shared_constant(value, tf.int64)  # pylint: disable=unnecessary-lambda-assignment
   row_indices = tf.cast(row_indices, tf.int64)
   num_locs = int(math.prod(out_shape))
-  example = row_indices // num_locs
-  loc = row_indices % num_locs
+  example = tf.math.floordiv(row_indices, const(num_locs))
+  loc = tf.math.floormod(row_indices, const(num_locs))
   coords = []
   for size in reversed(out_shape):
-    coords.append(loc % size)
-    loc = loc // size
+    coords.append(tf.math.floormod(loc, const(size)))
+    loc = tf.math.floordiv(loc, const(size))
   coords = coords[::-1]  # d tensors [R]
-  taps = tf.constant(_taps(spec), tf.int64)  # [K, d]
-  dil = tf.constant(spec.dilations, tf.int64)
-  origin = (tf.stack(coords, axis=1) * tf.constant(spec.strides, tf.int64) -
-            tf.constant(before, tf.int64))  # [R, d]
-  positions = origin[:, tf.newaxis, :] + taps[tf.newaxis] * dil  # [R, K, d]
-  sizes = tf.constant(in_spatial, tf.int64)
-  valid = tf.reduce_all((positions >= 0) & (positions < sizes), axis=-1)
-  positions = tf.clip_by_value(positions, 0, sizes - 1)
-  example = tf.broadcast_to(example[:, tf.newaxis, tf.newaxis],
-                            [tf.shape(row_indices)[0], spec.num_taps, 1])
+  # [R, 1, d] origins plus the [K, d] taps (dilated): [R, K, d] positions.
+  origin = (tf.stack(coords, axis=1) * const(list(spec.strides)) -
+            const(before))
+  offsets = const([[t * d for t, d in zip(tap, spec.dilations)]
+                   for tap in _taps(spec)])
+  positions = tf.expand_dims(origin, 1) + offsets
+  valid = tf.reduce_all(
+      tf.logical_and(positions >= const(0), positions < const(in_spatial)),
+      axis=-1)
+  positions = tf.clip_by_value(positions, const(0),
+                               const([n - 1 for n in in_spatial]))
+  example = tf.broadcast_to(
+      tf.reshape(example, const([-1, 1, 1])),
+      tf.stack([tf.size(row_indices, out_type=tf.int64),
+                const(spec.num_taps), const(1)]))
   gathered = tf.gather_nd(x, tf.concat([example, positions], axis=-1))
-  gathered = gathered * tf.cast(valid, x.dtype)[..., tf.newaxis]
-  return tf.reshape(gathered, [-1, spec.num_taps * int(x.shape[-1])])
+  gathered = gathered * tf.expand_dims(tf.cast(valid, x.dtype), -1)
+  return tf.reshape(gathered, const([-1, spec.num_taps * int(x.shape[-1])]))
 
 
 # ------------------------------------------------ the old utils.* patch API
