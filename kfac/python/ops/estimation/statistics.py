@@ -9,6 +9,9 @@ the estimator's state (`factors`, `blocks`, `_layers`, `_cov_ema_decay`,
 `_rebuild_source_grads`) and its helpers `_scope` and `_lazy`.
 """
 
+import contextlib
+import weakref
+
 import tensorflow as tf
 
 from kfac.python.ops import lazy
@@ -40,10 +43,24 @@ class StatisticsUpdateMixin:
     if not tf.is_tensor(should_decay) or should_decay.dtype != tf.bool:
       raise TypeError("should_decay must be a Python bool or a boolean "
                       "tensor, got %r." % (should_decay,))
-    decay = utils.cast(self._cov_ema_decay, dtype)
-    return (tf.where(should_decay, decay, tf.constant(1.0, dtype)),
-            tf.where(should_decay, 1.0 - decay,
-                     utils.cast(1.0 - self._cov_ema_decay, dtype)))
+    # One pair per graph, tensor and dtype, shared by every factor (a model
+    # has hundreds); made free of the control dependencies in scope.
+    graph = tf.compat.v1.get_default_graph()
+    shareable = graph._get_control_flow_context() is None  # pylint: disable=protected-access
+    cache = self.__dict__.setdefault("_decay_pairs",
+                                     weakref.WeakKeyDictionary())
+    key = (should_decay.ref(), tf.as_dtype(dtype).name)
+    if shareable and key in cache.get(graph, {}):
+      return cache[graph][key]
+    with (tf.control_dependencies(None) if shareable else
+          contextlib.nullcontext()):
+      decay = utils.cast(self._cov_ema_decay, dtype)
+      pair = (tf.where(should_decay, decay, tf.constant(1.0, dtype)),
+              tf.where(should_decay, 1.0 - decay,
+                       utils.cast(1.0 - self._cov_ema_decay, dtype)))
+    if shareable:
+      cache.setdefault(graph, {})[key] = pair
+    return pair
 
   def _cov_update_thunks(self, scope=None):
     """One thunk per factor; thunk(should_decay=True) builds its update
