@@ -584,3 +584,20 @@ def test_state_store_creates_variables_once_outside_traces():
   # Created eagerly (init_scope), so it lives outside the traces.
   assert var.numpy() == 11.0
   assert list(store.variables_by_name) == ["acc"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 10])
+def test_per_channel_second_moments_equal_the_einsum(n):
+  """Batched factors' statistic: the sums of products (n <= 4) or the
+  batched matmul equal tf.einsum("rim,rjm->mij") in float64, in eager mode
+  and in a graph whose row count is known only at run time."""
+  from kfac.python.ops.layers.base import batched_factors  # pylint: disable=g-import-not-at-top
+  x = np.random.RandomState(n).randn(37, n, 6)
+  want = np.einsum("rim,rjm->mij", x, x)
+  got = batched_factors.per_channel_second_moments(tf.constant(x))
+  assert got.shape == (6, n, n)
+  np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+  fn = tf.function(batched_factors.per_channel_second_moments,
+                   input_signature=[tf.TensorSpec([None, n, 6], tf.float64)])
+  np.testing.assert_allclose(fn(tf.constant(x)), want, rtol=1e-13,
+                             atol=1e-13)

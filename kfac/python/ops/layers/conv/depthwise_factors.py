@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.base.batched_factors import BatchedSquareFactor
+from kfac.python.ops.layers.base.batched_factors import per_channel_second_moments
 from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
 from kfac.python.ops.layers.base.factors import weighted_sum
 from kfac.python.ops.layers.conv import patches as patches_lib
@@ -94,7 +95,7 @@ class DepthwiseConvInputKroneckerFactor(_BatchedSquareFactor):
     if self._has_bias:
       p = tf.concat([p, tf.ones_like(p[:, :1])], axis=1)
     rows = tf.cast(tf.shape(p)[0], p.dtype)
-    return tf.einsum("rkc,rjc->ckj", p, p) / rows
+    return per_channel_second_moments(p) / rows
 
 
 class DepthwiseConvOutputKroneckerFactor(OutputGradsMixin,
@@ -115,7 +116,8 @@ class DepthwiseConvOutputKroneckerFactor(OutputGradsMixin,
     for g in self._source_tensors():
       g = tf.reshape(g, [-1, self._batch, self._n])
       rows = tf.cast(tf.shape(g)[0], g.dtype)
-      terms.append(tf.einsum("rcm,rcn->cmn", g, g) / rows)
+      terms.append(per_channel_second_moments(
+          tf.transpose(g, [0, 2, 1])) / rows)
     return weighted_sum(terms, self._weights)
 
 

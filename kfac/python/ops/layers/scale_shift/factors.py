@@ -23,6 +23,7 @@ from kfac.python.ops.layers.base.factors import weighted_sum
 from kfac.python.ops.tensors import utils
 
 from kfac.python.ops.layers.base.batched_factors import BatchedSquareFactor
+from kfac.python.ops.layers.base.batched_factors import per_channel_second_moments
 
 __all__ = ["ScaleAndShiftFullFactor", "ScaleAndShiftDiagonalFactor",
            "ScaleAndShiftPerChannelFactor"]
@@ -163,7 +164,7 @@ class ScaleAndShiftPerChannelFactor(_ScaleShiftMixin, BatchedSquareFactor):
       v = self._per_example_grads(grads)  # [examples, k m]
       n = tf.cast(tf.shape(v)[0], v.dtype)
       pairs = tf.reshape(v, [-1, self._n, self._batch])
-      terms.append(tf.einsum("eim,ejm->mij", pairs, pairs) / n)
+      terms.append(per_channel_second_moments(pairs) / n)
     return weighted_sum(terms, self._weights)
 
   def _pairs(self, col):
