@@ -174,6 +174,8 @@ def check_fisher_approx(fisher_approx, model):
 
 # Options a convolution registration takes (see conv_registration).
 CONV_OPTIONS = ("sub_sample_inputs", "sub_sample_patches", "patch_mask")
+# Those a depthwise convolution's (kron) registration takes.
+DEPTHWISE_OPTIONS = ("sub_sample_patches",)
 
 
 def check_registration_options(options, model):
@@ -185,6 +187,22 @@ def check_registration_options(options, model):
           "registration_options[%r] must be a dict with keys among %s, got "
           "%r." % (key, ", ".join(CONV_OPTIONS), value))
   _check_layer_keys(options, model, "registration_options", check)
+  if options:
+    for layer in keras_flavor.leaf_layers(model):
+      _check_depthwise_options(
+          layer, resolve_fisher_approx(options, layer) or {},
+          "DepthwiseConv2D" in keras_flavor.class_names(layer))
+
+
+def _check_depthwise_options(layer, options, is_depthwise):
+  """Raises unless a depthwise convolution's options are among
+  DEPTHWISE_OPTIONS."""
+  if is_depthwise and set(options) - set(DEPTHWISE_OPTIONS):
+    raise RegistrationError(
+        "registration_options %s for layer %s (%s): a depthwise "
+        "convolution takes only %s." %
+        (options, keras_flavor.layer_path(layer), type(layer).__name__,
+         ", ".join(DEPTHWISE_OPTIONS)))
 
 
 # ---------------------------------------------------------------- planning
@@ -388,7 +406,7 @@ def _register_conv(lc, plan, calls, **options):
       data_format=data_format, approx=plan.approx, **options)
 
 
-def _register_depthwise(lc, plan, calls):
+def _register_depthwise(lc, plan, calls, **options):
   layer = plan.layer
   _single_call(plan, calls)
   return lc.register_depthwise_conv2d(
@@ -396,7 +414,7 @@ def _register_depthwise(lc, plan, calls):
       list(layer.strides), _padding(layer),
       rate=list(layer.dilation_rate),
       data_format=_conv_data_format(layer, 2),
-      approx=plan.approx or conv_variants.DEPTHWISE_DEFAULT)
+      approx=plan.approx or conv_variants.DEPTHWISE_DEFAULT, **options)
 
 
 def _register_embedding(lc, plan, calls):
@@ -558,19 +576,24 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
       plan = plan._replace(approx=default_approx[plan.kind])
     kind, approx, reason = plan.kind, plan.approx, plan.reason
     options = dict(resolve_fisher_approx(registration_options, layer) or {})
-    if options and kind != "conv":
+    if kind == "depthwise_conv":
+      _check_depthwise_options(layer, options, True)
+    elif options and kind != "conv":
       raise RegistrationError(
           "registration_options %s for layer %s (%s): only Conv1D/2D/3D "
-          "layers take options (%s)." %
+          "and DepthwiseConv2D layers take options (%s)." %
           (options, keras_flavor.layer_path(layer), type(layer).__name__,
            ", ".join(CONV_OPTIONS)))
     if kind != "generic" and not calls:
       kind, reason = "generic", (recurrent.no_call_reason(layer) if kind ==
                                  "recurrent" else "its parameters are used "
                                  "outside its call")
-    if (default_conv_options and not options and kind == "conv" and
-        len(calls) == 1 and approx in (None, "kron")):
-      options = dict(default_conv_options)
+    if (default_conv_options and not options and len(calls) == 1 and
+        (kind == "conv" and approx in (None, "kron") or
+         kind == "depthwise_conv" and
+         (approx or conv_variants.DEPTHWISE_DEFAULT) == "kron")):
+      options = {k: v for k, v in default_conv_options.items()
+                 if kind == "conv" or k in DEPTHWISE_OPTIONS}
     if kind != "generic":
       try:
         block = _REGISTER[kind](lc, plan, calls, **options)

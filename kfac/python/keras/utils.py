@@ -365,7 +365,8 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       UserWarning).
     registration_options: {layer name or class: {option: value}}, extra
       arguments of a convolution's registration: sub_sample_inputs,
-      sub_sample_patches, patch_mask (see docs/convolutions.md).
+      sub_sample_patches, patch_mask; of a DepthwiseConv2D's:
+      sub_sample_patches (see docs/convolutions.md).
     average_over_outputs: False (kfac 0.2.x): each loss is registered with
       its loss weight as coefficient, i.e. summed over the outputs of an
       example. True: the coefficient is also divided by the outputs per

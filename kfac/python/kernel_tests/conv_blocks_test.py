@@ -444,11 +444,11 @@ class Depthwise:
     return depthwise_apply(x, vs[0], vs[1], self.strides, self.rate,
                            self.padding)
 
-  def register_layer(self, lc, vs, x, pre, approx=None):
+  def register_layer(self, lc, vs, x, pre, approx=None, **options):
     return lc.register_depthwise_conv2d((vs[0], vs[1]), x, pre,
                                         [1] + list(self.strides) + [1],
                                         self.padding, rate=self.rate,
-                                        approx=approx)
+                                        approx=approx, **options)
 
   def param_positions(self, channel):
     """Flat (filter, bias) indices of one input channel's parameters, in
@@ -681,6 +681,45 @@ def test_patch_mask_of_a_masked_conv(world, approx):
     np.testing.assert_allclose(np.diag(out["blocks"][0]), want, **TOL)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_registered_depthwise_sub_sampling(world):
+  """register_depthwise_conv2d(approx="kron", sub_sample_patches=R): the
+  input factor is a per-channel statistic of R of the 48 patch rows (not
+  the full one), the output factor stays the full batch's."""
+  dw = Depthwise((3, 4, 4, 2), (2, 2), 2, (1, 1), (1, 1), "SAME")
+  inits, x = dw.inits(43), np.random.RandomState(44).randn(*dw.x_shape)
+  labels = np.random.RandomState(45).randint(0, 3, len(x))
+
+  def build_model(lc, vs):
+    xt = tf.constant(x)
+    pre = dw.apply(vs, xt)
+    block = dw.register_layer(lc, vs, xt, pre, approx="kron",
+                              sub_sample_patches=12)
+    assert block._sub_sample_patches == 12  # pylint: disable=protected-access
+    lc.register_softmax_cross_entropy_loss(forward_from_pre(pre),
+                                           targets=tf.constant(labels))
+
+  a, g = run_estimator(world, inits, build_model, "empirical")["factors"][0]
+  p = cft.np_patches(x, dw.kernel, dw.strides, dw.rate, dw.padding)
+  p = p.reshape(-1, 4, dw.channels)  # [48 rows, K, C]
+  for c in range(dw.channels):
+    full = cft.mean_outer(cft.with_ones(p[:, :, c]))
+    assert a[c].shape == full.shape
+    assert not np.allclose(a[c], full, rtol=1e-3)
+    # A mean of 12 rows' outer products: its ones entry is exactly 1 and
+    # each tap's mean is one of the patch values' 12-row means.
+    np.testing.assert_allclose(a[c][-1, -1], 1.0, rtol=1e-14)
+  vs = [tf.constant(v) for v in inits]
+  pre = dw.apply(vs, tf.constant(x))
+  with tf.GradientTape() as tape:
+    tape.watch(pre)
+    loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.constant(labels), logits=forward_from_pre(pre)))
+  grads = tape.gradient(loss, pre).numpy().reshape(-1, dw.channels, dw.mult)
+  for c in range(dw.channels):
+    np.testing.assert_allclose(g[c], cft.mean_outer(grads[:, c, :]), **TOL)
+
+
 @pytest.mark.parametrize("world", ["graph"])
 def test_registered_sub_sampling_updates_a_sub_sampled_statistic(world):
   conv = Conv((6, 4, 4, 2), (2, 2), 2, (1, 1), (1, 1), "SAME")
@@ -781,6 +820,17 @@ def test_registration_errors_name_the_variable():
         (lambda: lc.register_depthwise_conv2d(
             _variable([3, 3, 2, 2], "w_dw2"), x, y, 1, "SAME",
             approx="kron_sua"), "kron_sua.*w_dw2"),
+        (lambda: lc.register_depthwise_conv2d(
+            _variable([3, 3, 2, 2], "w_dw3"), x,
+            tf.zeros([2, 5, 5, 4], tf.float64), 1, "SAME",
+            approx="diagonal", sub_sample_patches=8),
+         "sub_sample_patches is not supported by approximation 'diagonal'.*"
+         "w_dw3"),
+        (lambda: lc.register_depthwise_conv2d(
+            _variable([3, 3, 2, 2], "w_dw4"), x,
+            tf.zeros([2, 5, 5, 4], tf.float64), 1, "SAME",
+            approx="kron", sub_sample_patches=-3),
+         "sub_sample_patches.*w_dw4"),
     ]
     for fn, pattern in cases:
       with pytest.raises(ValueError, match=pattern):

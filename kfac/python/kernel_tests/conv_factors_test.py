@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from kfac.python.kernel_tests import kfac_test_util as util
 from kfac.python.kernel_tests import reference as ref
+from kfac.python.ops.layers.conv import depthwise_factors
 from kfac.python.ops.layers.conv import factors as conv_factors
 from kfac.python.ops.layers.conv import sua_factor
 from kfac.python.ops.layers.base import damping as damping_lib
@@ -268,6 +269,43 @@ def test_sub_sampled_statistic_equals_statistic_of_the_chosen_subset(world):
   assert sorted(ex) == list(range(5)) and sorted(rows) == list(range(60))
   np.testing.assert_allclose(
       cov, mean_outer(with_ones(patches.reshape(-1, 8))), **TOL)
+
+
+@pytest.mark.parametrize("world", ref.WORLDS)
+def test_depthwise_sub_sampled_statistic_is_that_of_the_chosen_rows(world):
+  """A depthwise conv's per-channel input statistic on sub-sampled patch
+  rows: each channel's [K+1]^2 second moment of the same chosen rows
+  (gathered from the input, strided and padded); a budget above the row
+  count keeps them all (the full statistic)."""
+  rng = np.random.RandomState(8)
+  x = rng.randn(3, 5, 4, 2)
+  kernel, strides = (3, 2), (2, 1)
+  patches = np_patches(x, kernel, strides, (1, 1), "SAME")  # [3, 12, 12]
+  patches = patches.reshape(-1, 6, 2)  # [rows, K, C]
+
+  def run(budget):
+    def build(_):
+      factor = depthwise_factors.DepthwiseConvInputKroneckerFactor(
+          (tf.constant(x),), kernel + (2, 1), (1,) + strides + (1,), "SAME",
+          None, None, True, budget)
+      cov, rows = factor.compute_sampled_statistic()
+      return [[cov, tf.constant(-1, tf.int64) if rows is None else rows]]
+    return ref.run_stages(world, [np.zeros(1)], build)[-1]
+
+  for budget, count in ((10, 10), (True, 36), (None, 36), (1000, 36)):
+    cov, rows = run(budget)
+    if budget is None:
+      rows = np.arange(36)
+    assert len(rows) == count and len(set(rows)) == count, budget
+    for c in range(2):
+      np.testing.assert_allclose(
+          cov[c], mean_outer(with_ones(patches[rows, :, c])), **TOL)
+  cov, rows = run(10)
+  assert not np.allclose(cov[0], mean_outer(with_ones(patches[:, :, 0])))
+  for bad in (0, 2.5, "all"):
+    with pytest.raises(ValueError, match="sub_sample_patches"):
+      depthwise_factors.DepthwiseConvInputKroneckerFactor(
+          (tf.constant(x),), (3, 2, 2, 1), sub_sample_patches=bad)
 
 
 def test_sub_sampled_statistic_is_unbiased():

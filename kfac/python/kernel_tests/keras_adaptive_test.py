@@ -389,6 +389,59 @@ def test_recipe_registration_defaults_unless_told_otherwise():
   assert "sub_sample_patches" not in opt.registration_report
 
 
+def _depthwise_recipe_fit(**kfac_kwargs):
+  """Two fit steps of a depthwise conv model whose 800 patch rows (8
+  examples, 10x10 locations) exceed the recipe's budget for a depthwise
+  kron factor (8 * (9 taps + bias) = 80 rows)."""
+  rng = np.random.RandomState(5)
+  x = rng.randn(8, 12, 12, 2).astype(np.float32)
+  y = rng.randint(0, 3, size=8)
+  model = keras.Sequential([
+      keras.Input((12, 12, 2)),
+      keras.layers.DepthwiseConv2D(3, activation="tanh", name="dw"),
+      keras.layers.Flatten(), keras.layers.Dense(3, name="logits")])
+  model.set_weights([np.random.RandomState(i).randn(*w.shape).astype(
+      np.float32) * 0.3 for i, w in enumerate(model.get_weights())])
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  options = dict(model=model, loss=loss, invert_every=1, seed=base.SEED,
+                 damping=0.05)  # no burn-in: the weights move
+  options.update(kfac_kwargs)
+  opt = kfac.keras.optimizers.Kfac(**options)
+  model.compile(optimizer=opt, loss=loss)
+  model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  return model.get_weights(), opt
+
+
+def test_recipe_sub_samples_depthwise_patch_rows_unless_told_otherwise():
+  """adaptive=True gives a depthwise conv's per-channel kron block the
+  recipe's sub_sample_patches too; registration_options of the layer
+  replace it, adaptive=False and the diagonal approximation get none, and
+  an option a depthwise registration does not take is an error naming the
+  layer."""
+  sampled, opt = _depthwise_recipe_fit(adaptive=True)
+  assert "sub_sample_patches=True" in _report_row(opt, "dw")
+  assert "DepthwiseConvKFCBasicFB" in _report_row(opt, "dw")
+  everything, opt = _depthwise_recipe_fit(
+      adaptive=True, registration_options={
+          keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}})
+  assert "sub_sample_patches=False" in _report_row(opt, "dw")
+  assert max(np.max(np.abs(a - b))
+             for a, b in zip(sampled, everything)) > 1e-4
+  _, opt = _depthwise_recipe_fit(
+      adaptive=True, registration_options={"dw": {"sub_sample_patches": 20}})
+  assert "sub_sample_patches=20" in _report_row(opt, "dw")
+  _, opt = _depthwise_recipe_fit(learning_rate=0.1)
+  assert "sub_sample_patches" not in opt.registration_report
+  _, opt = _depthwise_recipe_fit(adaptive=True,
+                                 fisher_approx={"dw": "diagonal"})
+  assert "sub_sample_patches" not in opt.registration_report
+  # Found when the optimizer is built, before anything is traced.
+  with pytest.raises(ValueError, match="layer .*dw .DepthwiseConv2D.: a "
+                     "depthwise convolution takes only sub_sample_patches"):
+    _depthwise_recipe_fit(adaptive=True, registration_options={
+        keras.layers.DepthwiseConv2D: {"sub_sample_inputs": 2}})
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(adaptive=True, learning_rate=0.1), "pass learning_rate=None"),
     (dict(adaptive=True, momentum=0.9), "drop momentum"),

@@ -164,7 +164,8 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       use_weight_decay=True.
     **kfac_kwargs: registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
-      sub_sample_patches, patch_mask), and the arguments of
+      sub_sample_patches, patch_mask; DepthwiseConv2D: sub_sample_patches),
+      and the arguments of
       kfac.PeriodicInvCovUpdateKfacOpt
       (momentum, momentum_type, invert_every, cov_update_every,
       num_burnin_steps, calibrate_damping, cov_ema_decay, estimation_mode,

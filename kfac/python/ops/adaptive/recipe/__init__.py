@@ -12,7 +12,8 @@ a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
   optimizer's convolution layers (kron approximation, one call per step):
   the input factor on a random subset of at most
   8 * dim(A) patch rows per statistics update (docs/recipe.md, "Cost per
-  step on real convnets").
+  step on real convnets"); depthwise convolutions (per-channel kron) take
+  its sub_sample_patches too (8 * (K + 1) rows for K taps).
 * `keras_default_approx()`: the approximation of the Keras optimizer's
   layers of a kind where fisher_approx chose none: batch normalization's
   scale and shift in per-channel 2x2 blocks (docs/recipe.md).

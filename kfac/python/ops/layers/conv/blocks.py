@@ -369,9 +369,10 @@ class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
   """
 
   def __init__(self, layer_collection, params, strides, padding, rate=None,
-               data_format=None):
+               data_format=None, sub_sample_patches=None):
     _DepthwiseConvBlock.__init__(self, layer_collection, params, strides,
                                  padding, rate, data_format)
+    self._sub_sample_patches = sub_sample_patches
     self._input_factor = None
     self._output_factor = None
 
@@ -384,7 +385,7 @@ class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
         depthwise_factors.DepthwiseConvInputKroneckerFactor,
         (tuple(self._inputs), self._filter_shape, self._spec.strides,
          self._spec.padding, self._spec.dilations, self._data_format,
-         self._has_bias), "A")
+         self._has_bias, self._sub_sample_patches), "A")
     weights = None if weights is None else tuple(weights)
     self._output_factor = self._make_factor(
         depthwise_factors.DepthwiseConvOutputKroneckerFactor,

@@ -14,6 +14,8 @@ from kfac.python.ops.layers.base.batched_factors import per_channel_second_momen
 from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
 from kfac.python.ops.layers.base.factors import weighted_sum
 from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.layers.conv.factors import DEFAULT_PATCH_ROWS_PER_DIM
+from kfac.python.ops.layers.conv.statistics import check_sub_sample
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
 from kfac.python.ops.layers.conv.statistics import conv_spec
 from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
@@ -72,30 +74,62 @@ _BatchedSquareFactor = BatchedSquareFactor
 class DepthwiseConvInputKroneckerFactor(_BatchedSquareFactor):
   """Per-channel patch second moments of a depthwise conv: [C, K(+1),
   K(+1)], A_c = mean over (n, t) of [p_c; 1][p_c; 1]^T where p_c are the K
-  taps of input channel c."""
+  taps of input channel c.
+
+  sub_sample_patches: None/False: all N*L patch rows. True: at most
+  DEFAULT_PATCH_ROWS_PER_DIM * K(+1) random rows (without
+  replacement; the same rows for every channel, each channel's A_c an
+  unbiased estimate of its mean, as for ConvInputKroneckerFactor); an int
+  R: at most R rows. The rows are gathered from the input directly."""
 
   def __init__(self, inputs, filter_shape, strides=None, padding="VALID",
-               dilations=None, data_format=None, has_bias=False, name=None):
+               dilations=None, data_format=None, has_bias=False,
+               sub_sample_patches=None, name=None):
     self._inputs = utils.ensure_sequence(inputs)
     self._spec = conv_spec(filter_shape, padding, strides, dilations,
                            data_format)
     self._batch = int(filter_shape[-2])
     self._has_bias = has_bias
     self._n = self._spec.num_taps + (1 if has_bias else 0)
+    check_sub_sample(sub_sample_patches, "sub_sample_patches")
+    self._sub_sample_patches = sub_sample_patches
     super().__init__(name=name)
 
   @property
   def _dtype(self):
     return self._inputs[0].dtype
 
-  def _compute_new_cov(self):
+  def max_patch_rows(self):
+    """The row budget of sub_sample_patches (None when not sub-sampling)."""
+    value = self._sub_sample_patches
+    if value is None or value is False:
+      return None
+    if value is True:
+      return DEFAULT_PATCH_ROWS_PER_DIM * self._n
+    return int(value)
+
+  def compute_sampled_statistic(self):
+    """(statistic [C, K(+1), K(+1)], patch row indices or None): row r of
+    the [N*L, K, C] patches is example r // L at output location r % L."""
     x = concat_channels_last(self._inputs, self._spec.channels_first)
-    p = tf.reshape(_depthwise_patches(x, self._spec, self._batch),
-                   [-1, self._spec.num_taps, self._batch])
+    budget = self.max_patch_rows()
+    row_idx = None
+    if budget is None:
+      p = tf.reshape(_depthwise_patches(x, self._spec, self._batch),
+                     [-1, self._spec.num_taps, self._batch])
+    else:
+      total = (tf.shape(x, out_type=tf.int64)[0] *
+               patches_lib.num_locations(x, self._spec))
+      row_idx = tf.random.shuffle(tf.range(total))[:budget]
+      p = tf.reshape(patches_lib.sample_patch_rows(x, self._spec, row_idx),
+                     [-1, self._spec.num_taps, self._batch])
     if self._has_bias:
       p = tf.concat([p, tf.ones_like(p[:, :1])], axis=1)
     rows = tf.cast(tf.shape(p)[0], p.dtype)
-    return per_channel_second_moments(p) / rows
+    return per_channel_second_moments(p) / rows, row_idx
+
+  def _compute_new_cov(self):
+    return self.compute_sampled_statistic()[0]
 
 
 class DepthwiseConvOutputKroneckerFactor(OutputGradsMixin,

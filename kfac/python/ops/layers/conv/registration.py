@@ -328,7 +328,8 @@ class ConvRegistrationMixin:
 
   def register_depthwise_conv2d(self, params, inputs, outputs, strides,
                                 padding, rate=None, data_format=None,
-                                approx=None, reuse=_VARIABLE_SCOPE):
+                                approx=None, reuse=_VARIABLE_SCOPE,
+                                sub_sample_patches=None):
     """Registers a call to tf.nn.depthwise_conv2d.
 
     Args:
@@ -341,6 +342,10 @@ class ConvRegistrationMixin:
       approx: "diagonal" (default, the exact diagonal) or "kron"
         (per-channel KFC, see conv_blocks.DepthwiseConvKFCBasicFB).
       reuse: True adds a tower.
+      sub_sample_patches: (kron) None, True (at most 8 * (K(+1)) random
+        patch rows, K the filter's taps, shared by the channels) or an int
+        R (at most R rows): the per-channel input statistics on a random
+        subset of the N*L patch rows (depthwise_factors.py).
     """
     filt, bias = _split_params(params, "Depthwise conv2d layer")
     if filt.shape.rank != 4:
@@ -359,10 +364,16 @@ class ConvRegistrationMixin:
                        "(%s); expected one of %s." %
                        (approx, _describe(params),
                         sorted(_DEPTHWISE_APPROXIMATIONS)))
+    _check_options(approx, params, None,
+                   sub_sample_patches=sub_sample_patches)
+    options = ({} if sub_sample_patches in (None, False) else
+               {"sub_sample_patches": sub_sample_patches})
     block = _DEPTHWISE_APPROXIMATIONS[approx](
-        self, params, spec.strides, spec.padding, spec.dilations, data_format)
+        self, params, spec.strides, spec.padding, spec.dilations, data_format,
+        **options)
     return self._finish_registration(params, block, reuse, inputs, outputs,
-                                     ("depthwise", approx, spec))
+                                     ("depthwise", approx, spec,
+                                      sub_sample_patches or None))
 
   def register_grouped_convolution(self, params, inputs, outputs, padding,
                                    groups, strides=None, dilation_rate=None,
