@@ -11,7 +11,9 @@ Configurations: `adam` (keras.optimizers.Adam(1e-3)) and `kfac`
 default recipe); `kfac_full_patches` is the recipe with every conv patch in
 the input statistics (the recipe before it sub-sampled them);
 `kfac_qmodel_half` the recipe with qmodel_batch_fraction=0.5 (the quadratic
-model's curvature products on half of each batch).
+model's curvature products on half of each batch); `kfac_dw_all_patches`
+the recipe with every patch in the depthwise convolutions' input
+statistics (the recipe before it sub-sampled them).
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
@@ -46,12 +48,14 @@ sys.path.insert(0, HERE)
 import zoo_models
 
 MODELS = zoo_models.NAMES
-CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half")
+CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half",
+           "kfac_dw_all_patches")
 flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
                              "vit", "gpt"], "Which models (%s)." %
                   ", ".join(MODELS))
 flags.DEFINE_list("configs", ["adam", "kfac"], "Which configurations (adam, "
-                  "kfac, kfac_full_patches, kfac_qmodel_half); the first is "
+                  "kfac, kfac_full_patches, kfac_qmodel_half, "
+                  "kfac_dw_all_patches); the first is "
                   "the baseline.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
 flags.DEFINE_integer("steps", 20, "Steps per timed fit call.")
@@ -79,6 +83,9 @@ def make(keras, kfac_keras, name, config):
     if config == "kfac_full_patches":
       kwargs["registration_options"] = {
           keras.layers.Conv2D: {"sub_sample_patches": False}}
+    if config == "kfac_dw_all_patches":
+      kwargs["registration_options"] = {
+          keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}}
     opt = kfac_keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                      **kwargs)
   else:

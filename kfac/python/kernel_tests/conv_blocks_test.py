@@ -506,6 +506,18 @@ def test_depthwise_kron_channel_blocks_are_exact_for_one_location(world):
   np.testing.assert_allclose(block, want, **TOL)
 
 
+def _depthwise_output_grads(dw, inits, x, labels):
+  """[rows, C, M] gradients of the summed loss with respect to the
+  depthwise layer's pre-activations."""
+  vs = [tf.constant(v) for v in inits]
+  pre = dw.apply(vs, tf.constant(x))
+  with tf.GradientTape() as tape:
+    tape.watch(pre)
+    loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.constant(labels), logits=forward_from_pre(pre)))
+  return tape.gradient(loss, pre).numpy().reshape(-1, dw.channels, dw.mult)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_depthwise_kron_factors_and_products(world):
   dw = Depthwise((3, 4, 4, 2), (2, 1), 2, (1, 1), (1, 1), "SAME")
@@ -530,13 +542,7 @@ def test_depthwise_kron_factors_and_products(world):
   # Hand factors: per-channel patches and output gradients.
   p = cft.np_patches(x, dw.kernel, dw.strides, dw.rate, dw.padding)
   p = p.reshape(-1, 2, dw.channels)  # [rows, K, C]
-  vs = [tf.constant(v) for v in inits]
-  pre = dw.apply(vs, tf.constant(x))
-  with tf.GradientTape() as tape:
-    tape.watch(pre)
-    loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.constant(labels), logits=forward_from_pre(pre)))
-  g = tape.gradient(loss, pre).numpy().reshape(-1, dw.channels, dw.mult)
+  g = _depthwise_output_grads(dw, inits, x, labels)
   a, gg = out["factors"][0]
   num_locs = 16
   n = sum(int(np.prod(v.shape)) for v in inits)
@@ -709,13 +715,7 @@ def test_registered_depthwise_sub_sampling(world):
     # A mean of 12 rows' outer products: its ones entry is exactly 1 and
     # each tap's mean is one of the patch values' 12-row means.
     np.testing.assert_allclose(a[c][-1, -1], 1.0, rtol=1e-14)
-  vs = [tf.constant(v) for v in inits]
-  pre = dw.apply(vs, tf.constant(x))
-  with tf.GradientTape() as tape:
-    tape.watch(pre)
-    loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.constant(labels), logits=forward_from_pre(pre)))
-  grads = tape.gradient(loss, pre).numpy().reshape(-1, dw.channels, dw.mult)
+  grads = _depthwise_output_grads(dw, inits, x, labels)
   for c in range(dw.channels):
     np.testing.assert_allclose(g[c], cft.mean_outer(grads[:, c, :]), **TOL)
 

@@ -329,16 +329,13 @@ def test_adapted_hyperparameters_cannot_be_set():
     model.fit(x, y, batch_size=base.BATCH, verbose=0, callbacks=[callback])
 
 
-def _conv_recipe_fit(**kfac_kwargs):
-  """Two fit steps of a conv model whose 800 patches (8 examples, 10x10
-  locations) exceed the recipe's patch budget (8 * dim(A) = 80 rows)."""
-  rng = np.random.RandomState(4)
-  x = rng.randn(8, 12, 12, 1).astype(np.float32)
+def _recipe_fit(layers, channels, seed, kfac_kwargs):
+  """Two fit steps (batch of 8 examples of 12x12xchannels) of a Sequential
+  model of `layers` followed by a dense head of 3 logits."""
+  rng = np.random.RandomState(seed)
+  x = rng.randn(8, 12, 12, channels).astype(np.float32)
   y = rng.randint(0, 3, size=8)
-  model = keras.Sequential([
-      keras.Input((12, 12, 1)),
-      keras.layers.Conv2D(3, 3, activation="tanh", name="conv"),
-      keras.layers.BatchNormalization(name="norm"),
+  model = keras.Sequential([keras.Input((12, 12, channels))] + layers + [
       keras.layers.Flatten(), keras.layers.Dense(3, name="logits")])
   model.set_weights([np.random.RandomState(i).randn(*w.shape).astype(
       np.float32) * 0.3 for i, w in enumerate(model.get_weights())])
@@ -350,6 +347,14 @@ def _conv_recipe_fit(**kfac_kwargs):
   model.compile(optimizer=opt, loss=loss)
   model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
   return model.get_weights(), opt
+
+
+def _conv_recipe_fit(**kfac_kwargs):
+  """A conv model whose 800 patches (8 examples, 10x10 locations) exceed
+  the recipe's patch budget (8 * dim(A) = 80 rows)."""
+  return _recipe_fit([
+      keras.layers.Conv2D(3, 3, activation="tanh", name="conv"),
+      keras.layers.BatchNormalization(name="norm")], 1, 4, kfac_kwargs)
 
 
 def _report_row(opt, layer):
@@ -390,26 +395,12 @@ def test_recipe_registration_defaults_unless_told_otherwise():
 
 
 def _depthwise_recipe_fit(**kfac_kwargs):
-  """Two fit steps of a depthwise conv model whose 800 patch rows (8
-  examples, 10x10 locations) exceed the recipe's budget for a depthwise
-  kron factor (8 * (9 taps + bias) = 80 rows)."""
-  rng = np.random.RandomState(5)
-  x = rng.randn(8, 12, 12, 2).astype(np.float32)
-  y = rng.randint(0, 3, size=8)
-  model = keras.Sequential([
-      keras.Input((12, 12, 2)),
-      keras.layers.DepthwiseConv2D(3, activation="tanh", name="dw"),
-      keras.layers.Flatten(), keras.layers.Dense(3, name="logits")])
-  model.set_weights([np.random.RandomState(i).randn(*w.shape).astype(
-      np.float32) * 0.3 for i, w in enumerate(model.get_weights())])
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-  options = dict(model=model, loss=loss, invert_every=1, seed=base.SEED,
-                 damping=0.05)  # no burn-in: the weights move
-  options.update(kfac_kwargs)
-  opt = kfac.keras.optimizers.Kfac(**options)
-  model.compile(optimizer=opt, loss=loss)
-  model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-  return model.get_weights(), opt
+  """A depthwise conv model whose 800 patch rows (8 examples, 10x10
+  locations) exceed the recipe's budget for a depthwise kron factor
+  (8 * (9 taps + bias) = 80 rows)."""
+  return _recipe_fit([
+      keras.layers.DepthwiseConv2D(3, activation="tanh", name="dw")], 2, 5,
+                     kfac_kwargs)
 
 
 def test_recipe_sub_samples_depthwise_patch_rows_unless_told_otherwise():

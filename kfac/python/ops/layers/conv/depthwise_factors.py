@@ -18,6 +18,7 @@ from kfac.python.ops.layers.conv.factors import DEFAULT_PATCH_ROWS_PER_DIM
 from kfac.python.ops.layers.conv.statistics import check_sub_sample
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
 from kfac.python.ops.layers.conv.statistics import conv_spec
+from kfac.python.ops.layers.conv.statistics import patch_row_budget
 from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
 from kfac.python.ops.tensors import utils
 
@@ -101,12 +102,8 @@ class DepthwiseConvInputKroneckerFactor(_BatchedSquareFactor):
 
   def max_patch_rows(self):
     """The row budget of sub_sample_patches (None when not sub-sampling)."""
-    value = self._sub_sample_patches
-    if value is None or value is False:
-      return None
-    if value is True:
-      return DEFAULT_PATCH_ROWS_PER_DIM * self._n
-    return int(value)
+    return patch_row_budget(self._sub_sample_patches, self._n,
+                            DEFAULT_PATCH_ROWS_PER_DIM)
 
   def compute_sampled_statistic(self):
     """(statistic [C, K(+1), K(+1)], patch row indices or None): row r of

@@ -52,6 +52,7 @@ from kfac.python.ops.layers.conv.statistics import flat_mask
 from kfac.python.ops.layers.conv.statistics import mean_outer
 from kfac.python.ops.layers.conv.statistics import mean_outer_with_ones
 from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
+from kfac.python.ops.layers.conv.statistics import patch_row_budget
 from kfac.python.ops.layers.conv.statistics import sample_examples
 from kfac.python.ops.tensors import utils
 
@@ -113,12 +114,8 @@ class ConvInputKroneckerFactor(DenseSquareFactor):
 
   def max_patch_rows(self):
     """The row budget of sub_sample_patches (None when not sub-sampling)."""
-    value = self._sub_sample_patches
-    if value is None or value is False:
-      return None
-    if value is True:
-      return DEFAULT_PATCH_ROWS_PER_DIM * self._n
-    return int(value)
+    return patch_row_budget(self._sub_sample_patches, self._n,
+                            DEFAULT_PATCH_ROWS_PER_DIM)
 
   def patch_rows(self, x):
     """The [rows, K*C] patch matrix of channels-last x (all rows)."""

@@ -42,6 +42,17 @@ def check_sub_sample(value, what):
                      (what, value))
 
 
+def patch_row_budget(sub_sample_patches, dim, rows_per_dim):
+  """The number of patch rows sub_sample_patches keeps (None: all of
+  them): True keeps rows_per_dim * dim (dim: the statistic's dimension),
+  an int R keeps R."""
+  if sub_sample_patches is None or sub_sample_patches is False:
+    return None
+  if sub_sample_patches is True:
+    return rows_per_dim * dim
+  return int(sub_sample_patches)
+
+
 def sample_examples(x, sub_sample_inputs, options):
   """(x restricted to a random subset of examples, indices or None)."""
   if sub_sample_inputs is None or sub_sample_inputs is False:
