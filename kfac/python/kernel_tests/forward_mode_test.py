@@ -21,8 +21,8 @@ def _params():
 
 
 def _model(x, ids, p):
-  """Every op with a direct rule and several without (MaxPool, Softmax,
-  ConcatV2, Sin, Square, Pack), a broadcasting add, an op fed twice by one
+  """Every op with a direct rule and several without (MaxPool, ConcatV2,
+  Sin, Square, Pack, Exp), a broadcasting add, an op fed twice by one
   tensor and one fed by two paths from one tensor, and batch
   normalization's ops (StopGradient, a broadcasting SquaredDifference,
   Rsqrt)."""
@@ -44,6 +44,7 @@ def _model(x, ids, p):
   z = tf.squeeze(tf.matmul(tf.tile(z3, [1, 1, 1]), p["m"][None]), 1)
   z = tf.add_n([z, -z * z, tf.identity(z)])
   s = tf.nn.softmax(tf.concat([z, tf.square(z)], axis=1))
+  s = s + 0.1 * tf.exp(-s)
   return [s, tf.reduce_mean(s * s, axis=0, keepdims=True), tf.reduce_sum(z)]
 
 
@@ -254,8 +255,8 @@ def test_ops_without_a_rule_take_their_gradient_locally(monkeypatch):
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       got = sess.run(got)
-  # MaxPool, Softmax, ConcatV2, Sin, Square, Pack took the generic path;
-  # none differentiated from a tensor of the model.
+  # MaxPool, ConcatV2, Sin, Square, Pack, Exp took the generic path; none
+  # differentiated from a tensor of the model.
   assert len(xs_of_calls) >= 6, xs_of_calls
   for xs in xs_of_calls:
     assert not any(t.op in model_ops for t in xs), [t.name for t in xs]
@@ -302,3 +303,65 @@ def test_batch_norm_takes_no_generic_path(monkeypatch):
                                                  tf.constant(tg)]) as acc:
     want = acc.jvp(bn(wv, gv)).numpy()
   np.testing.assert_allclose(got, want, **TOL)
+
+
+def _attention(x, p):
+  """Keras-style attention: EinsumDense projections ("abc,cde->abde"),
+  the score and context einsums of MultiHeadAttention, a softmax, the
+  exact GELU (Erfc), an output projection ("abcd,cde->abe") and a
+  one-input einsum."""
+  q = tf.einsum("abc,cde->abde", x, p["wq"])
+  k = tf.einsum("abc,cde->abde", x, p["wk"])
+  v = tf.einsum("abc,cde->abde", x, p["wv"])
+  scores = tf.nn.softmax(tf.einsum("aecd,abcd->acbe", k, q) * 0.5)
+  ctx = tf.einsum("acbe,aecd->abcd", scores, v)
+  out = tf.einsum("abcd,cde->abe", ctx, p["wo"])
+  out = 0.5 * out * tf.math.erfc(-out / np.sqrt(2.0))
+  return [out, tf.einsum("abc->acb", out), scores]
+
+
+@pytest.mark.parametrize("world", ["graph", "function"])
+def test_attention_ops_take_direct_rules(world, monkeypatch):
+  """Einsum (one and two inputs), Softmax and Erfc have direct rules: no
+  generic path runs for them, and the products equal TensorFlow's eager
+  forward mode in float64."""
+  from kfac.python.ops.forward_mode import walk  # pylint: disable=g-import-not-at-top
+  generic = []
+  real = walk._generic  # pylint: disable=protected-access
+
+  def spy(op, tangents):
+    generic.append(op.type)
+    return real(op, tangents)
+  monkeypatch.setattr(walk, "_generic", spy)
+  rng = np.random.RandomState(11)
+  shapes = dict(wq=(6, 2, 3), wk=(6, 2, 3), wv=(6, 2, 3), wo=(2, 3, 6))
+  p = {k: 0.5 * rng.randn(*s) for k, s in sorted(shapes.items())}
+  tangents = {k: rng.randn(*v.shape) for k, v in p.items()}
+  x = rng.randn(3, 5, 6)
+  keys = sorted(p)
+  variables = {k: tf.Variable(v) for k, v in p.items()}
+  with tf.autodiff.ForwardAccumulator(
+      [variables[k] for k in keys],
+      [tf.constant(tangents[k]) for k in keys]) as acc:
+    ys = _attention(tf.constant(x), variables)
+  want = [acc.jvp(y).numpy() for y in ys]
+  if world == "graph":
+    with tf.Graph().as_default():
+      gvars = {k: tf.Variable(v) for k, v in p.items()}
+      out = forward_mode.jvp(_attention(tf.constant(x), gvars),
+                             [gvars[k] for k in keys],
+                             [tf.constant(tangents[k]) for k in keys])
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run(out)
+  else:
+    @tf.function
+    def run():
+      return forward_mode.jvp(_attention(tf.constant(x), variables),
+                              [variables[k] for k in keys],
+                              [tf.constant(tangents[k]) for k in keys])
+    got = [g.numpy() for g in run()]
+  assert not {"Einsum", "Softmax", "Erfc"} & set(generic), generic
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, **TOL)
+  assert min(np.abs(w).max() for w in want) > 1e-2

@@ -12,6 +12,9 @@ among them batch normalization's StopGradient, SquaredDifference and Rsqrt
 (on ResNet50, 318 of the 322 ops of its two products that took the generic
 path: each built a dummy, the op's gradient and its derivative).
 
+Attention's ops (Einsum, Softmax, Erfc of the exact GELU) have direct
+rules too.
+
 MaxPool keeps the generic path (MaxPoolGradGrad, about 9 ms per pooling
 and tangent on the benchmark convnet): the tangent at each window's first
 maximum through strided slices and selects cost 6x that on CPU, and
@@ -19,6 +22,8 @@ through an argmax pooling and a gather 1.4x.
 
 Every rule is exact: the derivative of the op, not an approximation.
 """
+
+import math
 
 import tensorflow as tf
 
@@ -137,6 +142,23 @@ def _matmul(op, tangents):
                 None if tb is None else tf.linalg.matmul(a, tb, **kw)])]
 
 
+def _einsum(op, tangents):
+  """An einsum is linear in each input: the sum over the inputs with a
+  tangent of the same einsum with that input replaced by its tangent (the
+  generic path, the second derivative of its gradient, ran einsums of
+  other layouts that cost several times the forward one on attention's
+  equations)."""
+  equation = _str(op.get_attr("equation"))
+  terms = []
+  for i, t in enumerate(tangents):
+    if t is None:
+      continue
+    inputs = list(op.inputs)
+    inputs[i] = t
+    terms.append(tf.raw_ops.Einsum(inputs=inputs, equation=equation))
+  return [_sum(terms)]
+
+
 def _conv2d(op, tangents):
   x, w = op.inputs[0], op.inputs[1]
   tx, tw = tangents[0], tangents[1]
@@ -190,6 +212,25 @@ def _squared_difference(op, tangents):
   return [2.0 * (x - y) * t]
 
 
+def _softmax(op, tangents):
+  """y = softmax(x) over the last axis: dy = y * (dx - sum(y * dx))."""
+  t = tangents[0]
+  if t is None:
+    return [None]
+  y = op.outputs[0]
+  return [y * (t - tf.reduce_sum(y * t, axis=-1, keepdims=True))]
+
+
+def _erfc(op, tangents):
+  """d erfc(x) = -2 / sqrt(pi) exp(-x^2) dx (Keras's exact GELU)."""
+  t = tangents[0]
+  if t is None:
+    return [None]
+  x = op.inputs[0]
+  scale = tf.constant(-2.0 / math.sqrt(math.pi), x.dtype)
+  return [scale * tf.exp(-tf.square(x)) * t]
+
+
 def _stop_gradient(op, tangents):
   del tangents  # no tangent flows through, as no gradient does
   return [None] * len(op.outputs)
@@ -212,6 +253,9 @@ RULES = {
     "MatMul": _matmul,
     "BatchMatMulV2": _matmul,
     "BatchMatMulV3": _matmul,
+    "Einsum": _einsum,
+    "Softmax": _softmax,
+    "Erfc": _erfc,
     "Conv2D": _conv2d,
     "DepthwiseConv2dNative": _conv2d,
     "Relu": _relu,
