@@ -63,25 +63,20 @@ from kfac.python.keras import keras_flavor
 from kfac.python.keras import normalized_inputs
 from kfac.python.keras import position_embedding
 from kfac.python.keras import recurrent
+from kfac.python.keras.registration_keys import CLASS_KEY_PREFIX  # noqa: F401 pylint: disable=unused-import
+from kfac.python.keras.registration_keys import CONV_OPTIONS  # noqa: F401 pylint: disable=unused-import
+from kfac.python.keras.registration_keys import DEPTHWISE_OPTIONS
+from kfac.python.keras.registration_keys import OLD_CLASS_KEY_PREFIX  # noqa: F401 pylint: disable=unused-import
+from kfac.python.keras.registration_keys import RegistrationError
+from kfac.python.keras.registration_keys import check_depthwise_options
+from kfac.python.keras.registration_keys import check_fisher_approx  # noqa: F401 pylint: disable=unused-import
+from kfac.python.keras.registration_keys import check_registration_options  # noqa: F401 pylint: disable=unused-import
+from kfac.python.keras.registration_keys import class_key_name  # noqa: F401 pylint: disable=unused-import
+from kfac.python.keras.registration_keys import resolve_fisher_approx
 from kfac.python.keras.registration_report import Row  # pylint: disable=unused-import
 from kfac.python.keras.registration_report import format_report  # pylint: disable=unused-import
 
 GENERIC_FALLBACK = "diagonal"
-CLASS_KEY_PREFIX = "__class__:"
-# How kfac 0.2.x stored a layer-class key (kfac.keras.utils
-# serialize_fisher_approx); read as well as CLASS_KEY_PREFIX.
-OLD_CLASS_KEY_PREFIX = "kfac_class_"
-_CLASS_PREFIXES = (CLASS_KEY_PREFIX, OLD_CLASS_KEY_PREFIX)
-
-
-def class_key_name(key):
-  """The class name a "__class__:Name" / "kfac_class_Name" key stands for,
-  or None for a layer-name key."""
-  for prefix in _CLASS_PREFIXES:
-    if isinstance(key, str) and key.startswith(prefix):
-      return key[len(prefix):]
-  return None
-
 # params: the tf.Variables; names: their Keras paths (for the report).
 Plan = collections.namedtuple(
     "Plan", ["layer", "kind", "approx", "params", "reason", "names"])
@@ -102,107 +97,6 @@ def param_names(plan):
   return [p.name for p in plan.params]
 
 _CONV_CLASSES = ("Conv1D", "Conv2D", "Conv3D")
-
-
-class RegistrationError(ValueError):
-  """A layer or loss that kfac.keras cannot register."""
-
-
-# ---------------------------------------------------------------- fisher_approx
-def resolve_fisher_approx(fisher_approx, layer):
-  """The approximation `fisher_approx` asks for `layer` (None: default).
-
-  Keys are layer names, layer classes, or "__class__:Name" strings (how a
-  class key is stored in a config); a name wins over a class, and a more
-  derived class over its bases."""
-  if not fisher_approx:
-    return None
-  if layer.name in fisher_approx:
-    return fisher_approx[layer.name]
-  for cls in type(layer).__mro__:
-    if cls in fisher_approx:
-      return fisher_approx[cls]
-    for prefix in _CLASS_PREFIXES:
-      key = prefix + cls.__name__
-      if key in fisher_approx:
-        return fisher_approx[key]
-  return None
-
-
-def _check_layer_keys(mapping, model, what, check_value, class_keys=True):
-  """Raises unless every key of `mapping` names some layer of `model` and
-  every value passes check_value(key, value). With class_keys=False a
-  layer-class key need not match a layer (only name keys must)."""
-  if not mapping:
-    return
-  layers = keras_flavor.leaf_layers(model)
-  names = {layer.name for layer in layers}
-  class_names = set()
-  for layer in layers:
-    class_names.update(keras_flavor.class_names(layer))
-  for key, value in mapping.items():
-    check_value(key, value)
-    if isinstance(key, type):
-      found = key.__name__ in class_names
-    elif class_key_name(key) is not None:
-      found = class_key_name(key) in class_names
-    elif isinstance(key, str):
-      found = key in names
-    else:
-      raise RegistrationError("%s keys must be layer names or layer "
-                              "classes, got %r." % (what, key))
-    if not found and (class_keys or isinstance(key, str) and
-                      class_key_name(key) is None):
-      raise RegistrationError(
-          "%s key %r matches no layer of model %r (layers: %s)." %
-          (what, key, model.name, ", ".join(sorted(names))))
-
-
-def check_fisher_approx(fisher_approx, model):
-  """Raises unless every layer-name key of fisher_approx names some layer of
-  model and every value is an approximation name or None. Layer-class keys
-  need not match a layer (kfac 0.2.x: one fisher_approx may serve several
-  models)."""
-  def check(key, value):
-    if value is not None and not isinstance(value, str):
-      raise RegistrationError("fisher_approx[%r] must be an approximation "
-                              "name (a string) or None (the default), got "
-                              "%r." % (key, value))
-  _check_layer_keys(fisher_approx, model, "fisher_approx", check,
-                    class_keys=False)
-
-
-# Options a convolution registration takes (see conv_registration).
-CONV_OPTIONS = ("sub_sample_inputs", "sub_sample_patches", "patch_mask")
-# Those a depthwise convolution's (kron) registration takes.
-DEPTHWISE_OPTIONS = ("sub_sample_patches",)
-
-
-def check_registration_options(options, model):
-  """Raises unless options maps layers to dicts of CONV_OPTIONS."""
-  def check(key, value):
-    if not isinstance(value, dict) or any(k not in CONV_OPTIONS
-                                          for k in value):
-      raise RegistrationError(
-          "registration_options[%r] must be a dict with keys among %s, got "
-          "%r." % (key, ", ".join(CONV_OPTIONS), value))
-  _check_layer_keys(options, model, "registration_options", check)
-  if options:
-    for layer in keras_flavor.leaf_layers(model):
-      _check_depthwise_options(
-          layer, resolve_fisher_approx(options, layer) or {},
-          "DepthwiseConv2D" in keras_flavor.class_names(layer))
-
-
-def _check_depthwise_options(layer, options, is_depthwise):
-  """Raises unless a depthwise convolution's options are among
-  DEPTHWISE_OPTIONS."""
-  if is_depthwise and set(options) - set(DEPTHWISE_OPTIONS):
-    raise RegistrationError(
-        "registration_options %s for layer %s (%s): a depthwise "
-        "convolution takes only %s." %
-        (options, keras_flavor.layer_path(layer), type(layer).__name__,
-         ", ".join(DEPTHWISE_OPTIONS)))
 
 
 # ---------------------------------------------------------------- planning
@@ -577,7 +471,7 @@ def register_layers(lc, plans, recorder, batch_size, warn=None,
     kind, approx, reason = plan.kind, plan.approx, plan.reason
     options = dict(resolve_fisher_approx(registration_options, layer) or {})
     if kind == "depthwise_conv":
-      _check_depthwise_options(layer, options, True)
+      check_depthwise_options(layer, options, True)
     elif options and kind != "conv":
       raise RegistrationError(
           "registration_options %s for layer %s (%s): only Conv1D/2D/3D "
