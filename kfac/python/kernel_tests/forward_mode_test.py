@@ -265,12 +265,9 @@ def test_ops_without_a_rule_take_their_gradient_locally(monkeypatch):
     np.testing.assert_allclose(g, w, **TOL)
 
 
-def test_batch_norm_takes_no_generic_path(monkeypatch):
-  """Batch normalization as Keras 3 builds it (tf.nn.moments: StopGradient,
-  SquaredDifference; Rsqrt) is walked by direct rules: no op of it builds
-  the generic path's dummy, gradient and second derivative (on ResNet50
-  318 of the 322 generic ops of the quadratic model's two products were
-  these). Values against eager forward mode, float64."""
+def _record_generic_ops(monkeypatch):
+  """The list the types of the ops that take forward mode's generic path
+  are appended to from now on (walk._generic spied on)."""
   from kfac.python.ops.forward_mode import walk  # pylint: disable=g-import-not-at-top
   generic = []
   real = walk._generic  # pylint: disable=protected-access
@@ -279,6 +276,16 @@ def test_batch_norm_takes_no_generic_path(monkeypatch):
     generic.append(op.type)
     return real(op, tangents)
   monkeypatch.setattr(walk, "_generic", spy)
+  return generic
+
+
+def test_batch_norm_takes_no_generic_path(monkeypatch):
+  """Batch normalization as Keras 3 builds it (tf.nn.moments: StopGradient,
+  SquaredDifference; Rsqrt) is walked by direct rules: no op of it builds
+  the generic path's dummy, gradient and second derivative (on ResNet50
+  318 of the 322 generic ops of the quadratic model's two products were
+  these). Values against eager forward mode, float64."""
+  generic = _record_generic_ops(monkeypatch)
   x = RNG.randn(6, 3, 3, 4)
   w0, g0 = RNG.randn(3, 3, 4, 4), 1.0 + 0.1 * RNG.randn(4)
   tw, tg = RNG.randn(*w0.shape), RNG.randn(*g0.shape)
@@ -325,14 +332,7 @@ def test_attention_ops_take_direct_rules(world, monkeypatch):
   """Einsum (one and two inputs), Softmax and Erfc have direct rules: no
   generic path runs for them, and the products equal TensorFlow's eager
   forward mode in float64."""
-  from kfac.python.ops.forward_mode import walk  # pylint: disable=g-import-not-at-top
-  generic = []
-  real = walk._generic  # pylint: disable=protected-access
-
-  def spy(op, tangents):
-    generic.append(op.type)
-    return real(op, tangents)
-  monkeypatch.setattr(walk, "_generic", spy)
+  generic = _record_generic_ops(monkeypatch)
   rng = np.random.RandomState(11)
   shapes = dict(wq=(6, 2, 3), wk=(6, 2, 3), wv=(6, 2, 3), wo=(2, 3, 6))
   p = {k: 0.5 * rng.randn(*s) for k, s in sorted(shapes.items())}
