@@ -64,6 +64,7 @@ from kfac.python.ops.adaptive import quadratic_model
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.distribute import collective
+from kfac.python.ops.numerics.inner_products import gram64, sum_inner64
 
 # Values an optimizer keeps readable after each step, with their initial
 # value (NaN: not computed yet).
@@ -118,38 +119,6 @@ class _StoredDamping:
 
   def __init__(self, initial):
     self.initial = initial
-
-
-def inner64(a, b):
-  """sum(a * b) in float64."""
-  return tf.reduce_sum(utils.cast(a, tf.float64) * utils.cast(b, tf.float64))
-
-
-def sum_inner64(xs, ys):
-  """sum_i <xs[i], ys[i]> in float64."""
-  return tf.add_n([inner64(x, y) for x, y in zip(xs, ys)])
-
-
-def gram64(vectors):
-  """[[<u, v> for v in vectors] for u in vectors] in float64, where each
-  vector is a list of tensors aligned with the others (one per variable).
-
-  Per position one [k, n] x [n, k] product of the stacked, flattened
-  entries: the graph grows by k + 3 ops per variable, where an inner
-  product per pair (sum_inner64) costs 4 per pair: 6 instead of 20 for the
-  quadratic model's p, d and g on every variable of a model."""
-  k = len(vectors)
-  flat = tf.constant([-1], tf.int32)
-  blocks = []
-  for parts in zip(*vectors):
-    parts = [tf.convert_to_tensor(t) for t in parts]
-    if len({t.dtype for t in parts}) > 1:
-      parts = [tf.cast(t, tf.float64) for t in parts]
-    rows = tf.cast(tf.stack([tf.reshape(t, flat) for t in parts]),
-                   tf.float64)
-    blocks.append(tf.matmul(rows, rows, transpose_b=True))
-  total = tf.add_n(blocks)
-  return [[total[i, j] for j in range(k)] for i in range(k)]
 
 
 class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
