@@ -13,7 +13,9 @@ the input statistics (the recipe before it sub-sampled them);
 `kfac_qmodel_half` the recipe with qmodel_batch_fraction=0.5 (the quadratic
 model's curvature products on half of each batch); `kfac_dw_all_patches`
 the recipe with every patch in the depthwise convolutions' input
-statistics (the recipe before it sub-sampled them).
+statistics (the recipe before it sub-sampled them); `kfac_fixed_rate` the
+recipe at a fixed learning rate 0.05 and momentum 0.9 (momentum_type
+"regular": no quadratic model, only the damping adapted).
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
@@ -49,7 +51,7 @@ import zoo_models
 
 MODELS = zoo_models.NAMES
 CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half",
-           "kfac_dw_all_patches")
+           "kfac_dw_all_patches", "kfac_fixed_rate")
 flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
                              "vit", "gpt"], "Which models (%s)." %
                   ", ".join(MODELS))
@@ -83,6 +85,9 @@ def make(keras, kfac_keras, name, config):
     if config == "kfac_full_patches":
       kwargs["registration_options"] = {
           keras.layers.Conv2D: {"sub_sample_patches": False}}
+    if config == "kfac_fixed_rate":
+      kwargs.update(momentum_type="regular", learning_rate=0.05,
+                    momentum=0.9)
     if config == "kfac_dw_all_patches":
       kwargs["registration_options"] = {
           keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}}

@@ -76,6 +76,9 @@ KFAC_VARIANTS = {
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
     "kfac_qmodel_quarter": {"qmodel_batch_fraction": 0.25},
     "kfac_qmodel_eighth": {"qmodel_batch_fraction": 0.125},
+    # The recipe at a fixed rate and momentum (only the damping adapted).
+    "kfac_fixed_rate": {"momentum_type": "regular", "learning_rate": 0.05,
+                        "momentum": 0.9},
 }
 
 

@@ -21,7 +21,13 @@ Checked:
   (recipe.conv_registration_options()) and batch norms its approximation
   (recipe.keras_default_approx()) unless the user's options say otherwise;
 * learning_rate / damping / momentum cannot be set (nor scheduled) while
-  they are adapted, and bad arguments raise clear errors.
+  they are adapted, and bad arguments raise clear errors;
+* adaptive=True with momentum_type="regular" and a learning_rate (the
+  recipe at a fixed rate and momentum, only the damping adapted) takes the
+  steps of the core optimizer in a TF1 Session graph with the same
+  arguments; it starts from the recipe's initial damping without the
+  calibration, and its learning rate and momentum can be set while the
+  damping cannot.
 """
 
 import numpy as np
@@ -329,6 +335,49 @@ def test_adapted_hyperparameters_cannot_be_set():
     model.fit(x, y, batch_size=base.BATCH, verbose=0, callbacks=[callback])
 
 
+FIXED = dict(momentum_type="regular", learning_rate=0.05, momentum=0.9)
+
+
+def test_fixed_rate_fit_equals_tf1_graph_steps():
+  model, opt = _adaptive(base.sequential_model(), **FIXED)
+  base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
+  want = _tf1_adaptive_reference(N_STEPS, **FIXED)
+  base._assert_weights(model.get_weights(), want["weights"], rtol=1e-4,  # pylint: disable=protected-access
+                       atol=1e-6)
+  core = opt.kfac_optimizer
+  assert float(opt.damping.numpy()) == pytest.approx(want["damping"],
+                                                     rel=1e-5)
+  assert want["damping"] != pytest.approx(DAMPING, rel=1e-3)  # adapted
+  assert float(core.rho) == pytest.approx(want["rho"], rel=1e-3)
+  assert np.isfinite(want["rho"])
+  # The learning rate is the user's, not the quadratic model's.
+  assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.05)
+  assert max(np.max(np.abs(a - b)) for a, b in
+             zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
+
+
+def test_fixed_rate_defaults_and_hyperparameters():
+  opt = kfac.keras.optimizers.Kfac(adaptive=True, momentum_type="regular",
+                                   learning_rate=0.05)
+  core = opt.kfac_optimizer
+  assert float(opt.damping.numpy()) == recipe.INITIAL_DAMPING
+  assert not core.calibrate_damping and core.num_burnin_steps == 0
+  assert float(np.asarray(opt.momentum)) == pytest.approx(0.9)
+  assert opt.mutable_hyperparameters >= {"learning_rate", "momentum"}
+  assert "damping" not in opt.mutable_hyperparameters
+  opt.learning_rate = 0.01
+  opt.momentum = 0.5
+  assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.01)
+  assert float(np.asarray(opt.momentum)) == pytest.approx(0.5)
+  with pytest.raises(ValueError, match="chooses the damping"):
+    opt.damping = 0.1
+  config = opt.get_config()
+  assert config["learning_rate"] == pytest.approx(0.01)
+  assert config["momentum_type"] == "regular"
+  assert kfac.keras.optimizers.Kfac.from_config(config).get_config() == (
+      config)
+
+
 def _recipe_fit(layers, channels, seed, kfac_kwargs):
   """Two fit steps (batch of 8 examples of 12x12xchannels) of a Sequential
   model of `layers` followed by a dense head of 3 logits."""
@@ -437,6 +486,12 @@ def test_recipe_sub_samples_depthwise_patch_rows_unless_told_otherwise():
     (dict(adaptive=True, learning_rate=0.1), "pass learning_rate=None"),
     (dict(adaptive=True, momentum=0.9), "drop momentum"),
     (dict(adaptive=True, momentum_type="adam"), "momentum_type 'qmodel'"),
+    (dict(adaptive=True, momentum_type="regular"),
+     "pass learning_rate=<a number>"),
+    (dict(adaptive=True, momentum_type="regular", learning_rate=-1.0),
+     "learning_rate"),
+    (dict(adaptive=True, momentum_type="regular", learning_rate=0.1,
+          qmodel_batch_fraction=0.5), "quadratic model only"),
     (dict(learning_rate=0.1, damping=None), "needs damping"),
     (dict(adaptive=True, loss_fn=lambda b: 0.0), "sets loss_fn itself"),
     (dict(adaptive=True, update_damping_immediately=False),

@@ -58,6 +58,12 @@ def _check_kwargs(kfac_kwargs):
           "custom loop) before and after the update." % key)
 
 
+def fixed_rate(adaptive, kfac_kwargs):
+  """Whether adaptive=True runs the recipe with a fixed learning rate and
+  momentum (momentum_type="regular"): only the damping is adapted."""
+  return bool(adaptive) and kfac_kwargs.get("momentum_type") == "regular"
+
+
 def check_before_base(learning_rate, adaptive, kfac_kwargs):
   """The checks that must come before the Keras base class is built."""
   _check_kwargs(kfac_kwargs)
@@ -69,7 +75,15 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
         "before the optimizer): in TF2 pass the loss to "
         "optimizer.minimize(loss, var_list) inside the tf.function; the "
         "damping rule (adaptive=True) evaluates model.compute_loss itself.")
-  if adaptive:
+  if fixed_rate(adaptive, kfac_kwargs):
+    if not arguments.is_number(learning_rate) or isinstance(learning_rate,
+                                                            bool):
+      raise ValueError(
+          "Kfac(adaptive=True, momentum_type='regular') takes the learning "
+          "rate from you (the recipe adapts only the damping): pass "
+          "learning_rate=<a number>, e.g. 0.05 (docs/keras.md), got %r."
+          % (learning_rate,))
+  elif adaptive:
     if learning_rate is not None:
       raise ValueError(
           "learning_rate must be None with adaptive=True, which chooses the "
@@ -79,7 +93,8 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
     if not str(momentum_type).startswith("qmodel"):
       raise ValueError(
           "adaptive=True uses momentum_type 'qmodel' (or 'qmodel_fixedmu' "
-          "with a momentum), got %r." % (momentum_type,))
+          "with a momentum, or 'regular' with a learning_rate), got %r."
+          % (momentum_type,))
     if momentum_type == "qmodel" and kfac_kwargs.get("momentum") is not None:
       raise ValueError(
           "adaptive=True (momentum_type 'qmodel') chooses the momentum too: "
@@ -116,8 +131,12 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
     kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
     if damping is None:
       damping = recipe.INITIAL_DAMPING
-      kfac_kwargs.setdefault("calibrate_damping", True)
-      kfac_kwargs.setdefault("num_burnin_steps", recipe.NUM_BURNIN_STEPS)
+      if not fixed_rate(adaptive, kfac_kwargs):
+        # (With a fixed learning rate the calibration judges a single step
+        # without its momentum, and chose dampings 100x too large:
+        # docs/recipe.md.)
+        kfac_kwargs.setdefault("calibrate_damping", True)
+        kfac_kwargs.setdefault("num_burnin_steps", recipe.NUM_BURNIN_STEPS)
   return damping, kfac_kwargs
 
 
@@ -141,7 +160,11 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       and momentum from the quadratic model (momentum_type "qmodel"),
       damping adapted by the Levenberg-Marquardt rule and never below
       relative_min_damping=0.1 times the curvature scale (pass
-      learning_rate=None; see the module docstring). Its losses are
+      learning_rate=None; see the module docstring). With
+      momentum_type="regular" and a learning_rate (and momentum, default
+      0.9): the recipe with that fixed rate and momentum, only the damping
+      adapted (docs/keras.md: better on keras.applications convnets with
+      depthwise convolutions, and no curvature products). Its losses are
       registered at the scale of the Keras loss (coefficient: loss weight /
       outputs per example Keras averages over); without adaptive, as in
       kfac 0.2.x, with the loss weight (docs/keras.md, "Coefficients").

@@ -16,7 +16,8 @@ class KfacConfigMixin:
 
   def _kfac_config(self, learning_rate):
     config = {
-        "learning_rate": None if self._kfac_adaptive else learning_rate,
+        "learning_rate": (None if self._kfac_adaptive and
+                          not self._kfac_fixed_rate else learning_rate),
         "damping": float(self._kfac_hyper["damping"].numpy()),
         "adaptive": self._kfac_adaptive,
         "loss": serialize_loss(self._kfac_loss),

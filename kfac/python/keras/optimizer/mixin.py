@@ -58,6 +58,9 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     self._kfac_loss = loss
     self._kfac_loss_weights = loss_weights
     self._kfac_adaptive = bool(adaptive)
+    # adaptive=True with momentum_type="regular": the recipe at the user's
+    # learning rate and momentum; only the damping is adapted.
+    self._kfac_fixed_rate = arguments.fixed_rate(adaptive, kfac_kwargs)
     self._kfac_train_batch = train_batch
     self._kfac_fisher_approx = dict(fisher_approx or {})
     if seed is None:
@@ -71,7 +74,7 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     self._kfac_warned = set()
     self._kfac_hyper = {}
     values = dict(arguments.CORE_DEFAULTS)
-    if adaptive:
+    if adaptive and not self._kfac_fixed_rate:
       del values["momentum"]  # qmodel chooses it (qmodel_fixedmu: given)
     values.update({k: kfac_kwargs[k]
                    for k in arguments.MUTABLE_HYPERPARAMETERS
@@ -109,7 +112,8 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
       # loss_fn evaluates the loss before the update too.
       core_kwargs.update(use_passed_loss=False, loss_fn=self._kfac_loss_fn)
     core = periodic_lib.PeriodicInvCovUpdateKfacOpt(
-        learning_rate=None if adaptive else self._kfac_lr_tensor,
+        learning_rate=(None if adaptive and not self._kfac_fixed_rate
+                       else self._kfac_lr_tensor),
         name=self.name, **core_kwargs)
     # Not a checkpoint dependency (its state is, through _kfac_state).
     object.__setattr__(self, "_kfac_core", core)
@@ -171,6 +175,9 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     names = set(self._kfac_hyper)
     if not self._kfac_adaptive:
       names.add("learning_rate")
+    elif self._kfac_fixed_rate:
+      names.add("learning_rate")
+      names -= {"damping"}
     else:
       names -= {"learning_rate", "damping", "momentum"}
     return names
@@ -262,8 +269,10 @@ class KfacKerasMixin(step_lib.KfacStepMixin, config_lib.KfacConfigMixin):
     return self._kfac_hyper.get(name)
 
   def _kfac_check_not_adapted(self, name):
-    if getattr(self, "_kfac_adaptive", False) and name in (
-        "learning_rate", "damping", "momentum"):
+    adapted = ("learning_rate", "damping", "momentum")
+    if getattr(self, "_kfac_fixed_rate", False):
+      adapted = ("damping",)
+    if getattr(self, "_kfac_adaptive", False) and name in adapted:
       raise ValueError(
           "Kfac(adaptive=True) chooses the %s itself at every step, so it "
           "cannot be set (or scheduled by a callback); its current value is "

@@ -258,7 +258,8 @@ class KfacStepMixin:
 
   def _kfac_after_apply(self, op, iteration):
     """The learning rate display, warnings and summaries after the step."""
-    if self._kfac_adaptive:  # show the learning rate the model chose
+    if self._kfac_adaptive and not self._kfac_fixed_rate:
+      # Show the learning rate the quadratic model chose.
       with tf.control_dependencies([op]):
         lr = keras_flavor.unwrap_variable(self._learning_rate)
         op = tf.group(lr.assign(tf.cast(self._kfac_core.learning_rate,
@@ -287,7 +288,7 @@ class KfacStepMixin:
       if var is not None:
         write_scalar("kfac/" + name, var, step)
     core = self._kfac_core
-    if self._kfac_adaptive:
+    if self._kfac_adaptive:  # (the quadratic model's momentum)
       if "momentum" not in self._kfac_hyper:
         write_scalar("kfac/momentum", core.momentum, step)
     if self._kfac_adaptive or core.calibrate_damping:
