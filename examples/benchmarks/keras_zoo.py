@@ -8,6 +8,9 @@ optimizer
   kfac   kfac.keras.optimizers.Kfac(model=model, adaptive=True) (defaults)
   adam   keras.optimizers.Adam(1e-3)
   muon   keras.optimizers.Muon() (Keras's defaults)
+  kfac_fixed_rate  (only when asked) the recipe at a fixed learning rate
+         0.05 and momentum 0.9: Kfac(model=model, adaptive=True,
+         momentum_type="regular", learning_rate=0.05, momentum=0.9)
 
 one fresh worker process builds the model from the same seed (so the same
 initial weights), compiles it and measures, with batch --batch_size:
@@ -50,10 +53,12 @@ sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import zoo_models
 
-OPTIMIZERS = ("kfac", "adam", "muon")
+OPTIMIZERS = ("kfac", "adam", "muon", "kfac_fixed_rate")
+DEFAULT_OPTIMIZERS = ("kfac", "adam", "muon")
 
 flags.DEFINE_list("models", list(zoo_models.NAMES), "Zoo models to run.")
-flags.DEFINE_list("optimizers", list(OPTIMIZERS), "Optimizers to run.")
+flags.DEFINE_list("optimizers", list(DEFAULT_OPTIMIZERS),
+                  "Optimizers to run (%s)." % ", ".join(OPTIMIZERS))
 flags.DEFINE_enum("size", "full", ["full", "tiny"], "Model size.")
 flags.DEFINE_integer("steps", 200, "fit steps per run.")
 flags.DEFINE_integer("batch_size", 64, "Batch size.")
@@ -70,6 +75,11 @@ def make_optimizer(name, model):
     import kfac  # pylint: disable=unused-import
     import kfac.keras
     return kfac.keras.optimizers.Kfac(model=model, adaptive=True)
+  if name == "kfac_fixed_rate":
+    import kfac.keras
+    return kfac.keras.optimizers.Kfac(
+        model=model, adaptive=True, momentum_type="regular",
+        learning_rate=0.05, momentum=0.9)
   if name == "adam":
     return keras.optimizers.Adam(1e-3)
   if name == "muon":
@@ -188,11 +198,12 @@ def _fmt(value, pattern="%.3f"):
 
 def table(results):
   """The markdown table, a row per model."""
+  names = [o for o in OPTIMIZERS if o in FLAGS.optimizers]
+  shown = " / ".join(names)
   header = ("| model | params | non-diagonal share (fallbacks) | first call "
             "s: kfac / adam (ratio) | peak RSS GB: kfac / adam | ms/step: "
-            "kfac / adam / muon (kfac/adam) | loss at equal steps: kfac / "
-            "adam / muon | loss at equal time: kfac / adam / muon | val "
-            "acc: kfac / adam / muon |")
+            "%s (kfac/adam) | loss at equal steps: %s | loss at equal "
+            "time: %s | val acc: %s |" % (shown, shown, shown, shown))
   lines = [header, "|" + "---|" * (header.count("|") - 1)]
   for model in dict.fromkeys(FLAGS.models):
     runs = {r["optimizer"]: r for r in results if r["model"] == model}
@@ -209,8 +220,8 @@ def table(results):
     ratio = lambda a, b: ("%.2fx" % (a / b)) if a and b else "-"
     at_time = equal_time_losses(list(runs.values()))
     at_steps = {o: _mean_tail(get(o, "losses") or []) if get(o, "losses")
-                else None for o in OPTIMIZERS}
-    lines.append("| %s | %s | %s | %s / %s (%s) | %s / %s | %s / %s / %s "
+                else None for o in names}
+    lines.append("| %s | %s | %s | %s / %s (%s) | %s / %s | %s "
                  "(%s) | %s | %s | %s |%s" % (
                      model, _fmt(get("kfac", "parameters") or
                                  get("adam", "parameters"), "%d"),
@@ -221,15 +232,14 @@ def table(results):
                            get("adam", "first_call_s")),
                      _fmt(get("kfac", "peak_rss_gb"), "%.2f"),
                      _fmt(get("adam", "peak_rss_gb"), "%.2f"),
-                     _fmt(get("kfac", "ms_per_step"), "%.1f"),
-                     _fmt(get("adam", "ms_per_step"), "%.1f"),
-                     _fmt(get("muon", "ms_per_step"), "%.1f"),
+                     " / ".join(_fmt(get(o, "ms_per_step"), "%.1f")
+                                for o in names),
                      ratio(get("kfac", "ms_per_step"),
                            get("adam", "ms_per_step")),
-                     " / ".join(_fmt(at_steps.get(o)) for o in OPTIMIZERS),
-                     " / ".join(_fmt(at_time.get(o)) for o in OPTIMIZERS),
+                     " / ".join(_fmt(at_steps.get(o)) for o in names),
+                     " / ".join(_fmt(at_time.get(o)) for o in names),
                      " / ".join(_fmt(get(o, "val_accuracy")) for o in
-                                OPTIMIZERS),
+                                names),
                      (" errors: " + "; ".join(errors)) if errors else ""))
   return "\n".join(lines)
 
