@@ -24,7 +24,10 @@ offline copy is present (`make data`), else random class templates plus
 noise; the sequence tasks are synthetic: "which of four marker tokens
 occurs most often" for the text classifiers, and sequences x[t+1] = (a x[t]
 + b) mod 32 with a per-sequence (a, b) for the GPT (the model must infer
-(a, b) from the context).
+(a, b) from the context). Pixels are in [0, 1], except for EfficientNetB0,
+which gets them in [0, 255]: its first layer is a Rescaling(1/255) (the
+keras.applications documentation: EfficientNet takes [0, 255] pixels). Fed
+[0, 1], every optimizer trained it on inputs 255 times too small.
 """
 
 import numpy as np
@@ -199,7 +202,8 @@ def _affine_sequences(n, seed):
 def data(name, n, seed=0):
   """(x, y) numpy arrays: n examples for model `name`."""
   if name in IMAGE_MODELS:
-    return _images(n, seed)
+    x, y = _images(n, seed)
+    return (x * 255. if name == "efficientnetb0" else x), y
   if name == "gpt":
     return _affine_sequences(n, seed)
   return _counting(n, seed)
