@@ -73,6 +73,18 @@ def test_zoo_model_trains_with_every_layer_under_a_kronecker_block(name):
   assert losses[-1] < 0.97 * losses[0], losses
 
 
+def test_images_reach_each_application_in_its_documented_range():
+  # EfficientNetB0 starts with Rescaling(1/255): it takes [0, 255] pixels;
+  # the other image models take the data as it is, in [0, 1].
+  model = zoo_models.build("efficientnetb0")
+  x, _ = zoo_models.data("efficientnetb0", 8, seed=0)
+  scaled = np.asarray(model.get_layer("rescaling")(x))
+  assert scaled.min() >= 0.0 and 0.5 < scaled.max() <= 1.0
+  for name in ("mobilenetv2", "resnet50", "bn_resnet", "vit"):
+    x, _ = zoo_models.data(name, 8, seed=0)
+    assert x.min() >= 0.0 and 0.5 < x.max() <= 1.0, name
+
+
 def test_weight_shares_reads_the_report():
   # A hand-written report: "d" (8 weights) under a Kronecker block, "c" (4)
   # under a diagonal one, "r" (7) fell back to the generic diagonal.
