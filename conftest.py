@@ -30,6 +30,7 @@ collected test passed in one of the tiers.
 
 import gc
 import importlib.util
+import pathlib
 import time
 
 import pytest
@@ -76,6 +77,45 @@ def pytest_collection_finish(session):
   gc.collect()
   gc.freeze()
   gc.set_threshold(20000, 20, 20)
+
+
+# ------------------------------------------------------------- tiers
+_SLOW_CASES = pathlib.Path(__file__).parent / "kfac" / "python" / \
+    "kernel_tests" / "slow_cases.txt"
+
+
+def _case_key(item):
+  """"file.py::test[params]" of a collected test."""
+  return "%s::%s" % (item.path.name, item.nodeid.split("::", 1)[1])
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+  """Marks the cases listed in kernel_tests/slow_cases.txt `slow` (fast-tier
+  cases measured at 3 s or more: docs/testing.md). A listed case that its
+  file, collected, no longer has is a usage error: the list must not keep
+  names that mark nothing."""
+  if not _SLOW_CASES.parent.is_dir():
+    return  # a copy of this plugin outside the project (ci_plugin_test)
+  listed = set()
+  for line in _SLOW_CASES.read_text(encoding="utf-8").splitlines():
+    line = line.split("#", 1)[0].strip()
+    if line:
+      listed.add(line)
+  seen, files = set(), set()
+  for item in items:
+    key = _case_key(item)
+    files.add(item.path.name)
+    if key in listed:
+      item.add_marker(pytest.mark.slow)
+      seen.add(key)
+  if any("::" in str(arg) for arg in config.args):
+    return  # single tests named on the command line: files not whole
+  stale = sorted(k for k in listed - seen if k.split("::")[0] in files)
+  if stale:
+    raise pytest.UsageError(
+        "%s lists test cases that their files do not collect (renamed or "
+        "removed?): %s" % (_SLOW_CASES, ", ".join(stale)))
 
 
 # ------------------------------------------------------------- no skips

@@ -298,6 +298,7 @@ def _qmodel_reference(reference, precon_mat, prev_delta, damping, l2_reg,
   return vecs @ x, -x[0], x[1], change
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("variant", ["qmodel", "fixedmu", "rescale_l2",
                                      "sub_batch"])
@@ -511,6 +512,7 @@ def test_calibration_rule_bisects_in_log_space():
       [1e-7, ln10, -1.0])
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("momentum_type, initial", [("qmodel", 1e3),
                                                     ("regular", 1e-4)])

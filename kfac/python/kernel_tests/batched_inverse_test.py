@@ -53,6 +53,7 @@ def _build(_):
   return [{"batched": batched, "single": single, "unsafe": unsafe}]
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ["graph", "function"])
 def test_values_equal_damped_inverse_of_each(world):
   (out,) = reference.run_stages(world, [], _build)

@@ -56,6 +56,7 @@ def _loss():
   return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_fit_traces_the_step_once():
   for adaptive in (True, False):
     model = _model()
@@ -125,6 +126,7 @@ def _step_graph_size(depth, adaptive=True):
       len(f.node_def) for f in graph_def.library.function)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_step_graph_grows_linearly_with_depth():
   sizes = {d: _step_graph_size(d) for d in (1, 2, 4)}
   first, second = sizes[2] - sizes[1], (sizes[4] - sizes[2]) / 2
@@ -192,6 +194,7 @@ def _count_model_calls(model):
   return count
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_damping_rule_reuses_the_training_loss_in_fit():
   """With adaptive=True (calibration in burn-in, then the damping rule) the
   loss before the update is fit's own training loss (the same value: the

@@ -256,6 +256,7 @@ def _sym_power(mat, p):
 
 
 # ------------------------------------------------------------------ tests
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", [  # eager: the same math, slow tier
     pytest.param("eager", marks=pytest.mark.slow), "graph"])
 @pytest.mark.parametrize("model", ["zoo", "variants"])
@@ -407,6 +408,7 @@ def test_refresh_in_tf_function_and_checkpoint_round_trip(world_factory):
   np.testing.assert_array_equal(other.solvevec(v).numpy(), before_solve)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_refresh_from_the_estimator_of_a_later_trace(world_factory):
   w = world_factory("eager")
   op = w.operator()

@@ -298,7 +298,7 @@ def _sampled_input_statistic(world, x, options, dynamic=False, draws=1,
   return ref.run_stages(world, [filt], build)[-1]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_sub_sample_inputs_keeps_a_fifth_of_the_examples(world, dynamic):
   rng = np.random.RandomState(6)
@@ -322,6 +322,7 @@ def test_sub_sample_inputs_keeps_a_fifth_of_the_examples(world, dynamic):
   assert len(ex) == 3
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_sub_sampled_inputs_statistic_is_unbiased():
   """The mean over draws of the sub-sampled statistic converges to the
   full-batch one: within 6 standard errors of the draws, and the draws

@@ -69,6 +69,7 @@ def _run(world, placement, **extra):
   return [v.numpy() for v in vs], None
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ["tf1", "tf2"])
 def test_one_replica_trains_as_the_default_placement(world):
   default, _ = _run(world, None)

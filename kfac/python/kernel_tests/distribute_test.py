@@ -44,6 +44,10 @@ import kfac
 _ALL_CASES = ["dense:periodic", "conv:periodic", "embedding:periodic",
               "multi_use:periodic", "dense:qmodel", "conv:regular",
               "conv:adaptive", "dense:adaptive_delayed"]
+_FOUR_REPLICA_CASES = ["dense:periodic", "conv:periodic",
+                       "embedding:periodic", "multi_use:periodic",
+                       "conv:regular", "conv:adaptive",
+                       "dense:adaptive_delayed"]
 REL_TOL = 1e-5
 RECORDS_REL_TOL = 1e-4
 BASIS_REL_TOL = 1e-4
@@ -118,11 +122,17 @@ def test_two_replicas_equal_one_tf2():
 @pytest.mark.parametrize("world", ["tf1", "tf2"])
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_replicas_equal_one(world, replicas):
-  cases = list(_ALL_CASES)
+  # Two replicas run every case; four (on 2 cores, about twice the time per
+  # case) the ones whose reduction or placement depends on the replica
+  # count: a factor of each kind, the damping rules, the round-robin
+  # placement and the lazy sync. The options that only rescale or reorder
+  # what those cases reduce (Estimator-style losses, EKFAC's scalings,
+  # uneven shards) run on two.
+  cases = list(_ALL_CASES if replicas == 2 else _FOUR_REPLICA_CASES)
   if replicas == 2:
     # shards of 3 and 5 examples
     cases.extend(["dense:periodic:uneven", "dense:adaptive:uneven"])
-  if world == "tf1":
+  if world == "tf1" and replicas == 2:
     # Unscaled losses, built as an Estimator builds its step:
     # compute_gradients scales them by 1 / R.
     cases.extend(["dense:periodic:estimator", "conv:adaptive:estimator"])
@@ -131,7 +141,10 @@ def test_replicas_equal_one(world, replicas):
   # conditional, a multi-use layer, an embedding, the damping rule).
   placed = ["conv:regular", "multi_use:periodic", "conv:adaptive",
             "embedding:periodic", "dense:periodic:ekfac"]
-  cases.append("dense:periodic:ekfac")
+  if replicas == 4:
+    placed = ["conv:regular", "multi_use:periodic", "embedding:periodic"]
+  else:
+    cases.append("dense:periodic:ekfac")
   cases.extend(case + ":replica_round_robin" for case in placed)
   # Statistics reduced only at inversion steps: the same steps as the eager
   # sync (Kronecker factors; the damping rule; with the placement above).
@@ -141,9 +154,9 @@ def test_replicas_equal_one(world, replicas):
   if replicas == 2:
     cases.append("dense:periodic:uneven:lazy_statistics_sync")
   # EKFAC: the scalings are means over the global batch like the factors.
-  cases.extend(["embedding:periodic:ekfac",
-                "multi_use:periodic:ekfac", "conv:regular:ekfac:uneven"
-                if replicas == 2 else "conv:regular:ekfac"])
+  cases.extend(["embedding:periodic:ekfac", "multi_use:periodic:ekfac",
+                "conv:regular:ekfac:uneven"] if replicas == 2 else
+               ["conv:regular:ekfac"])
   # A diagonal factor (the embedding's inputs) reads its moving average at
   # every step, which the lazy sync updates only at inversion steps: the
   # steps differ from the eager sync's, but the replicas still agree.

@@ -242,6 +242,7 @@ def test_weight_shared_dense(world, approx):
   assert ekfac_err <= kfac_err, (ekfac_err, kfac_err)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_per_example_and_gramian_strategies_agree():
   out = {}
   for strategy in ("per_example", "gramian"):
@@ -329,6 +330,7 @@ def _dense_products(item):
   return q, d
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS)
 def test_damped_products_powers_and_cholesky(world):
   inits = ref.mlp_inits(util.SIZES, seed=16)

@@ -39,6 +39,7 @@ def _periodic(mode, **kwargs):
                                                      **options)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("mode", ["exact", "empirical"])
 def test_tf1_session_and_tf2_function_train_identically(mode):
   inits = ref.mlp_inits((5, 8, 6, 3), seed=90, dtype=np.float32)
@@ -101,6 +102,7 @@ def test_sampled_mode_trains_in_tf_function():
   assert losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("mode", ["exact", "gradients"])
 def test_keras_fit_equals_tf1_graph_steps(mode):
   model, _ = keras_case._compile(  # pylint: disable=protected-access

@@ -131,6 +131,7 @@ def _mv_build(store, x, targets, mode, approx=None, generic=None):
   return build
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_ggn_modes_equal_the_exact_ggn_not_the_fisher(world):
   inits = _mv_inits(30)

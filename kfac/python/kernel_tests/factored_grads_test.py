@@ -189,6 +189,7 @@ def _train_tf1(adaptive, static_batch):
   return out
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_tf1_training_equals_plain(adaptive, plain_only):
   got = _train_tf1(adaptive, static_batch=False)
@@ -321,6 +322,7 @@ def _nan_gradient(t):
   return tf.identity(t), lambda dy: dy * np.nan
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("control_flow", ["v2", "v1"])
 def test_factored_step_does_not_compute_the_products(control_flow):
   """At 3 rows every layer takes the factored form: the four weight

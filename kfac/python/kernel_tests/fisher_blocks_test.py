@@ -112,6 +112,7 @@ def test_kron_products_equal_dense_pi_damped_products(world, approx):
                                  rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("approx", ["kron", "diagonal"])
 def test_cholesky_products_reproduce_the_damped_block(world, approx):

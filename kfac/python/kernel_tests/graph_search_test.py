@@ -608,6 +608,7 @@ def test_pattern_matcher_bindings_choice_and_consumed():
     assert compiled(x, {}, set(), lambda bind, _: bind["t"] is x)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_pattern_matcher_works_on_func_graphs():
   w = tf.Variable(tf.ones([3, 2]))
   found = {}

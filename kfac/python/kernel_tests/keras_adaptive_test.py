@@ -112,6 +112,7 @@ def _tf1_adaptive_reference(steps, qmodel_rows=None, **core_kwargs):
                            learning_rate=opt.learning_rate, rho=opt.rho))
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("calibrate, fraction", [(False, None), (True, None),
                                                 (False, 0.3)])
 def test_adaptive_fit_equals_tf1_graph_steps(calibrate, fraction):
@@ -214,6 +215,7 @@ def test_adaptive_xla_and_exact_resume(tmp_path):
       plain_opt.damping.numpy())
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_adaptive_custom_loop_with_set_train_batch():
   reference, _ = _adaptive(base.sequential_model())
   base._fit(reference, 0, 3)  # pylint: disable=protected-access
@@ -338,6 +340,7 @@ def test_adapted_hyperparameters_cannot_be_set():
 FIXED = dict(momentum_type="regular", learning_rate=0.05, momentum=0.9)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_fixed_rate_fit_equals_tf1_graph_steps():
   model, opt = _adaptive(base.sequential_model(), **FIXED)
   base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
@@ -413,6 +416,7 @@ def _report_row(opt, layer):
   return rows[0]
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_recipe_registration_defaults_unless_told_otherwise():
   """adaptive=True registers kron convolutions with the recipe's
   sub_sample_patches (recipe.conv_registration_options()) and batch norms
@@ -452,6 +456,7 @@ def _depthwise_recipe_fit(**kfac_kwargs):
                      kfac_kwargs)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_recipe_sub_samples_depthwise_patch_rows_unless_told_otherwise():
   """adaptive=True gives a depthwise conv's per-channel kron block the
   recipe's sub_sample_patches too; registration_options of the layer

@@ -387,6 +387,7 @@ def _mlp():
       tf_keras.layers.Dense(1, kernel_initializer=_init((8, 1), 3))])
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_graph_model_fit_and_session_loop():
   with _graph():
     model = _mlp()

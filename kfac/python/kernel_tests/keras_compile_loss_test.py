@@ -49,6 +49,7 @@ def _assert_differ(a, b):
   assert max(float(np.max(np.abs(u - v))) for u, v in zip(a, b)) > 1e-4
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_loss_from_compile_takes_the_steps_of_the_loss_given_to_kfac():
   loss = "sparse_categorical_crossentropy"
   both = _train(_one_output(), dict(loss=loss), dict(loss=loss), X, Y_CLASS)
@@ -68,6 +69,7 @@ def test_other_spellings_of_the_same_loss_agree():
   _assert_same(got, want)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_loss_weights_from_compile():
   losses, weights = ["mse", "mse"], [1.0, 0.3]
   given = _train(_two_outputs(), dict(loss=losses, loss_weights=weights),

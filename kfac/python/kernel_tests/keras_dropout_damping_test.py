@@ -138,6 +138,7 @@ def _one_adaptive_step(model, how):
   return opt
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("how", [
     "fit", pytest.param("fit_xla", marks=pytest.mark.slow),  # XLA compile
     "custom_loop"])
@@ -226,6 +227,7 @@ def _noisy_sequence_model():
   return keras.Model(inputs, out)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_every_random_layer_replays_the_training_pass():
   keras.utils.set_random_seed(0)
   model = _noisy_sequence_model()
@@ -310,6 +312,7 @@ class _NoTrainingArgument(keras.Model):
     return self.out(self.drop(self.hidden(x)))
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_which_dropout_is_replayed_in_each_flavour():
   """The rule's loss before the update equals the training loss (float32,
   rtol 1e-6) for Keras 3's Dropout (also in a subclassed model whose call

@@ -104,6 +104,7 @@ def _factors(opt):
           if "/cov" in k or k.endswith("cov")}
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("kind", ["categorical", "binary"])
 def test_preconditioned_gradient_is_the_smoothed_one(kind):
   _, opt, _, _, _, got, want = _one_step(kind, SMOOTHING)

@@ -233,6 +233,7 @@ def test_custom_loop_takes_the_same_steps_as_fit():
     _assert_weights(model.get_weights(), reference.get_weights(), rtol=1e-5)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("how", ["get_layer_collection", "register_layer"])
 def test_core_optimizer_with_keras_registration(how):
   """kfac.keras.utils registrations drive the core optimizer in a custom
@@ -305,6 +306,7 @@ def test_save_load_resumes_exactly(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_checkpoint_resumes_exactly(tmp_path):
   full, _ = _compile(sequential_model())
   full_losses = _fit(full, 0, 3)
@@ -626,6 +628,7 @@ def _conv_fit(**kfac_kwargs):
   return model.get_weights(), opt
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_conv_registration_options_reach_the_registration():
   plain, _ = _conv_fit()
   # A patch budget above the number of patches keeps them all: same steps.

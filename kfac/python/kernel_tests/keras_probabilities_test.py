@@ -225,6 +225,7 @@ def float64_keras():
     yield
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fisher_on_probabilities_tf_function(case, float64_keras):
   del float64_keras
@@ -279,6 +280,7 @@ def test_fisher_on_probabilities_tf1_graph_tf_keras(case):
 
 
 # ------------------------------------------------------------ training
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_kfac_fits_an_ensemble_of_sigmoid_models():
   """kfac 0.2.x's testTrainingNestedModel, in Keras 3 with model.fit."""
   keras.utils.set_random_seed(0)

@@ -260,6 +260,7 @@ def test_fisher_approx_by_cell_name():
       ["FullyConnectedKFACReduceFB"] * 3), report
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_mixed_float16_registers_the_kronecker_blocks_and_steps():
   """Under mixed_float16 the layer reads its kernels through autocast
   views: the formulation reads them the same way (float16 compute, float32

@@ -917,6 +917,7 @@ def _reference_steps(branches, init, head_approx=None, steps=2):
 _SLOW_GROUPS = ("recurrent", "gru_reset_before")
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("group", [
     pytest.param(g, marks=pytest.mark.slow) if g in _SLOW_GROUPS else g
     for g in sorted(ZOO)])

@@ -129,6 +129,7 @@ def test_backup_and_restore_per_epoch_resumes_bit_for_bit(tmp_path):
   _assert_identical(_state(resumed), _uninterrupted())
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_backup_and_restore_per_steps_resumes_bit_for_bit(tmp_path):
   backup = str(tmp_path / "backup")
   # Saved after every 2 steps (counted across epochs): the last backup is
@@ -157,6 +158,7 @@ def test_backup_and_restore_per_steps_resumes_bit_for_bit(tmp_path):
   _assert_identical(_state(resumed), want)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("weights_only", [True, False])
 def test_model_checkpoint_resumes_bit_for_bit(tmp_path, weights_only):
   path = str(tmp_path / ("ckpt.weights.h5" if weights_only else "ckpt.keras"))
@@ -172,6 +174,7 @@ def test_model_checkpoint_resumes_bit_for_bit(tmp_path, weights_only):
   _assert_identical(_state(resumed), _uninterrupted())
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("how", [
     "save_weights", "save",
     pytest.param("keras_load_model", marks=pytest.mark.slow)])  # 19 s
@@ -224,6 +227,7 @@ def test_load_of_a_truncated_file_names_it(tmp_path):
   assert "truncated file" in str(info.value), repr(info.value)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_tf_checkpoint_errors_stay_tensorflows(tmp_path):
   """tf.train.Checkpoint (what tf_keras's BackupAndRestore writes): a
   Dense(16) checkpoint restored into Dense(32) fails in restore() with

@@ -73,6 +73,7 @@ def test_zoo_model_trains_with_every_layer_under_a_kronecker_block(name):
   assert losses[-1] < 0.97 * losses[0], losses
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_images_reach_each_application_in_its_documented_range():
   # EfficientNetB0 starts with Rescaling(1/255): it takes [0, 255] pixels;
   # the other image models take the data as it is, in [0, 1].

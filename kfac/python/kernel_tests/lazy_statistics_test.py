@@ -171,6 +171,7 @@ def _tf1_run(mode, lazy_on, x, labels):
       return sess.run(variables), sess.run(covs), tanh_grads
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("mode", ["gradients", "empirical", "exact"])
 def test_tf1_statistics_backward_only_on_update_steps(mode, control_flow):
   del control_flow

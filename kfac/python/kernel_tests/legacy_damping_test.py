@@ -74,6 +74,7 @@ def _trajectory(trainer, batches):
   return out
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS)
 def test_running_maybe_pre_update_adapt_damping_adapts_once(world):
   batches = base._batches(5)  # pylint: disable=protected-access
@@ -177,6 +178,7 @@ def test_maybe_pre_update_adapt_damping_needs_a_graph():
 
 
 # --------------------------------------- include_damping_in_qmodel_change
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS)
 def test_qmodel_change_with_the_damping_term(world):
   damping, l2_reg = 0.05, 0.01

@@ -126,6 +126,7 @@ def _run_one_step(world, **opt_kwargs):
   return rows, total, _factor_bytes(opt._store, lc)
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", WORLDS)
 def test_predicted_equals_allocated(world):
   rows, total, allocated = _run_one_step(world)

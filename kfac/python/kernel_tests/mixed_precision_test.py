@@ -79,6 +79,7 @@ def _train(world, dtype):
   return [v.numpy().astype(np.float32) for v in variables], stat_dtypes
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_steps_equal_float32_steps(world, dtype):
@@ -146,6 +147,7 @@ def _keras_run(policy, steps=3, **kfac_args):
     keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("policy", [
     pytest.param("mixed_bfloat16", marks=pytest.mark.slow),  # the cast path
     "mixed_float16"])  # of float16 plus the loss scaling's conditional

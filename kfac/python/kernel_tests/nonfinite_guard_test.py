@@ -333,6 +333,7 @@ def _keras_model(keras):
   return model
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("adaptive", [
     False, pytest.param(True, marks=pytest.mark.slow)])  # end to end: fit
 def test_keras_fit_skips_bad_batches_and_goes_on_as_without_them(adaptive):

@@ -206,7 +206,7 @@ def _uses_per_example(kind, block):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("world", ref.WORLDS)
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 def test_factors_and_preconditioned_gradient_are_the_brute_force_ones(
     world, kind):
   inits = _inits(kind, 1)

@@ -163,6 +163,7 @@ def _per_channel_mask(inits):
   return np.kron(np.ones((k, k)), np.eye(m))
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "%s-%s-%s" % c)
 def test_per_channel_equals_exact_channel_blocks(world, case):

@@ -78,7 +78,8 @@ def _train(world, model, w_shape, x_shape, rows_stats, rows_model):
   step(tf.constant(x_s), tf.constant(x_m))
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [  # the function world: slow tier
+    "graph", pytest.param("function", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(MODELS))
 def test_run_time_row_mismatch_names_the_culprit(world, case):
   model, w_shape, x_shape, culprit = MODELS[case]

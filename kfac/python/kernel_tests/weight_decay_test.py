@@ -129,6 +129,7 @@ def _max_diff(a, b):
              for u, v in zip(a, b))
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("steps", [1, 2])
 def test_decay_equals_step_plus_hand_decay(adaptive, steps):
@@ -332,6 +333,7 @@ def _core_build(momentum_type, decay, mask=None, hand=False):
   return build
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ["graph", "function"])
 @pytest.mark.parametrize("momentum_type", ["regular", "qmodel"])
 def test_core_decay_in_session_and_function(world, momentum_type):
