@@ -10,7 +10,10 @@ checks the outcomes and the exit code:
   usual skips (so it is the option that turns them into failures);
 - --time_budget: the tests left when the budget is used fail as "not run",
   also under pytest-xdist, and the exit code is not 0;
-- --run_log and check_all_ran.py: every collected test must have passed.
+- --run_log and check_all_ran.py: every collected test must have passed;
+- kernel_tests/slow_cases.txt: the listed cases are marked slow (out of the
+  fast tier, in the slow one), and a listed name that its file no longer
+  collects fails the collection.
 """
 
 import importlib.util
@@ -202,3 +205,41 @@ def test_check_all_ran_fails_on_a_test_that_did_not_pass(tmp_path):
   with pytest.raises(SystemExit, match="not a run log line"):
     checker.check([str(log)], io.StringIO())
 
+
+
+PARAMS = """
+import pytest
+
+def test_a():
+  pass
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_b(n):
+  pass
+"""
+
+
+def _slow_cases(pytester, text):
+  """The plugin's list of slow cases, at its place under the test root."""
+  listed = pytester.path / "kfac" / "python" / "kernel_tests"
+  listed.mkdir(parents=True)
+  (listed / "slow_cases.txt").write_text(text)
+
+
+def test_listed_cases_are_slow_and_stale_names_fail(pytester):
+  _project(pytester)
+  _slow_cases(pytester, "# the long one\ntest_params.py::test_b[2]\n")
+  pytester.makeini("[pytest]\nfail_on_skip = true\nmarkers =\n    slow: x\n")
+  pytester.makepyfile(test_params=PARAMS)
+  fast = pytester.runpytest("-m", "not slow", "-v")
+  fast.assert_outcomes(passed=2, deselected=1)
+  assert "test_b[2]" not in fast.stdout.str()
+  slow = pytester.runpytest("-m", "slow", "-v")
+  slow.assert_outcomes(passed=1, deselected=2)
+  assert "test_params.py::test_b[2] PASSED" in slow.stdout.str()
+  # A renamed case: the list names what its file no longer collects.
+  (pytester.path / "kfac/python/kernel_tests/slow_cases.txt").write_text(
+      "test_params.py::test_b[3]\n")
+  stale = pytester.runpytest("-m", "not slow")
+  assert stale.ret == pytest.ExitCode.USAGE_ERROR
+  assert "test_params.py::test_b[3]" in stale.stderr.str()
