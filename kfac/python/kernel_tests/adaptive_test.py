@@ -250,6 +250,13 @@ class Trainer:
         qmodel_change=self.opt.qmodel_change, rho=self.opt.rho,
         damping=self.opt.damping))
 
+  def inverses(self):
+    """{name: value} of the factors' inverse variables."""
+    return self.read(lambda: {
+        k: tf.convert_to_tensor(v) for k, v in
+        self.opt.state_store.variables_by_name.items()
+        if "/matpow" in k or "/chol" in k})
+
   def precon_matrix(self, damping):
     """Dense damped K-FAC matrix: the generic blocks' statistics + damping."""
     state = self.read(lambda: {k: tf.convert_to_tensor(v) for k, v in
@@ -514,16 +521,21 @@ def test_calibration_rule_bisects_in_log_space():
 
 @pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
-@pytest.mark.parametrize("momentum_type, initial", [("qmodel", 1e3),
-                                                    ("regular", 1e-4)])
-def test_damping_calibration_during_burn_in(world, momentum_type, initial):
+@pytest.mark.parametrize("momentum_type, initial, calibration_steps", [
+    ("qmodel", 1e3, None), ("regular", 1e-4, None), ("qmodel", 1e3, 3)])
+def test_damping_calibration_during_burn_in(world, momentum_type, initial,
+                                            calibration_steps):
   """Each burn-in step tries the step's update on its batch and puts the
   parameters back bit for bit; rho of the trial equals the reference and
   the damping moves as calibrated_damping says (replayed here on the
-  reference rho); the first real step uses the calibrated damping."""
+  reference rho); the first real step uses the calibrated damping. With
+  num_calibration_steps=k only the last k burn-in steps do so: the ones
+  before gather statistics and compute no inverse."""
   burnin = 4
   kwargs = dict(damping=initial, num_burnin_steps=burnin,
-                calibrate_damping=True)
+                calibrate_damping=True,
+                num_calibration_steps=calibration_steps)
+  skipped = 0 if calibration_steps is None else burnin - calibration_steps
   if momentum_type == "qmodel":
     kwargs.update(learning_rate=None, momentum=None, momentum_type="qmodel")
   else:
@@ -532,11 +544,18 @@ def test_damping_calibration_during_burn_in(world, momentum_type, initial):
   batches = _batches(burnin + 1)
   log_step, direction = np.log(10.0), 0.0
   start = trainer.params()
-  for batch in batches[:burnin]:
+  for i, batch in enumerate(batches[:burnin]):
     damping = trainer.records()["damping"]
     trainer.step(batch)
     for a, b in zip(trainer.params(), start):
       np.testing.assert_array_equal(a, b)  # restored exactly
+    inverses = trainer.inverses()
+    assert inverses and (i < skipped) == all(
+        not np.any(v) for v in inverses.values()), (i, skipped)
+    if i < skipped:  # statistics only
+      assert trainer.records()["damping"] == damping
+      assert trainer.read(lambda: trainer.opt.burnin_counter) == i + 1
+      continue
     reference = Reference(start, *batch)
     precon = trainer.precon_matrix(damping)
     if momentum_type == "qmodel":
@@ -598,6 +617,17 @@ def test_damping_calibration_during_burn_in(world, momentum_type, initial):
      "num_burnin_steps > 0"),
     (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3),
      "calibrate_damping=True needs loss_fn"),
+    (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3,
+          num_calibration_steps=4),
+     r"num_calibration_steps must be an integer from 1 to num_burnin_steps "
+     r"\(3\), got 4"),
+    (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3,
+          num_calibration_steps=0), "num_calibration_steps must be"),
+    (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3,
+          num_calibration_steps=1.5), "num_calibration_steps must be"),
+    (dict(learning_rate=0.1, calibrate_damping=False, num_burnin_steps=3,
+          num_calibration_steps=2),
+     "num_calibration_steps=2 is for calibrate_damping=True"),
 ])
 def test_argument_errors(kwargs, match):
   args = dict(damping=0.1)

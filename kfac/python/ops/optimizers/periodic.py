@@ -5,8 +5,9 @@
    it only adds the mini-batch statistics to an arithmetic mean (no
    parameter update, no inverses; with `calibrate_damping=True`, also the
    inverses and a trial of the update that calibrates the damping, see
-   adaptive/damping_mixin.py). These calls do not advance the optimizer's
-   `counter` nor `global_step`;
+   adaptive/damping_mixin.py, on the last `num_calibration_steps` of them:
+   by default all). These calls do not advance the optimizer's `counter`
+   nor `global_step`;
 2. afterwards, at step t (the `counter`, which starts at 0 after burn-in),
    it updates the statistics' moving averages when t % cov_update_every ==
    0,
@@ -35,9 +36,16 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
   """KfacOptimizer that updates statistics and inverses periodically."""
 
   def __init__(self, invert_every=10, cov_update_every=1, num_burnin_steps=0,
-               calibrate_damping=False, **kfac_kwargs):
+               calibrate_damping=False, num_calibration_steps=None,
+               **kfac_kwargs):
     """See the module docstring; `calibrate_damping=True` needs
-    num_burnin_steps > 0 and loss_fn / train_batch (as adapt_damping)."""
+    num_burnin_steps > 0 and loss_fn / train_batch (as adapt_damping).
+
+    num_calibration_steps: with calibrate_damping, how many of the burn-in
+      steps (the last ones) try the update and move the damping, each
+      recomputing every inverse; the ones before only gather statistics,
+      so that the first call returns without inverting anything. None: all
+      of them."""
     for arg, value, low in (("invert_every", invert_every, 1),
                             ("cov_update_every", cov_update_every, 1),
                             ("num_burnin_steps", num_burnin_steps, 0)):
@@ -52,6 +60,20 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
           "calibrate_damping=True calibrates the damping during the burn-in "
           "steps: pass num_burnin_steps > 0 (e.g. 10).")
     self._calibrate_damping = bool(calibrate_damping)
+    if not calibrate_damping:
+      if num_calibration_steps is not None:
+        raise ValueError("num_calibration_steps=%r is for calibrate_damping="
+                         "True." % (num_calibration_steps,))
+      num_calibration_steps = 0
+    elif num_calibration_steps is None:
+      num_calibration_steps = self._num_burnin_steps
+    elif (int(num_calibration_steps) != num_calibration_steps or
+          not 1 <= num_calibration_steps <= self._num_burnin_steps):
+      raise ValueError(
+          "num_calibration_steps must be an integer from 1 to "
+          "num_burnin_steps (%d), got %r." % (self._num_burnin_steps,
+                                              num_calibration_steps))
+    self._num_calibration_steps = int(num_calibration_steps)
     if kfac_kwargs.get("cov_ema_decay") is not None:
       decay = arguments.check(type(self).__name__, "cov_ema_decay",
                               kfac_kwargs["cov_ema_decay"],
@@ -74,6 +96,11 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
   @property
   def calibrate_damping(self):
     return self._calibrate_damping
+
+  @property
+  def num_calibration_steps(self):
+    """The burn-in steps that calibrate the damping (0 without it)."""
+    return self._num_calibration_steps
 
   @property
   def burnin_counter(self):
@@ -103,9 +130,17 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
 
     with tf.name_scope(name or self.get_name()):
       counter = tf.convert_to_tensor(self.counter)
+      calibrating = None
       if self._num_burnin_steps > 0:
-        in_burnin = tf.convert_to_tensor(self.burnin_counter) < tf.constant(
-            self._num_burnin_steps, tf.int64)
+        burnin_counter = tf.convert_to_tensor(self.burnin_counter)
+        in_burnin = burnin_counter < tf.constant(self._num_burnin_steps,
+                                                 tf.int64)
+        if self._calibrate_damping:
+          calibrating = in_burnin
+          first = self._num_burnin_steps - self._num_calibration_steps
+          if first > 0:
+            calibrating = tf.logical_and(
+                in_burnin, burnin_counter >= tf.constant(first, tf.int64))
       else:
         in_burnin = tf.constant(False)
       do_cov = tf.equal(counter % self._cov_update_every, 0)
@@ -135,7 +170,7 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
             tf.logical_not(in_burnin),
             tf.equal(counter % self._invert_every, 0))
         if self._calibrate_damping:
-          do_inv = tf.logical_or(in_burnin, do_inv)
+          do_inv = tf.logical_or(calibrating, do_inv)
         if ok is not None:
           do_inv = tf.logical_and(do_inv, ok)
         # Inverse updates that talk to other replicas (replica_round_robin)
@@ -156,7 +191,7 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
                        tf.logical_not(in_burnin), ok)
         calibrated = []
         if self._calibrate_damping:
-          calibrated = [utils.cond_op(_both(in_burnin, ok),
+          calibrated = [utils.cond_op(_both(calibrating, ok),
                                       lambda: self._calibration_op(update))]
         with tf.control_dependencies(calibrated):
           stepped = self._commit(update, active=active)
