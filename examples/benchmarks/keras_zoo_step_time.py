@@ -21,7 +21,7 @@ Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
 what else runs on the machine; every configuration is built and warmed up
 with `--warmup_steps` steps (past K-FAC's 5 burn-in steps, whose inverses
-are recomputed on every step), then the configurations alternate in
+are recomputed on every step but the first), then the configurations alternate in
 `--rounds` rounds (order reversed every other round) of one `fit` call of
 `--steps` steps each (a multiple of the inverse period, 10). ms/step is
 the process CPU time of the fit call / steps, the best round (the least

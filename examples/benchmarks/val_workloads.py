@@ -73,6 +73,8 @@ KFAC_VARIANTS = {
     "kfac_wd3": {"weight_decay": 1e-3},
     "kfac_l2": {"l2_reg": 1e-5},
     "kfac_damping_1e-2": {"damping": 1e-2},
+    # The recipe before its first burn-in step gathered statistics only.
+    "kfac_calibrate_all": {"num_calibration_steps": 5},
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
     "kfac_qmodel_quarter": {"qmodel_batch_fraction": 0.25},
     "kfac_qmodel_eighth": {"qmodel_batch_fraction": 0.125},

@@ -153,6 +153,33 @@ def test_adaptive_fit_equals_tf1_graph_steps(calibrate, fraction):
              zip(want["weights"], base._weights())) > 0.05  # pylint: disable=protected-access
 
 
+def test_default_recipe_first_fit_call_inverts_nothing():
+  """The default recipe's first burn-in step only gathers statistics: after
+  the first fit call no inverse has been computed and the damping is the
+  initial one; the next burn-in steps compute them and calibrate."""
+  model = base.sequential_model()
+  model.set_weights(base._weights())  # pylint: disable=protected-access
+  opt = kfac.keras.optimizers.Kfac(
+      model=model, adaptive=True, loss="sparse_categorical_crossentropy",
+      seed=base.SEED)
+  model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+  core = opt.kfac_optimizer
+
+  def inverses():
+    values = [v.numpy() for k, v in core.state_store.variables_by_name.items()
+              if "/matpow" in k or "/chol" in k]
+    assert values
+    return values
+  base._fit(model, 0, 1)  # pylint: disable=protected-access
+  assert int(core.burnin_counter) == 1
+  assert not any(np.any(v) for v in inverses())
+  assert float(opt.damping.numpy()) == recipe.INITIAL_DAMPING
+  base._fit(model, 1, 2)  # pylint: disable=protected-access
+  assert int(core.burnin_counter) == 2
+  assert all(np.any(v) for v in inverses())
+  assert float(opt.damping.numpy()) != recipe.INITIAL_DAMPING
+
+
 @pytest.mark.slow  # the recipe's defaults (2 fits, as above)
 def test_default_recipe_without_damping():
   """Kfac(adaptive=True) without damping is the default recipe: the same
@@ -161,6 +188,15 @@ def test_default_recipe_without_damping():
   default = kfac.keras.optimizers.Kfac(adaptive=True)
   assert default.kfac_optimizer.num_burnin_steps == (
       recipe.NUM_BURNIN_STEPS)
+  assert default.kfac_optimizer.num_calibration_steps == (
+      recipe.NUM_CALIBRATION_STEPS) == recipe.NUM_BURNIN_STEPS - 1
+  # A number of burn-in steps of the user's: all of them calibrate.
+  user = kfac.keras.optimizers.Kfac(adaptive=True, num_burnin_steps=3)
+  assert user.kfac_optimizer.num_calibration_steps == 3
+  # Without the calibration: the recipe's burn-in steps, none calibrating.
+  plain = kfac.keras.optimizers.Kfac(adaptive=True, calibrate_damping=False)
+  assert plain.kfac_optimizer.num_burnin_steps == recipe.NUM_BURNIN_STEPS
+  assert plain.kfac_optimizer.num_calibration_steps == 0
   steps, burnin = N_STEPS, 1  # the test data has three batches
   model, opt = _adaptive(base.sequential_model(), damping=None,
                          num_burnin_steps=burnin)

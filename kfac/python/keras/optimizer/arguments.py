@@ -136,7 +136,13 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
         # without its momentum, and chose dampings 100x too large:
         # docs/recipe.md.)
         kfac_kwargs.setdefault("calibrate_damping", True)
-        kfac_kwargs.setdefault("num_burnin_steps", recipe.NUM_BURNIN_STEPS)
+        if "num_burnin_steps" not in kfac_kwargs:
+          kfac_kwargs["num_burnin_steps"] = recipe.NUM_BURNIN_STEPS
+          # (A num_burnin_steps of the user's calibrates on all of them,
+          # unless num_calibration_steps says otherwise.)
+          if kfac_kwargs["calibrate_damping"]:
+            kfac_kwargs.setdefault("num_calibration_steps",
+                                   recipe.NUM_CALIBRATION_STEPS)
   return damping, kfac_kwargs
 
 
@@ -148,8 +154,9 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
     damping: Tikhonov damping added to the Fisher blocks (a float, kept in a
       variable like learning_rate). With adaptive=True it is the initial
       damping and may be left out: the default recipe then starts from 1.0
-      and calibrates it during 5 burn-in steps (calibrate_damping=True,
-      num_burnin_steps=5, in which the weights do not move).
+      and calibrates it during 5 burn-in steps, in which the weights do not
+      move (calibrate_damping=True, num_burnin_steps=5; the first only
+      gathers statistics, the other 4 try the step: num_calibration_steps=4).
     model: the Keras model to train (its layers are watched from now on).
     loss: the model's Keras loss(es) (default: the loss given to compile).
     loss_weights: per-output loss coefficients (as in compile).
@@ -191,7 +198,8 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       and the arguments of
       kfac.PeriodicInvCovUpdateKfacOpt
       (momentum, momentum_type, invert_every, cov_update_every,
-      num_burnin_steps, calibrate_damping, cov_ema_decay, estimation_mode,
+      num_burnin_steps, calibrate_damping, num_calibration_steps,
+      cov_ema_decay, estimation_mode,
       norm_constraint, use_weight_decay and weight_decay_coeff (kfac
       0.2.x's weight decay: not with weight_decay), l2_reg,
       precon_damping_mult, damping_adaptation_interval, min_damping, ...).

@@ -3,7 +3,8 @@ what they must (docs/recipe.md has the measurements behind each value).
 
 `kfac.keras.optimizers.Kfac(adaptive=True)` applies it: learning rate and
 momentum from the exact quadratic model, Levenberg-Marquardt damping
-calibrated during NUM_BURNIN_STEPS burn-in steps from INITIAL_DAMPING, and
+calibrated from INITIAL_DAMPING during the last NUM_CALIBRATION_STEPS of
+NUM_BURNIN_STEPS burn-in steps, and
 a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
 `recipe.adaptive_kwargs()` gives the same arguments for
 `kfac.PeriodicInvCovUpdateKfacOpt` (whose own defaults stay kfac 0.2.x's).
@@ -32,6 +33,13 @@ RELATIVE_MIN_DAMPING = 0.1
 # of 10, then bisecting in log space): the same on every workload.
 INITIAL_DAMPING = 1.0
 NUM_BURNIN_STEPS = 5
+# The burn-in steps that calibrate the damping (the last ones), each
+# recomputing every inverse to try its step; the first burn-in step only
+# gathers statistics. So the first call inverts nothing (a trial on one
+# batch's statistics said least about the damping the averaged ones need),
+# which halved ResNet50's first call (docs/recipe.md, "The first burn-in
+# step"), and the burn-in inverts four times instead of five.
+NUM_CALIBRATION_STEPS = NUM_BURNIN_STEPS - 1
 # Statistics (their sampled backward pass and factor products) every this
 # many steps; measured by time to target in docs/recipe.md.
 COV_UPDATE_EVERY = 2
@@ -59,8 +67,14 @@ def adaptive_kwargs(**overrides):
   kwargs = dict(learning_rate=None, momentum=None, momentum_type="qmodel",
                 damping=INITIAL_DAMPING, adapt_damping=True,
                 calibrate_damping=True, num_burnin_steps=NUM_BURNIN_STEPS,
+                num_calibration_steps=NUM_CALIBRATION_STEPS,
                 relative_min_damping=RELATIVE_MIN_DAMPING,
                 cov_update_every=COV_UPDATE_EVERY)
+  if "num_burnin_steps" in overrides and (
+      "num_calibration_steps" not in overrides):
+    # Another number of burn-in steps calibrates on all of them (the core's
+    # default), as kfac.keras.optimizers.Kfac does with the user's.
+    del kwargs["num_calibration_steps"]
   kwargs.update(overrides)
   return kwargs
 
