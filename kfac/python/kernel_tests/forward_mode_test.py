@@ -365,3 +365,99 @@ def test_attention_ops_take_direct_rules(world, monkeypatch):
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, **TOL)
   assert min(np.abs(w).max() for w in want) > 1e-2
+
+
+def _convnet_ops(x, p):
+  """The ops keras.applications convnets put on the products' path:
+  zero, constant and mirror padding, ReLU6, LeakyReLU, ELU, tf.nn.silu
+  (an IdentityN with a custom gradient), Keras 3's dropout (SelectV2 with
+  a broadcast zero), a v1 Select and a plain IdentityN."""
+  h = tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]])
+  h = tf.nn.conv2d(h, p["w1"], 1, "VALID")
+  h = tf.nn.relu6(3.0 * h)
+  h = tf.pad(h, [[0, 0], [1, 0], [0, 1], [0, 0]], constant_values=0.25)
+  h = tf.pad(h, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
+  h = tf.nn.depthwise_conv2d(h, p["dw"], [1, 1, 1, 1], "VALID")
+  h = tf.nn.silu(h) + tf.nn.leaky_relu(h, alpha=0.3)
+  h = tf.nn.elu(h)
+  masks = np.random.RandomState(0)  # the same masks on every call
+  keep = tf.constant(masks.rand(*h.shape.as_list()) > 0.3)
+  h = tf.where(keep, h / 0.7, tf.zeros([], h.dtype))           # SelectV2
+  h = tf.reshape(h, [h.shape[0], -1])
+  z = tf.matmul(h, p["w2"])
+  rows = tf.constant(masks.rand(z.shape[0]) > 0.5)
+  z = tf.compat.v1.where(rows, z, tf.sin(z))                   # Select
+  z = tf.identity_n([z, 2.0 * z])[0]
+  return [z, h]
+
+
+@pytest.mark.parametrize("world", ["graph", "function"])
+def test_convnet_ops_take_direct_rules(world, monkeypatch):
+  """Pad, PadV2, MirrorPad, Relu6, LeakyRelu, Elu, Select, SelectV2 and
+  IdentityN (plain, and tf.nn.silu's custom-gradient one) have direct
+  rules: no generic path runs for them, and the products equal
+  TensorFlow's eager forward mode in float64."""
+  generic = _record_generic_ops(monkeypatch)
+  rng = np.random.RandomState(5)
+  shapes = dict(w1=(3, 3, 2, 3), dw=(2, 2, 3, 1), w2=(3 * 8 * 8, 4))
+  p = {k: 0.5 * rng.randn(*s) for k, s in sorted(shapes.items())}
+  tangents = {k: rng.randn(*v.shape) for k, v in p.items()}
+  x = rng.randn(3, 6, 6, 2)
+  keys = sorted(p)
+  variables = {k: tf.Variable(v) for k, v in p.items()}
+  with tf.autodiff.ForwardAccumulator(
+      [variables[k] for k in keys],
+      [tf.constant(tangents[k]) for k in keys]) as acc:
+    ys = _convnet_ops(tf.constant(x), variables)
+  want = [acc.jvp(y).numpy() for y in ys]
+  if world == "graph":
+    with tf.Graph().as_default():
+      gvars = {k: tf.Variable(v) for k, v in p.items()}
+      ys = _convnet_ops(tf.constant(x), gvars)
+      types = {op.type for op in
+               tf.compat.v1.get_default_graph().get_operations()}
+      out = forward_mode.jvp(ys, [gvars[k] for k in keys],
+                             [tf.constant(tangents[k]) for k in keys])
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run(out)
+    assert {"Pad", "PadV2", "MirrorPad", "Relu6", "LeakyRelu", "Elu",
+            "Select", "SelectV2", "IdentityN"} <= types, types
+  else:
+    @tf.function
+    def run():
+      return forward_mode.jvp(_convnet_ops(tf.constant(x), variables),
+                              [variables[k] for k in keys],
+                              [tf.constant(tangents[k]) for k in keys])
+    got = [g.numpy() for g in run()]
+  # (The RealDiv and Sin have no direct rule.)
+  direct = {"Pad", "PadV2", "MirrorPad", "Relu6", "LeakyRelu", "Elu",
+            "Select", "SelectV2", "IdentityN"}
+  assert not direct & set(generic), generic
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, **TOL)
+  assert min(np.abs(w).max() for w in want) > 1e-2
+
+
+def test_custom_gradient_identity_n_follows_its_gradient(monkeypatch):
+  """A custom-gradient IdentityN that is not silu's keeps the generic
+  path, which pushes the tangent through the custom gradient, what
+  backpropagation (and so the gradient K-FAC preconditions) uses: here
+  twice the derivative of the forward ops. (TensorFlow's eager forward
+  mode follows the forward ops instead.) A check that the silu rule's
+  condition is not too wide."""
+  @tf.custom_gradient
+  def doubled_grad(h):
+    return tf.sin(h), lambda dy: 2.0 * tf.cos(h) * dy
+
+  generic = _record_generic_ops(monkeypatch)
+  with tf.Graph().as_default():
+    w = tf.Variable(np.array([0.3, -1.2]))
+    out = forward_mode.jvp([doubled_grad(w * 1.5)], [w],
+                           [tf.constant([1.0, 2.0], tf.float64)])
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got = sess.run(out[0])
+  want = 2.0 * np.cos(1.5 * np.array([0.3, -1.2])) * 1.5 * np.array([1, 2])
+  np.testing.assert_allclose(got, want, **TOL)
+  assert generic.count("IdentityN") == 1, generic

@@ -13,7 +13,11 @@ among them batch normalization's StopGradient, SquaredDifference and Rsqrt
 path: each built a dummy, the op's gradient and its derivative).
 
 Attention's ops (Einsum, Softmax, Erfc of the exact GELU) have direct
-rules too.
+rules too, and the ops keras.applications convnets add on the path:
+padding (Pad, PadV2, MirrorPad), Keras 3's dropout (SelectV2), ReLU6,
+LeakyReLU, ELU, and swish / SiLU, whose `tf.nn.silu` ends in an IdentityN
+carrying a custom gradient (EfficientNetB0: 98 of the 126 ops of its two
+products that took the generic path were these IdentityNs).
 
 MaxPool keeps the generic path (MaxPoolGradGrad, about 9 ms per pooling
 and tangent on the benchmark convnet): the tangent at each window's first
@@ -72,6 +76,16 @@ def _first_input(fn):
   return rule
 
 
+def _pad(op, t):
+  """Pad / PadV2 (zeros around the tangent) / MirrorPad (the tangent
+  mirrored like the input)."""
+  paddings = op.inputs[1]
+  if op.type == "MirrorPad":
+    return tf.raw_ops.MirrorPad(input=t, paddings=paddings,
+                                mode=op.get_attr("mode"))
+  return tf.raw_ops.Pad(input=t, paddings=paddings)
+
+
 def _cast(op, t):
   dtype = op.outputs[0].dtype
   return tf.cast(t, dtype) if dtype.is_floating or dtype.is_complex else None
@@ -89,6 +103,8 @@ _LINEAR_IN_FIRST = {
                                        keepdims=op.get_attr("keep_dims")),
     "Mean": lambda op, t: tf.reduce_mean(t, op.inputs[1],
                                          keepdims=op.get_attr("keep_dims")),
+    "Pad": _pad,
+    "MirrorPad": _pad,
 }
 
 
@@ -175,11 +191,95 @@ def _conv2d(op, tangents):
                 None if tw is None else conv(input=x, filter=tw, **attrs)])]
 
 
+def _pad_v2(op, tangents):
+  """PadV2(x, paddings, c): the tangent of x padded with zeros, plus the
+  tangent of the scalar c on the padded border."""
+  x, paddings, c = op.inputs[0], op.inputs[1], op.inputs[2]
+  tx, tc = tangents[0], tangents[2]
+  border = None
+  if tc is not None:
+    mask = tf.raw_ops.PadV2(input=tf.zeros_like(x), paddings=paddings,
+                            constant_values=tf.ones_like(c))
+    border = mask * tc
+  return [_sum([None if tx is None else
+                tf.raw_ops.Pad(input=tx, paddings=paddings), border])]
+
+
+def _select(op, tangents):
+  """Select / SelectV2(cond, a, b): the same selection of the tangents (a
+  missing one is zero; SelectV2 broadcasts them like the op)."""
+  cond, a, b = op.inputs
+  ta, tb = tangents[1], tangents[2]
+  if ta is None and tb is None:
+    return [None]
+  ta = tf.zeros_like(a) if ta is None else ta
+  tb = tf.zeros_like(b) if tb is None else tb
+  if op.type == "SelectV2":
+    return [tf.raw_ops.SelectV2(condition=cond, t=ta, e=tb)]
+  return [tf.raw_ops.Select(condition=cond, x=ta, y=tb)]
+
+
+def _identity_n(op, tangents):
+  """IdentityN passes each input on. With a custom gradient (its
+  `_gradient_op_type`) only where that gradient is known to be the
+  derivative of the ops that computed the input (`_is_silu`); elsewhere the
+  generic path pushes the tangent through the custom gradient, which is
+  what backpropagation, and so the gradient being preconditioned, uses.
+  (TensorFlow's eager forward mode follows the forward ops instead; the
+  two agree where the custom gradient is the derivative.)"""
+  return list(tangents)
+
+
+def _is_silu(op):
+  """Whether `op` is tf.nn.silu's IdentityN(y, x, beta) with
+  y = x * sigmoid(beta * x): its custom gradient is that function's
+  derivative (a numerically safer formula for it), so the tangent of y
+  from the walk's rules for Mul and Sigmoid is the same derivative."""
+  if len(op.inputs) != 3:
+    return False
+  y, x, beta = op.inputs
+  if y.op.type != "Mul":
+    return False
+  for a, b in (tuple(y.op.inputs), tuple(y.op.inputs)[::-1]):
+    if a.ref() == x.ref() and b.op.type == "Sigmoid":
+      z = b.op.inputs[0]
+      return z.ref() == x.ref() or (
+          z.op.type == "Mul" and
+          {t.ref() for t in z.op.inputs} == {x.ref(), beta.ref()})
+  return False
+
+
+def _identity_n_supported(op):
+  try:
+    op.get_attr("_gradient_op_type")
+  except ValueError:
+    return True  # a plain IdentityN
+  return _is_silu(op)
+
+
 # ------------------------------------------------------------ nonlinear
 def _relu(op, tangents):
   t = tangents[0]
   return [None if t is None else
           tf.raw_ops.ReluGrad(gradients=t, features=op.outputs[0])]
+
+
+def _relu6(op, tangents):
+  t = tangents[0]
+  return [None if t is None else
+          tf.raw_ops.Relu6Grad(gradients=t, features=op.inputs[0])]
+
+
+def _leaky_relu(op, tangents):
+  t = tangents[0]
+  return [None if t is None else tf.raw_ops.LeakyReluGrad(
+      gradients=t, features=op.inputs[0], alpha=op.get_attr("alpha"))]
+
+
+def _elu(op, tangents):
+  t = tangents[0]
+  return [None if t is None else
+          tf.raw_ops.EluGrad(gradients=t, outputs=op.outputs[0])]
 
 
 def _tanh(op, tangents):
@@ -259,6 +359,13 @@ RULES = {
     "Conv2D": _conv2d,
     "DepthwiseConv2dNative": _conv2d,
     "Relu": _relu,
+    "Relu6": _relu6,
+    "LeakyRelu": _leaky_relu,
+    "Elu": _elu,
+    "PadV2": _pad_v2,
+    "Select": _select,
+    "SelectV2": _select,
+    "IdentityN": _identity_n,
     "Tanh": _tanh,
     "Sigmoid": _sigmoid,
     # Batch normalization's (Keras 3 builds it from these ops).
@@ -272,6 +379,7 @@ RULES.update({name: _first_input(fn) for name, fn in _LINEAR_IN_FIRST.items()})
 # path handles the op.
 _CONDITIONS = {
     "BatchMatMulV3": _batch_matmul_supported,
+    "IdentityN": _identity_n_supported,
 }
 
 # Real dtypes only: the rules above use transpose for adjoint and ignore
