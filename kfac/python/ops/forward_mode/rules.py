@@ -267,7 +267,7 @@ def _relu(op, tangents):
 def _relu6(op, tangents):
   t = tangents[0]
   return [None if t is None else
-          tf.raw_ops.Relu6Grad(gradients=t, features=op.inputs[0])]
+          tf.raw_ops.Relu6Grad(gradients=t, features=op.outputs[0])]
 
 
 def _leaky_relu(op, tangents):
