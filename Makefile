@@ -21,7 +21,8 @@
 #                  ms/step vs the old kfac 0.2.4; ms/step and loss vs kfac-jax
 #                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam; Kfac(adaptive=True)
 #                  vs Adam CPU ms/step on MobileNetV2, EfficientNetB0, a BN ResNet, a transformer
-#                  (keras_zoo_step_time.py); the Keras model zoo (keras.applications, ViT, GPT,
+#                  (keras_zoo_step_time.py); the curvature products with and without the convnet
+#                  ops' forward-mode rules (products_step_time.py); the Keras model zoo (keras.applications, ViT, GPT,
 #                  LSTM/GRU) vs Adam and Muon in fit (keras_zoo.py); validation
 #                  accuracy per CPU second in Keras fit of Kfac(adaptive=True) vs Adam,
 #                  AdamW, Lion, Muon, ScheduleFreeAdamW on Fashion-MNIST (a CNN, a ViT,
@@ -214,6 +215,7 @@ bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
 	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_zoo.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_zoo_step_time.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/products_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_validation.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"

@@ -564,3 +564,26 @@ def test_keras_validation_schedule_free_matches_reference():
   # Built by fit, z started at the weights: the first step is
   # Adam's (lr sign(g)), not a jump to -lr sign(g).
   assert np.all(np.abs(y_now - w0.reshape(3, 1)) < 0.35), y_now
+
+
+def test_products_step_time_quick(tmp_path):
+  """products_step_time.py times the two curvature products with every
+  forward-mode rule and without the convnet ops' rules on a tiny model
+  (Pad, Relu6, swish, dropout), writes its table and JSON, and the two
+  variants agree (times not checked); fewer nodes with the rules."""
+  _run("products_step_time.py", [
+      "--models=tiny", "--batch_size=4", "--calls=2", "--rounds=2"],
+       tmp_path)
+  with open(tmp_path / "products_step_time.json") as f:
+    out = json.load(f)
+  variants = out["tiny"]
+  assert len(variants) == 2, variants
+  full, without = variants["all rules"], [
+      v for k, v in variants.items() if k != "all rules"][0]
+  for v in (full, without):
+    assert len(v["ms_rounds"]) == 2 and min(v["ms_rounds"]) > 0, v
+  assert full["nodes"] < without["nodes"], (full, without)
+  assert abs(full["value"] - without["value"]) <= 1e-5 * abs(
+      without["value"]), (full, without)
+  table = (tmp_path / "products_step_time.md").read_text()
+  assert table.count("\n") == 4, table

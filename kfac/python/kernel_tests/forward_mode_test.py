@@ -461,3 +461,36 @@ def test_custom_gradient_identity_n_follows_its_gradient(monkeypatch):
   want = 2.0 * np.cos(1.5 * np.array([0.3, -1.2])) * 1.5 * np.array([1, 2])
   np.testing.assert_allclose(got, want, **TOL)
   assert generic.count("IdentityN") == 1, generic
+
+
+@pytest.mark.parametrize("world", ["graph", "function"])
+def test_silu_rule_with_a_beta_tangent(world, monkeypatch):
+  """tf.nn.silu(h, beta) with a trainable beta: the rule's dbeta term
+  (x^2 s (1 - s)) and dx term, against eager forward mode in float64, no
+  generic path."""
+  generic = _record_generic_ops(monkeypatch)
+  rng = np.random.RandomState(2)
+  x = rng.randn(5, 3)
+  w0, b0 = rng.randn(3, 3), np.array(1.7)
+  tw, tb = tf.constant(rng.randn(3, 3)), tf.constant(-0.8, tf.float64)
+
+  def f(w, b):
+    return tf.nn.silu(tf.matmul(tf.constant(x), w), beta=b)
+
+  wv, bv = tf.Variable(w0), tf.Variable(b0)
+  with tf.autodiff.ForwardAccumulator([wv, bv], [tw, tb]) as acc:
+    want = acc.jvp(f(wv, bv)).numpy()
+  if world == "graph":
+    with tf.Graph().as_default():
+      gw, gb = tf.Variable(w0), tf.Variable(b0)
+      out = forward_mode.jvp([f(gw, gb)], [gw, gb],
+                             [tf.constant(tw.numpy()),
+                              tf.constant(tb.numpy())])
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run(out[0])
+  else:
+    got = tf.function(lambda: forward_mode.jvp([f(wv, bv)], [wv, bv],
+                                               [tw, tb])[0])().numpy()
+  assert "IdentityN" not in generic, generic
+  np.testing.assert_allclose(got, want, **TOL)
