@@ -284,47 +284,33 @@ def _identity_n_supported(op):
 
 
 # ------------------------------------------------------------ nonlinear
-def _relu(op, tangents):
-  t = tangents[0]
-  return [None if t is None else
-          tf.raw_ops.ReluGrad(gradients=t, features=op.outputs[0])]
+def _elementwise(derivative):
+  """A rule for a one-input elementwise op: derivative(op, t), the
+  tangent t scaled by the op's derivative (TensorFlow's *Grad kernels,
+  which do exactly that for a gradient)."""
+  def rule(op, tangents):
+    t = tangents[0]
+    return [None if t is None else derivative(op, t)]
+  return rule
 
 
-def _relu6(op, tangents):
-  # On the output, as TensorFlow's gradient: 0 < y < 6 exactly where
-  # 0 < x < 6. Reading the input instead kept the pre-activation alive and
-  # cost 15 % of MobileNetV2's products (products_step_time.py).
-  t = tangents[0]
-  return [None if t is None else
-          tf.raw_ops.Relu6Grad(gradients=t, features=op.outputs[0])]
-
-
-def _leaky_relu(op, tangents):
-  t = tangents[0]
-  return [None if t is None else tf.raw_ops.LeakyReluGrad(
-      gradients=t, features=op.inputs[0], alpha=op.get_attr("alpha"))]
-
-
-def _elu(op, tangents):
-  t = tangents[0]
-  return [None if t is None else
-          tf.raw_ops.EluGrad(gradients=t, outputs=op.outputs[0])]
-
-
-def _tanh(op, tangents):
-  t = tangents[0]
-  return [None if t is None else tf.raw_ops.TanhGrad(y=op.outputs[0], dy=t)]
-
-
-def _sigmoid(op, tangents):
-  t = tangents[0]
-  return [None if t is None else
-          tf.raw_ops.SigmoidGrad(y=op.outputs[0], dy=t)]
-
-
-def _rsqrt(op, tangents):
-  t = tangents[0]
-  return [None if t is None else tf.raw_ops.RsqrtGrad(y=op.outputs[0], dy=t)]
+_ELEMENTWISE = {
+    "Relu": lambda op, t: tf.raw_ops.ReluGrad(gradients=t,
+                                              features=op.outputs[0]),
+    # On the output, as TensorFlow's gradient: 0 < y < 6 exactly where
+    # 0 < x < 6. Reading the input instead kept the pre-activation alive
+    # and cost 15 % of MobileNetV2's products (products_step_time.py).
+    "Relu6": lambda op, t: tf.raw_ops.Relu6Grad(gradients=t,
+                                                features=op.outputs[0]),
+    "LeakyRelu": lambda op, t: tf.raw_ops.LeakyReluGrad(
+        gradients=t, features=op.inputs[0], alpha=op.get_attr("alpha")),
+    "Elu": lambda op, t: tf.raw_ops.EluGrad(gradients=t,
+                                            outputs=op.outputs[0]),
+    "Tanh": lambda op, t: tf.raw_ops.TanhGrad(y=op.outputs[0], dy=t),
+    "Sigmoid": lambda op, t: tf.raw_ops.SigmoidGrad(y=op.outputs[0], dy=t),
+    # Batch normalization's (Keras 3 builds it from these ops).
+    "Rsqrt": lambda op, t: tf.raw_ops.RsqrtGrad(y=op.outputs[0], dy=t),
+}
 
 
 def _squared_difference(op, tangents):
@@ -387,22 +373,16 @@ RULES = {
     "Erfc": _erfc,
     "Conv2D": _conv2d,
     "DepthwiseConv2dNative": _conv2d,
-    "Relu": _relu,
-    "Relu6": _relu6,
-    "LeakyRelu": _leaky_relu,
-    "Elu": _elu,
     "PadV2": _pad_v2,
     "Select": _select,
     "SelectV2": _select,
     "IdentityN": _identity_n,
-    "Tanh": _tanh,
-    "Sigmoid": _sigmoid,
     # Batch normalization's (Keras 3 builds it from these ops).
-    "Rsqrt": _rsqrt,
     "SquaredDifference": _squared_difference,
     "StopGradient": _stop_gradient,
 }
 RULES.update({name: _first_input(fn) for name, fn in _LINEAR_IN_FIRST.items()})
+RULES.update({name: _elementwise(fn) for name, fn in _ELEMENTWISE.items()})
 
 # Rules that apply only to some attribute values; otherwise the generic
 # path handles the op.
