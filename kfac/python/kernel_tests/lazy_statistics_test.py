@@ -40,6 +40,99 @@ def control_flow(request):
     yield version
 
 
+# ------------------------------------------------------- lazy.defer
+def _counted(log, x):
+  """A build() for lazy.defer that logs the graph it runs in."""
+  def build():
+    log.append(tf.compat.v1.get_default_graph())
+    return [tf.tanh(x) * 3.0]
+  return build
+
+
+def test_defer_builds_at_the_first_read_once():
+  log = []
+
+  @tf.function
+  def f(x):
+    (s,), home = lazy.defer([x], _counted(log, x))
+    assert home is tf.compat.v1.get_default_graph()
+    assert not log and s.graph is not home and s.shape == x.shape
+    return s + 1.0, s * 2.0
+
+  a, b = f(tf.constant([0.5, -1.0]))
+  expected = np.tanh([0.5, -1.0]).astype(np.float32) * 3.0
+  np.testing.assert_allclose(a, expected + 1.0, rtol=1e-6)
+  np.testing.assert_allclose(b, expected * 2.0, rtol=1e-6)
+  assert len(log) == 1  # two reads, one build, in the function's graph
+  assert isinstance(log[0], lazy.recompute.func_graph_class())
+
+
+def _read_in_branch(hooked, outer, inner):
+  """A tf.function whose only read of a deferred tensor is in a branch,
+  under recompute_in_branch when `hooked`."""
+
+  @tf.function
+  def f(x, pred):
+    (s,), home = lazy.defer([x], _counted(outer, x))
+
+    def taken():
+      if not hooked:
+        return s + 1.0
+      with lazy.recompute_in_branch([s], _counted(inner, x), home=home):
+        return s + 1.0
+    return tf.cond(pred, taken, lambda: tf.zeros_like(x))
+  return f
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_defer_read_only_in_a_branch_builds_nothing_outside(hooked):
+  """The trace's own graph gets no op of build(): the branch that reads
+  the stand-in (under recompute_in_branch) builds its own copy; a branch
+  without it reads the copy built in the trace's graph."""
+  outer, inner = [], []
+  f = _read_in_branch(hooked, outer, inner)
+  x = tf.constant([0.5, -1.0])
+  graph = f.get_concrete_function(x, tf.constant(True)).graph
+  outer_tanh = [op for op in graph.get_operations() if op.type == "Tanh"]
+  if hooked:
+    assert not outer and len(inner) == 1 and not outer_tanh
+  else:
+    assert len(outer) == 1 and not inner and len(outer_tanh) == 1
+  np.testing.assert_allclose(f(x, tf.constant(True)),
+                             np.tanh([0.5, -1.0]) * 3.0 + 1.0, rtol=1e-6)
+  np.testing.assert_allclose(f(x, tf.constant(False)), [0.0, 0.0])
+
+
+def test_defer_in_a_tf1_graph_builds_now():
+  log = []
+  with tf.Graph().as_default():
+    x = tf.constant([0.5])
+    (s,), home = lazy.defer([x], _counted(log, x))
+    assert home is None and len(log) == 1 and s.graph is x.graph
+    with tf.compat.v1.Session() as sess:
+      np.testing.assert_allclose(sess.run(s), np.tanh([0.5]) * 3.0,
+                                 rtol=1e-6)
+
+
+def test_defer_read_from_another_trace_fails():
+  kept = []
+
+  @tf.function
+  def f(x):
+    (s,), _ = lazy.defer([x], lambda: [tf.tanh(x)])
+    kept.append(s)
+    return s
+
+  f(tf.constant([0.5]))
+
+  @tf.function
+  def g(x):
+    return kept[0] + x
+
+  with pytest.raises(TypeError, match="out of scope"):
+    g(tf.constant([0.5]))
+
+
 # ------------------------------------------------------------ the context
 def test_recompute_in_branch_tf1_runs_only_when_taken(control_flow):
   with tf.Graph().as_default() as g:
@@ -135,7 +228,7 @@ def _eager_statistics(on):
     return
   saved = lazy.recompute_in_branch
   lazy.recompute_in_branch = (
-      lambda tensors, build: contextlib.nullcontext())
+      lambda tensors, build, home=None: contextlib.nullcontext())
   try:
     yield
   finally:
@@ -213,3 +306,42 @@ def test_function_matches_the_eager_statistics():
   for a, b in zip(_function_run(True, x, labels),
                   _function_run(False, x, labels)):
     np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_function_step_builds_no_outer_statistics_backward():
+  """In a tf.function step with cov_update_every > 1, the statistics'
+  sampled backward pass exists only in the statistics' conditional: the
+  step's own graph has the model's backward pass alone (before lazy.defer
+  it also had the pass built at set-up, pruned unrun)."""
+  x, labels = util.data(16)
+  counts = {}
+  for lazy_on in (True, False):
+    with _eager_statistics(lazy_on):
+      variables = [tf.Variable(p) for p in ref.mlp_inits(util.SIZES, seed=1)]
+      opt = _optimizer(None, "empirical")
+
+      @tf.function
+      def step(variables=variables, opt=opt):
+        lc = kfac.LayerCollection()
+        logits = util.register_mlp(variables, tf.constant(x), lc)
+        util.categorical_loss(lc, logits, labels)
+        opt.minimize(_loss(labels, logits), var_list=variables,
+                     layer_collection=lc)
+
+      graph = step.get_concrete_function().graph
+      counts[lazy_on] = sum(op.type == "TanhGrad"
+                            for op in graph.get_operations())
+
+  variables = [tf.Variable(p) for p in ref.mlp_inits(util.SIZES, seed=1)]
+
+  @tf.function
+  def model_backward():
+    logits = util.register_mlp(variables, tf.constant(x),
+                               kfac.LayerCollection())
+    return tf.gradients(_loss(labels, logits), variables)
+
+  alone = sum(op.type == "TanhGrad" for op in
+              model_backward.get_concrete_function().graph.get_operations())
+  assert alone >= 1
+  assert counts[True] == alone, counts
+  assert counts[False] > alone, counts

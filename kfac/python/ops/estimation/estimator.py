@@ -25,6 +25,8 @@ device placement strategies of placement.py.
 
 import tensorflow as tf
 
+from kfac.python.ops import lazy
+
 from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.layers.base import damping as damping_lib
@@ -144,6 +146,7 @@ class FisherEstimator(products.ProductsMixin,
     self._store = state_store or state.StateStore(name)
     self._params_stats = None
     self._source_grads, self._rebuild_source_grads = [], None
+    self._source_home = None  # lazy.defer's graph of the stand-ins
     self._lazy_statistics_sync = bool(lazy_statistics_sync)
     self._lazy_sync_ops = {}
     self._skip_non_finite = bool(skip_non_finite)
@@ -181,7 +184,6 @@ class FisherEstimator(products.ProductsMixin,
     n_block_xs = len(xs)
     if self._compute_params_stats:
       xs.extend(self.variables)
-    grads = estimation_modes.gradients_of_sources(sources, xs)
     # The statistics read these inside the conditional of the statistics
     # update: there they are built again (lazy.recompute_in_branch), so
     # the sampled backward pass runs only on the steps that update. Only
@@ -190,10 +192,23 @@ class FisherEstimator(products.ProductsMixin,
     # gradient the branch cannot rebuild (None) keeps the outer tensor.
     lazy_xs = [j for j, x in enumerate(xs)
                if not isinstance(x, tf.Variable) and x.dtype != tf.resource]
+    if len(lazy_xs) == len(xs):
+      # In a tf.function's trace, not even the outer copy is built until
+      # something outside a conditional reads it (lazy.defer; TF1 graphs
+      # build it now).
+      flat, self._source_home = lazy.defer(
+          [x for _ in sources for x in xs],
+          lambda: [g for grads in estimation_modes.gradients_of_sources(
+              sources, xs) for g in grads])
+      grads = [flat[k * len(xs):(k + 1) * len(xs)]
+               for k in range(len(sources))]
+    else:
+      grads = estimation_modes.gradients_of_sources(sources, xs)
+    deferred = self._source_home is not None
     self._source_grads = [g[j] for g in grads for j in lazy_xs]
     self._rebuild_source_grads = lambda: [
         g[j] for g in estimation_modes.gradients_of_sources(
-            sources, [xs[j] for j in lazy_xs], fill=False)
+            sources, [xs[j] for j in lazy_xs], fill=deferred)
         for j in range(len(lazy_xs))]
     weights = [s.weight for s in sources]
     if all(w == 1.0 for w in weights):

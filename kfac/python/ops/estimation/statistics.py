@@ -120,7 +120,8 @@ class StatisticsUpdateMixin:
     """make_op() with the sources' gradients rebuilt where the statistics
     read them, when that is inside a conditional branch (lazy/)."""
     with lazy.recompute_in_branch(self._source_grads,
-                                  self._rebuild_source_grads):
+                                  self._rebuild_source_grads,
+                                  home=self._source_home):
       return make_op()
 
   def checked_cov_update(self, pred, gate=None, should_decay=True,

@@ -32,35 +32,38 @@ import contextlib
 import tensorflow as tf
 
 
-def _func_graph_class():
+def func_graph_class():
   from tensorflow.python.framework import func_graph  # pylint: disable=g-import-not-at-top
   return func_graph.FuncGraph
 
 
 @contextlib.contextmanager
-def recompute_in_branch(tensors, build):
+def recompute_in_branch(tensors, build, home=None):
   """See the module docstring.
 
   Args:
     tensors: a list of graph tensors (the outer ones).
     build: a function of no arguments returning a list aligned with
       `tensors` (None entries keep the outer tensor).
+    home: for stand-ins of `deferred.defer`, the graph that builds them
+      where they are read: there the context does nothing.
 
   Yields:
     None.
   """
   graph = tf.compat.v1.get_default_graph()
   index = {t.ref(): i for i, t in enumerate(tensors)}
-  if index and not isinstance(graph, _func_graph_class()):
+  if index and not isinstance(graph, func_graph_class()):
     with _in_v1_cond_branch(graph, index, build):
       yield
     return
-  if (not index or not isinstance(graph, _func_graph_class()) or
-      getattr(graph, "_kfac_recompute_hook", False) or
+  if (not index or not isinstance(graph, func_graph_class()) or
+      getattr(graph, "_kfac_recompute_hook", False) or graph is home or
       all(t.graph is graph for t in tensors)):
     yield
     return
-  original = graph.capture
+  original = graph.capture  # the class's method or a deferred.defer hook
+  earlier_hook = getattr(graph, "_kfac_deferred_hook", None)
   built = []
 
   def capture(tensor, name=None, shape=None):
@@ -83,7 +86,10 @@ def recompute_in_branch(tensors, build):
   try:
     yield
   finally:
-    del graph.capture
+    if earlier_hook is None:
+      del graph.capture
+    else:
+      graph.capture = earlier_hook
     del graph._kfac_recompute_hook  # pylint: disable=protected-access
 
 
