@@ -100,17 +100,29 @@ class Checks:
   def __bool__(self):
     return bool(self._flags)
 
+  def stacked(self):
+    """The groups' flags as one boolean vector (made once per set of
+    groups and graph: a conditional that reads it captures one tensor,
+    not one per group)."""
+    graph = tf.compat.v1.get_default_graph()
+    key = (len(self._flags), graph,
+           graph._get_control_flow_context())  # pylint: disable=protected-access
+    if getattr(self, "_stacked", (None,))[0] != key:
+      self._stacked = (key, tf.stack(self._flags))
+    return self._stacked[1]
+
   def ok(self):
     """True when every group is finite."""
     if not self._flags:
       return tf.constant(True)
-    return tf.reduce_all(tf.stack(self._flags))
+    return tf.reduce_all(self.stacked())
 
-  def describe_failures(self):
-    """A string tensor listing the groups that are not finite."""
+  def describe_failures(self, stacked=None):
+    """A string tensor listing the groups that are not finite (`stacked`:
+    the flags as `stacked()` made them, e.g. outside a conditional)."""
     if not self._flags:
       return tf.constant("")
-    bad = tf.logical_not(tf.stack(self._flags))
+    bad = tf.logical_not(self.stacked() if stacked is None else stacked)
     return tf.strings.reduce_join(
         tf.boolean_mask(tf.constant(self._labels), bad), separator=", ")
 
@@ -162,11 +174,14 @@ class NonFiniteGuard:
              consecutive.assign(new_run, read_value=False)]
     if utils.in_xla_context():
       return tf.group(*ops)
+    # The flags read by the messages' conditionals: one tensor.
+    flags = checks.stacked() if checks else None
+
     def message():
       return tf.strings.join([
           "%s: skipped step " % self._name,
           tf.strings.as_string(tf.cast(step, tf.int64)),
-          " (not applied): not finite: ", checks.describe_failures()])
+          " (not applied): not finite: ", checks.describe_failures(flags)])
 
     def warn():
       return tf.print(
