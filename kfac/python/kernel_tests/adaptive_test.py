@@ -519,6 +519,31 @@ def test_calibration_rule_bisects_in_log_space():
       [1e-7, ln10, -1.0])
 
 
+@pytest.mark.parametrize("rule", ["calibrated", "adapted"])
+def test_rules_read_each_variable_once(rule):
+  """The rules' inputs may be the state variables they then assign: each is
+  read once, so that in a TF1 graph (no automatic control dependencies)
+  every use sees the value from before the assignments. tf.cast of a
+  float64 variable returns the variable and every use read it again: the
+  calibration's direction * last then ran after `last` was assigned in
+  about one TF1 run in six."""
+  with tf.Graph().as_default() as g:
+    state = [tf.Variable(v, dtype=tf.float64) for v in (1e-2, 2.3, 1.0)]
+    rho = tf.constant(2.0, tf.float64)
+    before = len([op for op in g.get_operations()
+                  if op.type == "ReadVariableOp"])
+    if rule == "calibrated":
+      lm.calibrated_damping(state[0], rho, state[1], state[2], 0.25, 0.75,
+                            1e-8)
+      expected = 3
+    else:
+      lm.adapted_damping(state[0], rho, 0.95, 5, 0.25, 0.75, 1e-8)
+      expected = 1
+    reads = len([op for op in g.get_operations()
+                 if op.type == "ReadVariableOp"]) - before
+  assert reads == expected
+
+
 @pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("momentum_type, initial, calibration_steps", [

@@ -69,8 +69,7 @@ def _floor(min_damping):
 
 def adapted_damping(damping, rho, decay, interval, lower, upper, min_damping):
   """The new damping after one application of the rule (float64)."""
-  damping = utils.cast(damping, tf.float64)
-  rho = utils.cast(rho, tf.float64)
+  damping, rho = _read_once(damping, rho)
   omega = tf.constant(float(decay) ** int(interval), tf.float64)
   finite = tf.math.is_finite(rho)
   increase = tf.logical_or(tf.logical_not(finite), rho < lower)
@@ -78,6 +77,16 @@ def adapted_damping(damping, rho, decay, interval, lower, upper, min_damping):
   new = tf.where(decrease, damping * omega,
                  tf.where(increase, damping / omega, damping))
   return tf.maximum(new, _floor(min_damping))
+
+
+def _read_once(*values):
+  """The values as float64 tensors, a variable read once: tf.cast of a
+  float64 variable returns the variable, and each use of it would read it
+  again. In a TF1 graph a read that feeds only some of the assignments
+  that follow is not ordered before the others: the calibration's
+  direction * last was read after `last` was assigned (about one run in
+  six, two calibration steps, single-threaded sessions too)."""
+  return [tf.convert_to_tensor(utils.cast(v, tf.float64)) for v in values]
 
 
 # The first calibration move multiplies or divides the damping by 10.
@@ -100,8 +109,8 @@ def calibrated_damping(damping, rho, log_step, last_direction, lower, upper,
   Returns:
     (new damping, new log_step, new last_direction).
   """
-  damping, rho, log_step, last = (utils.cast(v, tf.float64) for v in (
-      damping, rho, log_step, last_direction))
+  damping, rho, log_step, last = _read_once(damping, rho, log_step,
+                                            last_direction)
   finite = tf.math.is_finite(rho)
   one = tf.ones_like(damping)
   direction = tf.where(
