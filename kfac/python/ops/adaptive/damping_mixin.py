@@ -319,16 +319,11 @@ class AdaptiveDampingMixin:
       # before the update (use_passed_loss=False).
       before = self._loss_before()
       if self._update_damping_immediately:
-        change = update.predicted_change()
-        record = update.model_change is None  # else recorded with the step
-
-        def rule(after, before, change, counter):
-          records = ([self._record("qmodel_change").assign(change)]
-                     if record else [])
-          return self._apply_rule(before, after, change, counter, records)
-        return self._cond_with_loss(adapt_now, self._train_batch,
-                                    "train_batch", rule,
-                                    (before, change, counter))
+        return self._cond_with_loss(
+            adapt_now, self._train_batch, "train_batch",
+            lambda after, before, change, counter: self._immediate_rule(
+                update, after, before, change, counter),
+            (before, update.predicted_change(), counter))
 
       def keep():
         change, records = self._model_change_op(update)
@@ -339,13 +334,29 @@ class AdaptiveDampingMixin:
             store.get("adaptive/pending").assign(1), *records)
       return utils.cond_op(adapt_now, keep)
 
+  def _immediate_rule(self, update, after, before, change, counter):
+    """The rule's ops of an adaptation step (update_damping_immediately),
+    given the loss after the update; `change` is update.predicted_change()
+    (passed in: under several replicas it comes into the branch as an
+    argument)."""
+    records = ([self._record("qmodel_change").assign(change)]
+               if update.model_change is None else [])  # else recorded
+    return self._apply_rule(before, after, change, counter, records)
+
   # ------------------------------------------------------------ calibration
   def _calibration_op(self, update):
     """One calibration step (module docstring): an op that tries `update`,
     restores the variables and moves the damping."""
     if not self._is_chief:
       return tf.no_op()
-    counter = tf.convert_to_tensor(self.counter)
+    before, saved, trial = self._calibration_trial(update)
+    with tf.control_dependencies([trial]):
+      after = self._evaluate_loss_fn(self._train_batch, "train_batch")
+    return self._calibration_finish(update, before, after, saved)
+
+  def _calibration_trial(self, update):
+    """(loss before, the variables' values before, the op that sets the
+    variables to w + delta after reading both)."""
     variables = [v for _, v in update.deltas]
     deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
     if self._use_passed_loss:
@@ -355,8 +366,13 @@ class AdaptiveDampingMixin:
     saved = [tf.identity(v.read_value()) for v in variables]
     with tf.control_dependencies(saved + [before]):
       trial = tf.group(*[v.assign_add(d) for d, v in zip(deltas, variables)])
-    with tf.control_dependencies([trial]):
-      after = self._evaluate_loss_fn(self._train_batch, "train_batch")
+    return before, saved, trial
+
+  def _calibration_finish(self, update, before, after, saved):
+    """After the trial's loss `after`: the variables restored to `saved`
+    and the damping moved (an op)."""
+    counter = tf.convert_to_tensor(self.counter)
+    variables = [v for _, v in update.deltas]
     with tf.control_dependencies([after]):
       restored = tf.group(*[v.assign(s) for v, s in zip(variables, saved)])
     change = update.predicted_change()  # no commit records it now

@@ -61,6 +61,7 @@ import tensorflow as tf
 from kfac.python.ops.adaptive import damping_mixin as adaptive_damping
 from kfac.python.ops.adaptive import damping_rule as damping_adaptation
 from kfac.python.ops.adaptive import quadratic_model
+from kfac.python.ops.adaptive import shared_evaluation
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.distribute import collective
@@ -121,7 +122,8 @@ class _StoredDamping:
     self.initial = initial
 
 
-class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin):
+class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
+                    shared_evaluation.SharedEvaluationMixin):
   """Quadratic model and damping adaptation for KfacOptimizer."""
 
   # ------------------------------------------------------------ set-up

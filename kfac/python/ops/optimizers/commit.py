@@ -32,6 +32,14 @@ class CommitMixin:
       return self._commit_replicated(update, active)
     if active is not None:
       return utils.cond_op(active, lambda: self._commit(update))
+    step_op = self._step_op(update)
+    # The decoupled weight decay after the damping rule (weight_decay.py).
+    return self._commit_decay(update,
+                              self._adaptation_after_update(update, step_op))
+
+  def _step_op(self, update):
+    """One replica: the damping rule's ops before the update, then the
+    velocities' and the variables' changes (an op)."""
     # The damping rule may change the damping before the variables change:
     # only once everything this step computes from it is ready.
     with tf.control_dependencies(update.dependencies()):
@@ -47,10 +55,7 @@ class CommitMixin:
         else:
           ops.append(var.assign_add(delta))
       ops.extend(self._record_ops(update))
-      step_op = tf.group(*ops)
-    # The decoupled weight decay after the damping rule (weight_decay.py).
-    return self._commit_decay(update,
-                              self._adaptation_after_update(update, step_op))
+      return tf.group(*ops)
 
   def _finish(self, step_op, global_step, active=None, checks=None,
               ok=None):

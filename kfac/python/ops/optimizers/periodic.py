@@ -189,12 +189,19 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
           ok = self._update_checks(checks, update)
         active = _both(None if self._num_burnin_steps == 0 else
                        tf.logical_not(in_burnin), ok)
-        calibrated = []
-        if self._calibrate_damping:
-          calibrated = [utils.cond_op(_both(calibrating, ok),
-                                      lambda: self._calibration_op(update))]
-        with tf.control_dependencies(calibrated):
-          stepped = self._commit(update, active=active)
+        trial = (_both(calibrating, ok) if self._calibrate_damping
+                 else None)
+        if self._shares_evaluation(trial):
+          # The calibration's trial and the damping rule evaluate the loss
+          # in one conditional (adaptive/shared_evaluation.py).
+          stepped = self._commit_sharing_evaluation(update, trial, active)
+        else:
+          calibrated = []
+          if trial is not None:
+            calibrated = [utils.cond_op(
+                trial, lambda: self._calibration_op(update))]
+          with tf.control_dependencies(calibrated):
+            stepped = self._commit(update, active=active)
         if self._num_burnin_steps > 0:
           with tf.control_dependencies([stepped]):
             stepped = self.burnin_counter.assign_add(
