@@ -198,10 +198,12 @@ def _count_model_calls(model):
 def test_damping_rule_reuses_the_training_loss_in_fit():
   """With adaptive=True (calibration in burn-in, then the damping rule) the
   loss before the update is fit's own training loss (the same value: the
-  rule replays the training pass's dropout masks): the traced step calls
-  the model 3 times (training pass, the calibration's trial, the rule's
-  loss after the update), was 5. In a custom loop whose loss is not
-  model.compute_loss, loss_fn evaluates it: 5 calls. The value kept as the
+  rule replays the training pass's dropout masks), and the calibration's
+  trial and the rule's loss after the update share one evaluation
+  (adaptive/shared_evaluation.py): the traced step calls the model twice
+  (training pass, the loss after a trial or an update), was 5, then 3. In
+  a custom loop whose loss is not model.compute_loss, loss_fn evaluates it
+  (in the calibration and before the rule): 4 calls. The value kept as the
   loss before the update is the training loss (the float64 brute force of
   the rule with dropout: keras_dropout_damping_test.py)."""
   for custom in (False, True):
@@ -225,7 +227,7 @@ def test_damping_rule_reuses_the_training_loss_in_fit():
       step(x, y)
     else:
       model.train_on_batch(x, y)
-    assert count[0] == (5 if custom else 3), (custom, count[0])
+    assert count[0] == (4 if custom else 2), (custom, count[0])
   # fit's loss is the one kept as the loss before the update: on the first
   # step after the burn-in (an adaptation step) it equals the loss
   # train_on_batch returns.
