@@ -63,6 +63,7 @@ from kfac.python.ops.adaptive import damping_rule as damping_adaptation
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.adaptive.recipe import scale
+from kfac.python.ops.compat_utils import introspection
 
 
 class AdaptiveDampingMixin:
@@ -363,7 +364,9 @@ class AdaptiveDampingMixin:
       before = self._passed_loss_value()
     else:
       before = self._loss_before_update()
-    saved = [tf.identity(v.read_value()) for v in variables]
+    # Copies: a TF1 reference variable's read would show the trial's values
+    # after the trial's assign_add (introspection.value_copy).
+    saved = [introspection.value_copy(v) for v in variables]
     with tf.control_dependencies(saved + [before]):
       trial = tf.group(*[v.assign_add(d) for d, v in zip(deltas, variables)])
     return before, saved, trial

@@ -44,3 +44,18 @@ def multiline_print(lists):
     else:
       combined += ["\n"] + list(line)
   return tf.print(*combined)
+
+
+def value_copy(var):
+  """A tensor holding `var`'s value when it runs, that later assignments
+  in the same run do not change.
+
+  A resource variable's read is such a tensor (its assignments copy on
+  write). A TF1 reference variable's read forwards the variable's buffer,
+  which Assign / AssignAdd then change in place: a value read before an
+  assignment and used after it would show the assigned value (the damping
+  calibration's saved weights restored the trial's weights that way). The
+  Snapshot op copies a buffer it cannot forward."""
+  if is_reference_variable(var):
+    return tf.raw_ops.Snapshot(input=var.read_value())
+  return tf.identity(var.read_value())
