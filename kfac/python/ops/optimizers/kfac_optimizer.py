@@ -29,6 +29,7 @@ parts, one responsibility each, are in this package:
 import tensorflow as tf
 
 from kfac.python.ops.collection import memory as memory_lib
+from kfac.python.ops.compat_utils import introspection
 from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.adaptive import mixin as adaptive
@@ -500,9 +501,29 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                        "loss." % ", ".join(none))
     self._layers.check_registration([v for _, v in grads_and_vars],
                                     check_uses=False)
+    _check_reference_variables([v for _, v in grads_and_vars])
     grads_and_vars = self._reduce_gradients(grads_and_vars)
     if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
       # The quadratic model takes inner products with the gradient.
       return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if sparse.is_slices(g) else tf.convert_to_tensor(g), v)
             for g, v in grads_and_vars]
+
+
+def _check_reference_variables(variables):
+  """A TF1 reference variable cannot be assigned inside a control flow v2
+  conditional (its ref type does not cross into the branch's function),
+  and the step assigns every variable in one (the non-finite guard's):
+  a clear error instead of TensorFlow's TypeError about AssignAdd."""
+  if tf.executing_eagerly() or not tf.compat.v1.control_flow_v2_enabled():
+    return
+  refs = [utils.variable_name(v) for v in variables
+          if introspection.is_reference_variable(v)]
+  if refs:
+    raise ValueError(
+        "K-FAC cannot update the TF1 reference variables %s with control "
+        "flow v2 (TensorFlow cannot assign them inside its conditionals). "
+        "Use resource variables (tf.compat.v1.get_variable(..., "
+        "use_resource=True), or tf.compat.v1.enable_resource_variables()), "
+        "or control flow v1 (tf.compat.v1.disable_control_flow_v2(), which "
+        "tf.compat.v1.disable_v2_behavior() includes)." % ", ".join(refs))
