@@ -454,14 +454,14 @@ def test_curvature_operator_is_the_damped_block(name, approx):
     build_model(lc, vs)
     est, ops = util.estimator_stages(store, lc, vs, "empirical",
                                          damping=damping)
-    with tf.control_dependencies(ops):
-      op = CurvatureOperator.from_estimator(est)
-      refresh = op.refresh()
-    with tf.control_dependencies([refresh]):
-      return [{"dense": op.to_dense(), "inverse": op.inverse().to_dense(),
-               "factors": [tf.identity(f.get_cov())
-                           for f in est.blocks[0].factors()],
-               "block": tf.identity(est.blocks[0].full_fisher_block())}]
+    op = CurvatureOperator.from_estimator(est)
+    # Stages run one after the other: the statistics, the inverses, the
+    # operator's refresh, then its products.
+    return ops + [op.refresh(),
+                  {"dense": op.to_dense(), "inverse": op.inverse().to_dense(),
+                   "factors": [tf.identity(f.get_cov())
+                               for f in est.blocks[0].factors()],
+                   "block": tf.identity(est.blocks[0].full_fisher_block())}]
 
   out = ref.run_stages("graph", inits, build)[-1]
   factors = out["factors"]

@@ -152,10 +152,13 @@ class _World:
       self._ctx = self._graph.as_default()
       self._ctx.__enter__()
       self.vs = [tf.Variable(v) for v in inits()]
-      self.estimator, cov_op = self._build(data())
+      self.estimator, (cov_op, inv_op) = self._build(data())
       self.sess = tf.compat.v1.Session(graph=self._graph)
       self.sess.run(tf.compat.v1.global_variables_initializer())
+      # Two runs: in one, the inverses' reads of the statistics would not
+      # be ordered after the statistics' update (a TF1 graph).
       self.sess.run(cov_op)
+      self.sess.run(inv_op)
     else:
       self.vs = [tf.Variable(v) for v in inits()]
       self.update(data())
@@ -168,7 +171,7 @@ class _World:
         damping=self._damping, layer_collection=lc,
         estimation_mode=self._mode, state_store=self.store)
     ops = est.make_vars_and_create_ops()
-    return est, tf.group(ops.cov_update_op, ops.inv_update_op)
+    return est, (ops.cov_update_op, ops.inv_update_op)
 
   def update(self, data):
     """One more statistics update (eager world: in a tf.function)."""
@@ -176,8 +179,8 @@ class _World:
 
     @tf.function
     def step():
-      holder["est"], op = self._build(data)
-      with tf.control_dependencies([op]):
+      holder["est"], ops = self._build(data)
+      with tf.control_dependencies(ops):
         return tf.constant(0)
     step()
     self.estimator = holder["est"]

@@ -130,7 +130,10 @@ def test_old_manual_update_ops_pattern_adapts_once():
       cov_thunks, inv_thunks = opt.make_vars_and_create_op_thunks()
       cov_op = tf.group(*[t() for t in cov_thunks])
       deps = [opt.maybe_pre_update_adapt_damping()] if call else []
-      with tf.control_dependencies(deps):
+      # The inverses read the statistics after their update (the old
+      # library's scripts ordered them so; unordered, a TF1 run may read
+      # either value).
+      with tf.control_dependencies(deps + [cov_op]):
         inv_op = tf.group(*[t() for t in inv_thunks])
       with tf.control_dependencies([cov_op, inv_op]):
         train = opt.minimize(loss, var_list=variables)
