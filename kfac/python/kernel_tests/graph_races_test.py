@@ -155,7 +155,8 @@ def test_reference_variables_with_control_flow_v2_are_named():
   says which variables and what to change instead."""
   with util.control_flow("v2"):
     with pytest.raises(ValueError, match=r"reference variables filt, w1, "
-                       r"b1, w2 with control flow v2.*use_resource=True"):
+                       r"b1, w2, emb with control flow v2.*use_resource="
+                       r"True"):
       race_scenarios.trajectory("old_periodic", False, steps=1)
 
 
@@ -173,7 +174,7 @@ def test_under_disable_v2_behavior(tmp_path):
   path = str(tmp_path / "races.json")
   program = os.path.join(os.path.dirname(__file__), "graph_races_program.py")
   compared = ["recipe_step", "recipe_with_decay", "recipe_ekfac",
-              "old_adapted_damping", "old_periodic"]
+              "old_adapted_damping", "old_periodic", "old_adam_momentum"]
   proc = subprocess.run([sys.executable, program, path] + compared,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

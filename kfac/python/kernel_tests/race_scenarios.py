@@ -29,7 +29,8 @@ def _model(approx="kron", conv_approx="kron"):
         0.3 * rng.randn(*shape).astype(np.float32))
   images = tf.compat.v1.placeholder(tf.float32, [N, 6, 6, 2], "images")
   labels = tf.compat.v1.placeholder(tf.int32, [N], "labels")
-  shapes = {"filt": [3, 3, 2, 4], "w1": [36, 5], "b1": [5], "w2": [5, 3]}
+  shapes = {"filt": [3, 3, 2, 4], "w1": [36, 5], "b1": [5], "w2": [5, 3],
+            "emb": [7, 3]}
   var = {k: tf.compat.v1.get_variable(k, s, tf.float32, initializer=init(s))
          for k, s in shapes.items()}
 
@@ -38,8 +39,13 @@ def _model(approx="kron", conv_approx="kron"):
     conv = tf.nn.conv2d(x, var["filt"], [1, 2, 2, 1], "SAME")
     flat = tf.reshape(tf.nn.relu(conv), [N, 36])
     pre = tf.matmul(flat, var["w1"]) + var["b1"]
-    logits = tf.matmul(tf.tanh(pre), var["w2"])
+    # An embedding of ids taken from the labels (sparse gradients: the
+    # update scatters into the table).
+    ids = tf.math.floormod(y * 3 + 1, 7)
+    looked_up = tf.nn.embedding_lookup(var["emb"], ids)
+    logits = tf.matmul(tf.tanh(pre), var["w2"]) + looked_up
     if lc is not None:
+      lc.register_embedding(var["emb"], ids, looked_up)
       lc.register_conv2d(var["filt"], [1, 2, 2, 1], "SAME", x, conv,
                          approx=conv_approx)
       lc.register_fully_connected((var["w1"], var["b1"]), flat, pre,
@@ -89,6 +95,12 @@ def old_periodic():
                         cov_update_every=2, invert_every=3))
 
 
+def old_adam_momentum():
+  """kfac 0.2.x's default momentum ("adam") with a norm constraint."""
+  return _periodic(dict(learning_rate=0.05, damping=0.01, momentum=0.9,
+                        momentum_type="adam", norm_constraint=1e-2))
+
+
 def old_adapted_damping():
   """kfac 0.2.x's adaptive mode: the rule on the previous batch."""
   return _periodic(dict(learning_rate=None, momentum=None,
@@ -119,7 +131,7 @@ def manual_update_ops():
 
 SCENARIOS = {f.__name__: f for f in (
     recipe_step, recipe_with_decay, recipe_ekfac, old_periodic,
-    old_adapted_damping, qmodel_fixed_momentum, manual_update_ops)}
+    old_adam_momentum, old_adapted_damping, qmodel_fixed_momentum, manual_update_ops)}
 
 
 def run(name):
