@@ -184,3 +184,23 @@ def test_under_disable_v2_behavior(tmp_path):
   for name, fetches in out["races"].items():
     assert fetches and all(v == [] for v in fetches.values()), (name, fetches)
   assert out["max_difference"] == {name: 0.0 for name in compared}
+
+
+def test_global_step_increment_waits_for_the_hooks_read():
+  """Estimator and MonitoredSession hooks fetch the global step's cached
+  read (training_util's GLOBAL_STEP_READ_KEY) beside the training op; K-FAC
+  increments the step after it, as TensorFlow's own _increment_global_step
+  does, so that the hooks see the step before the increment in every
+  run."""
+  from tensorflow.python.training import training_util  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    read = training_util._get_or_create_global_step_read()  # pylint: disable=protected-access
+    train, _ = race_scenarios.old_periodic()["train_op and loss"]
+    assert graph_races.races([train, read]) == []
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      feed = {"images:0": np.zeros([race_scenarios.N, 6, 6, 2]),
+              "labels:0": np.zeros([race_scenarios.N], np.int32)}
+      steps = [sess.run([train, read], feed)[1] for _ in range(3)]
+  assert steps == [0, 1, 2]

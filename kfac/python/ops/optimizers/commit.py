@@ -67,7 +67,7 @@ class CommitMixin:
     if checks is not None:
       with tf.control_dependencies([step_op]):
         step_op = self._guard.record(ok, checks, self.counter)
-    with tf.control_dependencies([step_op]):
+    with tf.control_dependencies([step_op] + _global_step_reads(global_step)):
       def one(dtype):
         if active is None:
           return tf.ones([], dtype)
@@ -81,3 +81,23 @@ class CommitMixin:
         else:
           incs.append(global_step.assign_add(inc))
       return tf.group(*incs)
+
+
+# tf.compat.v1.train's collection of the global step's cached read (the
+# value Estimator's and MonitoredSession's hooks fetch).
+_GLOBAL_STEP_READ_KEY = "global_step_read_op_cache"
+
+
+def _global_step_reads(global_step):
+  """The cached read of the graph's global step (TF1), to increment it
+  after: the hooks that fetch it beside the training op then see the step
+  before the increment in every run, as TensorFlow's own
+  _increment_global_step orders it (unordered, either value could be
+  read)."""
+  if global_step is None or tf.executing_eagerly() or tf.inside_function():
+    return []
+  graph = tf.compat.v1.get_default_graph()
+  if tf.compat.v1.train.get_global_step(graph) is not global_step:
+    return []
+  return [t for t in graph.get_collection(_GLOBAL_STEP_READ_KEY)
+          if isinstance(t, tf.Tensor)]
