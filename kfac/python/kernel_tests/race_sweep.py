@@ -18,10 +18,20 @@ import pytest
 _STATE = {"test": None, "seen": set()}
 
 
+def _flatten(fetches):
+  """The leaves of nested lists, tuples and dicts (dict keys may be of
+  mixed types, as MonitoredSession's hook fetches are: no sorting)."""
+  if isinstance(fetches, dict):
+    return [x for v in fetches.values() for x in _flatten(v)]
+  if isinstance(fetches, (list, tuple)):
+    return [x for v in fetches for x in _flatten(v)]
+  return [fetches]
+
+
 def _fetch_ops(graph, fetches):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   out = []
-  for f in tf.nest.flatten(fetches):
+  for f in _flatten(fetches):
     if f is None:
       continue
     try:
