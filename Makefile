@@ -147,7 +147,7 @@ test: venv data
 # other). The tests are safe side by side: free ports, their own temporary
 # folders, one process tree each.
 test-slow: venv data
-	$(call run_pytest,-m slow -n $(TEST_WORKERS) --dist worksteal --durations=25)
+	$(call run_pytest,-m slow -n $(TEST_WORKERS) --dist worksteal --durations=60)
 
 test-all: test test-slow
 

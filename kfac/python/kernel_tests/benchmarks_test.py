@@ -344,18 +344,19 @@ def test_autoencoder_step_time_small(tmp_path):
 
 
 def test_keras_zoo_tiny(tmp_path):
-  """keras_zoo.py on the tiny GPT and BN ResNet, 8 steps, K-FAC and Adam
-  (~2 min): one result per run, every step timed, the losses finite, the
-  coverage read from the registration report (every layer under a
-  Kronecker or full block), and the table, JSON and plot written."""
+  """keras_zoo.py on the tiny GPT, 8 steps, K-FAC and Adam: one result per
+  run, every step timed, the losses finite, the coverage read from the
+  registration report (every layer under a Kronecker block), and the
+  table, JSON and plot written. (One model: each model's coverage and
+  training are keras_zoo_test's; with the BN ResNet too this took 208 s of
+  CI's slow tier.)"""
   _run("keras_zoo.py", ["--size=tiny", "--steps=8", "--val_examples=64",
-                        "--models=gpt,bn_resnet", "--optimizers=kfac,adam"],
+                        "--models=gpt", "--optimizers=kfac,adam"],
        tmp_path)
   with open(tmp_path / "keras_zoo.json") as f:
     runs = json.load(f)
   assert [(r["model"], r["optimizer"]) for r in runs] == [
-      ("gpt", "kfac"), ("gpt", "adam"), ("bn_resnet", "kfac"),
-      ("bn_resnet", "adam")]
+      ("gpt", "kfac"), ("gpt", "adam")]
   for r in runs:
     assert "error" not in r, r
     assert len(r["losses"]) == len(r["elapsed"]) == 8, r
@@ -366,7 +367,7 @@ def test_keras_zoo_tiny(tmp_path):
       assert r["kron_share"] == pytest.approx(1.0), r["report"]
       assert r["fallbacks"] == [] and r["diagonal"] == [], r["report"]
   table = (tmp_path / "keras_zoo.md").read_text()
-  assert "| gpt |" in table and "| bn_resnet |" in table
+  assert "| gpt |" in table
   _png(tmp_path / "keras_zoo.png")
 
 
