@@ -15,10 +15,7 @@ model's curvature products on half of each batch); `kfac_dw_all_patches`
 the recipe with every patch in the depthwise convolutions' input
 statistics (the recipe before it sub-sampled them); `kfac_fixed_rate` the
 recipe at a fixed learning rate 0.05 and momentum 0.9 (momentum_type
-"regular": no quadratic model, only the damping adapted);
-`kfac_qmodel_everyK` the recipe with qmodel_every=K (the quadratic model
-solved on every K-th step and on the damping rule's steps, its learning
-rate and momentum reused in between).
+"regular": no quadratic model, only the damping adapted).
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
@@ -60,8 +57,7 @@ flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
                   ", ".join(MODELS))
 flags.DEFINE_list("configs", ["adam", "kfac"], "Which configurations (adam, "
                   "kfac, kfac_full_patches, kfac_qmodel_half, "
-                  "kfac_dw_all_patches, kfac_fixed_rate, "
-                  "kfac_qmodel_everyK); the first is "
+                  "kfac_dw_all_patches); the first is "
                   "the baseline.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
 flags.DEFINE_integer("steps", 20, "Steps per timed fit call.")
@@ -82,10 +78,8 @@ def make(keras, kfac_keras, name, config):
   loss = zoo_models.loss(name)
   if config == "adam":
     opt = keras.optimizers.Adam(1e-3)
-  elif config in CONFIGS or config.startswith("kfac_qmodel_every"):
+  elif config in CONFIGS:
     kwargs = {}
-    if config.startswith("kfac_qmodel_every"):
-      kwargs["qmodel_every"] = int(config[len("kfac_qmodel_every"):])
     if config == "kfac_qmodel_half":
       kwargs["qmodel_batch_fraction"] = 0.5
     if config == "kfac_full_patches":

@@ -78,10 +78,6 @@ KFAC_VARIANTS = {
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
     "kfac_qmodel_quarter": {"qmodel_batch_fraction": 0.25},
     "kfac_qmodel_eighth": {"qmodel_batch_fraction": 0.125},
-    # The quadratic model solved on every k-th step (and the damping rule's
-    # steps); its rate and momentum reused in between.
-    "kfac_qmodel_every2": {"qmodel_every": 2},
-    "kfac_qmodel_every5": {"qmodel_every": 5},
     # The recipe at a fixed rate and momentum (only the damping adapted).
     "kfac_fixed_rate": {"momentum_type": "regular", "learning_rate": 0.05,
                         "momentum": 0.9},

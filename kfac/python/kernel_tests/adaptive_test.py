@@ -355,65 +355,6 @@ def test_qmodel_steps_match_the_exact_quadratic_model(world, variant):
 
 
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
-@pytest.mark.parametrize("adapt", [False, True])
-def test_qmodel_every_reuses_the_last_solution(world, adapt):
-  """qmodel_every=2: steps 0, 2, 4 solve the quadratic model (float64
-  reference above); steps 1 and 3 apply the last solve's alpha and mu to
-  their own p and d, and the records keep that solve's values. With the
-  damping rule every 3 steps, step 3 (an adaptation step) solves too."""
-  damping = 0.05
-  kwargs = dict(learning_rate=None, momentum=None, momentum_type="qmodel",
-                damping=damping, qmodel_every=2)
-  if adapt:
-    kwargs.update(adapt_damping=True, damping_adaptation_interval=3,
-                  min_damping=1e-4)
-  trainer = Trainer(world, _inits(), kwargs)
-  prev_delta = np.zeros(sum(p.size for p in _inits()))
-  last = None
-  solved = []
-  for t, batch in enumerate(_batches(5)):
-    before = trainer.params()
-    damping = trainer.records()["damping"]
-    trainer.step(batch)
-    delta = ref.flat(trainer.params()) - ref.flat(before)
-    precon = trainer.precon_matrix(damping)
-    rec = trainer.records()
-    if t % 2 == 0 or (adapt and t % 3 == 0):
-      solved.append(t)
-      want, lr, mu, change = _qmodel_reference(
-          Reference(before, *batch), precon, prev_delta, damping, 0.0)
-      last = (lr, mu, change)
-    else:
-      lr, mu, change = last
-      p = np.linalg.solve(precon, Reference(before, *batch).grad())
-      want = -lr * p + mu * prev_delta
-    np.testing.assert_allclose(delta, want, rtol=RTOL, atol=1e-14,
-                               err_msg="step %d" % t)
-    assert rec["learning_rate"] == pytest.approx(lr, rel=RTOL)
-    assert rec["momentum"] == pytest.approx(mu, rel=RTOL, abs=1e-15)
-    assert rec["qmodel_change"] == pytest.approx(change, rel=RTOL)
-    if adapt and t % 3 == 0:  # the rule's rho with this step's model
-      rho = ((Reference(trainer.params(), *batch).loss() -
-              Reference(before, *batch).loss()) / change)
-      assert rec["rho"] == pytest.approx(rho, rel=1e-7)
-    prev_delta = delta
-  assert solved == ([0, 2, 3, 4] if adapt else [0, 2, 4])
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(momentum_type="regular", learning_rate=0.1, momentum=0.9,
-          qmodel_every=2), "qmodel_every applies to the momentum types"),
-    (dict(momentum_type="qmodel", learning_rate=None, momentum=None,
-          qmodel_every=0), "qmodel_every must be an integer >= 1"),
-    (dict(momentum_type="qmodel", learning_rate=None, momentum=None,
-          qmodel_every=1.5), "qmodel_every must be an integer >= 1"),
-])
-def test_qmodel_every_errors(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    kfac.PeriodicInvCovUpdateKfacOpt(damping=0.1, **kwargs)
-
-
-@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
 @pytest.mark.parametrize("thresholds, direction", [
     ((-10.0, -5.0), "down"),    # rho above the decrease threshold
     ((-10.0, 10.0), "same"),    # rho between the thresholds

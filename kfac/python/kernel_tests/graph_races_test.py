@@ -174,8 +174,7 @@ def test_under_disable_v2_behavior(tmp_path):
   path = str(tmp_path / "races.json")
   program = os.path.join(os.path.dirname(__file__), "graph_races_program.py")
   compared = ["recipe_step", "recipe_with_decay", "recipe_ekfac",
-              "recipe_qmodel_every", "old_adapted_damping", "old_periodic",
-              "old_adam_momentum"]
+              "old_adapted_damping", "old_periodic", "old_adam_momentum"]
   proc = subprocess.run([sys.executable, program, path] + compared,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

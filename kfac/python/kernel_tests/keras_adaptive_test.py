@@ -113,17 +113,14 @@ def _tf1_adaptive_reference(steps, qmodel_rows=None, **core_kwargs):
 
 
 @pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
-@pytest.mark.parametrize("calibrate, fraction, every", [
-    (False, None, 1), (True, None, 1), (False, 0.3, 1), (False, None, 2)])
-def test_adaptive_fit_equals_tf1_graph_steps(calibrate, fraction, every):
+@pytest.mark.parametrize("calibrate, fraction", [(False, None), (True, None),
+                                                (False, 0.3)])
+def test_adaptive_fit_equals_tf1_graph_steps(calibrate, fraction):
   """fraction: qmodel_batch_fraction, the quadratic model's curvature on
   the batch's first ceil(fraction * batch) rows in fit and through the
-  core's qmodel_layer_collection in the TF1 graph. every: qmodel_every
-  (the second step reuses the first one's learning rate and momentum)."""
+  core's qmodel_layer_collection in the TF1 graph."""
   extra = dict(num_burnin_steps=1, calibrate_damping=True) if calibrate \
       else {}
-  if every != 1:
-    extra["qmodel_every"] = every
   rows = None
   if fraction is not None:
     extra_keras = dict(qmodel_batch_fraction=fraction)
@@ -134,10 +131,6 @@ def test_adaptive_fit_equals_tf1_graph_steps(calibrate, fraction, every):
   model, opt = _adaptive(base.sequential_model(), **extra, **extra_keras)
   base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
   want = _tf1_adaptive_reference(N_STEPS, qmodel_rows=rows, **extra)
-  if every != 1:  # the reused coefficients make other steps
-    every_step = _tf1_adaptive_reference(N_STEPS)
-    assert max(np.max(np.abs(a - b)) for a, b in
-               zip(want["weights"], every_step["weights"])) > 1e-3
   if fraction is not None:  # the rows' curvature makes other steps
     whole = _tf1_adaptive_reference(N_STEPS, **extra)
     assert max(np.max(np.abs(a - b)) for a, b in
@@ -256,30 +249,6 @@ def test_adaptive_xla_and_exact_resume(tmp_path):
     np.testing.assert_array_equal(a, b)
   assert float(loaded.optimizer.damping.numpy()) == float(
       plain_opt.damping.numpy())
-
-
-@pytest.mark.slow  # two fits and a save/load round trip
-def test_qmodel_every_resumes_exactly_between_solves(tmp_path):
-  """qmodel_every=3: saved after the first step, the loaded model's next
-  two steps reuse that step's learning rate and momentum (kept in the
-  optimizer's state) and end on the uninterrupted run's weights, bit for
-  bit."""
-  options = dict(qmodel_every=3, damping_adaptation_interval=3)
-  plain, plain_opt = _adaptive(base.functional_model(), **options)
-  base._fit(plain, 0, 3)  # pylint: disable=protected-access
-  first, first_opt = _adaptive(base.functional_model(), **options)
-  base._fit(first, 0, 1)  # pylint: disable=protected-access
-  rate = float(np.asarray(first_opt.learning_rate))
-  path = str(tmp_path / "model.keras")
-  first.save(path)
-  loaded = kfac.keras.saving_utils.load_model(path)
-  assert loaded.optimizer.kfac_optimizer._qmodel_every == 3  # pylint: disable=protected-access
-  base._fit(loaded, 1, 3)  # pylint: disable=protected-access
-  for a, b in zip(loaded.get_weights(), plain.get_weights()):
-    np.testing.assert_array_equal(a, b)
-  # Steps 2 and 3 took the first step's rate.
-  assert float(np.asarray(loaded.optimizer.learning_rate)) == rate
-  assert float(np.asarray(plain_opt.learning_rate)) == rate
 
 
 @pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)

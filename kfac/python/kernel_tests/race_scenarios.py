@@ -90,12 +90,6 @@ def recipe_ekfac():
                    conv_approx="ekfac")
 
 
-def recipe_qmodel_every():
-  """The quadratic model solved on every second step (its curvature
-  products inside a conditional)."""
-  return _periodic(recipe.adaptive_kwargs(qmodel_every=2))
-
-
 def old_periodic():
   return _periodic(dict(learning_rate=0.1, damping=0.01, momentum=0.9,
                         cov_update_every=2, invert_every=3))
@@ -136,8 +130,7 @@ def manual_update_ops():
 
 
 SCENARIOS = {f.__name__: f for f in (
-    recipe_step, recipe_with_decay, recipe_ekfac, recipe_qmodel_every,
-    old_periodic,
+    recipe_step, recipe_with_decay, recipe_ekfac, old_periodic,
     old_adam_momentum, old_adapted_damping, qmodel_fixed_momentum, manual_update_ops)}
 
 

@@ -27,12 +27,6 @@ with N scaled by their share of the batch: the two curvature products, the
 largest extra cost of an adaptive step, are then paid on those rows only
 (kfac.keras's qmodel_batch_fraction); g and p stay the whole batch's.
 "qmodel_fixedmu" keeps mu = momentum and solves for alpha alone.
-With `qmodel_every` k > 1 the model is solved (and the products paid) only
-on the steps whose counter is a multiple of k, on the damping rule's
-adaptation steps (whose rule needs the model's predicted change) and on the
-burn-in steps; every other step applies the alpha and mu of the last solve
-(kept in the learning_rate / momentum records, so a checkpoint resumes
-them) to its own p and d, and records that solve's predicted change.
 `qmodel_update_rescale` s multiplies both coefficients after the solve.
 The recorded `learning_rate` is -alpha * s, `momentum` mu * s.
 
@@ -118,7 +112,7 @@ ARGUMENTS = (
     "use_passed_loss", "train_batch", "print_logs", "use_weight_decay",
     "norm_constraint", "damping_schedule",
     "always_use_exact_qmodel_for_damping_adjustment", "relative_min_damping",
-    "include_damping_in_qmodel_change", "qmodel_every")
+    "include_damping_in_qmodel_change")
 
 
 class _StoredDamping:
@@ -160,11 +154,6 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
     if qmodel_update_rescale is not None and not qmodel:
       raise ValueError("qmodel_update_rescale applies to the momentum types "
                        "'qmodel' / 'qmodel_fixedmu' only (momentum_type=%r)."
-                       % momentum_type)
-    qmodel_every = int(args["qmodel_every"])
-    if qmodel_every != 1 and not qmodel:
-      raise ValueError("qmodel_every applies to the momentum types 'qmodel' "
-                       "/ 'qmodel_fixedmu' only (momentum_type=%r)."
                        % momentum_type)
     if qmodel and args["use_weight_decay"]:
       raise ValueError(
@@ -225,7 +214,6 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
                        "None, got %r." % (include,))
     self._include_damping_in_qmodel_change = include
     self._qmodel_update_rescale = qmodel_update_rescale
-    self._qmodel_every = qmodel_every
     self._adapt_damping = bool(adapt_damping)
     self._exact_damping_model = bool(
         args["always_use_exact_qmodel_for_damping_adjustment"])
@@ -438,57 +426,6 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
               for p, _ in est.multiply_inverse(grads_and_vars)]
     velocities = [self._velocity(v) for v in variables]
     prev = [tf.convert_to_tensor(v) for v in velocities]
-    if self._qmodel_every == 1:
-      alpha, mu, change = self._solve_qmodel(variables, grads, precon, prev)
-    else:
-      if collective.is_distributed():
-        raise NotImplementedError(
-            "qmodel_every=%d under a tf.distribute strategy with several "
-            "replicas is not supported yet (the quadratic model's "
-            "cross-replica reduction would run inside a conditional): use "
-            "qmodel_every=1." % self._qmodel_every)
-      alpha, mu, change = tf.cond(
-          self._qmodel_step(),
-          lambda: self._solve_qmodel(variables, grads, precon, prev),
-          self._last_qmodel_solution)
-    update.model_change = change
-    coefficients = {}  # dtype -> (alpha, mu): cast once per dtype
-    for p, d, var, velocity in zip(precon, prev, variables, velocities):
-      dtype = tf.as_dtype(var.dtype).base_dtype
-      if dtype not in coefficients:
-        coefficients[dtype] = (tf.cast(alpha, dtype), tf.cast(mu, dtype))
-      a, m = coefficients[dtype]
-      delta = a * p + m * d
-      update.deltas.append((delta, var))
-      update.velocity_assigns.append((velocity, delta))
-    update.precon = list(zip(precon, variables))
-    update.grads = grads
-    update.records["learning_rate"] = -alpha
-    update.records["momentum"] = mu
-    return update
-
-  def _qmodel_step(self):
-    """Whether this step solves the quadratic model (qmodel_every > 1):
-    every qmodel_every-th step, every damping adaptation step and every
-    burn-in step (they do not advance the counter, which starts at 0)."""
-    counter = tf.convert_to_tensor(self.counter)
-    now = tf.equal(counter % self._qmodel_every, 0)
-    if self._adapt_damping:
-      now = tf.logical_or(now, tf.equal(
-          counter % self._adaptation_interval, 0))
-    return now
-
-  def _last_qmodel_solution(self):
-    """(alpha, mu, predicted change) applied by the last step that solved
-    the quadratic model, read from the records it left (float64)."""
-    return (-tf.convert_to_tensor(self._record("learning_rate")),
-            tf.convert_to_tensor(self._record("momentum")),
-            tf.convert_to_tensor(self._record("qmodel_change")))
-
-  def _solve_qmodel(self, variables, grads, precon, prev):
-    """(alpha, mu, predicted change) of the quadratic model on this batch
-    (module docstring), float64, alpha and mu rescaled by
-    qmodel_update_rescale."""
     gram = self._curvature_gram(variables, [precon, prev])
     # Every inner product of p, d and g the model needs, in one Gram.
     inner = gram64([precon, prev, grads])
@@ -515,9 +452,22 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
     # The predicted change: without the damping term unless asked for.
     model_m = (solve_m if self._include_damping_in_qmodel_change else
                model(l2_reg))
-    change = quadratic_model.model_value(
+    update.model_change = quadratic_model.model_value(
         alpha, mu, model_m[0][0], model_m[0][1], model_m[1][1], c1, c2)
-    return alpha, mu, change
+    coefficients = {}  # dtype -> (alpha, mu): cast once per dtype
+    for p, d, var, velocity in zip(precon, prev, variables, velocities):
+      dtype = tf.as_dtype(var.dtype).base_dtype
+      if dtype not in coefficients:
+        coefficients[dtype] = (tf.cast(alpha, dtype), tf.cast(mu, dtype))
+      a, m = coefficients[dtype]
+      delta = a * p + m * d
+      update.deltas.append((delta, var))
+      update.velocity_assigns.append((velocity, delta))
+    update.precon = list(zip(precon, variables))
+    update.grads = grads
+    update.records["learning_rate"] = -alpha
+    update.records["momentum"] = mu
+    return update
 
   def _set_model_change(self, grads_and_vars, update):
     """The predicted change of a regular / adam update (module docstring):

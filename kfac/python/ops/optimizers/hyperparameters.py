@@ -119,7 +119,6 @@ def check(owner, args):
                           allow_none=True)
   arguments.check_count(owner, "damping_adaptation_interval",
                         args["damping_adaptation_interval"], 1)
-  arguments.check_count(owner, "qmodel_every", args["qmodel_every"], 1)
   estimation_modes.check_mode(args["estimation_mode"])
   _check_dtype(owner, args["dtype"])
   return checked

@@ -119,7 +119,6 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                memory_budget="auto",
                over_budget="raise",
                qmodel_layer_collection=None,
-               qmodel_every=1,
                **placement_kwargs):
     """Creates the optimizer; see optimizers/update_rule.py for the update
     rule.
@@ -183,13 +182,6 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     products, the largest cost of an adaptive step, are paid on that part
     only (adaptive/mixin.py; `set_qmodel_layer_collection` sets it per
     trace).
-
-    `qmodel_every` (not in kfac 0.2.x; default 1): with the momentum types
-    "qmodel*", solve the quadratic model (its two curvature products) on
-    every qmodel_every-th step, on every damping adaptation step and on
-    every burn-in step only; the steps between apply the learning rate and
-    momentum of the last solve to their own preconditioned gradient
-    (adaptive/mixin.py). One replica only.
     """
     hyperparameters.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
