@@ -15,13 +15,18 @@ model's curvature products on half of each batch); `kfac_dw_all_patches`
 the recipe with every patch in the depthwise convolutions' input
 statistics (the recipe before it sub-sampled them); `kfac_fixed_rate` the
 recipe at a fixed learning rate 0.05 and momentum 0.9 (momentum_type
-"regular": no quadratic model, only the damping adapted).
+"regular": no quadratic model, only the damping adapted);
+`kfac_invert_every30` and `kfac_cov_update_every4` the recipe with its
+inverses every 30 steps (not 10) and its statistics every 4 (not 2): what
+each part of a step costs (docs/recipe.md, "Where a step goes").
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
 what else runs on the machine; every configuration is built and warmed up
 with `--warmup_steps` steps (past K-FAC's 5 burn-in steps, whose inverses
-are recomputed on every step but the first), then the configurations alternate in
+are recomputed on every step but the first), each takes one more untimed
+step once all are built (the first fit call after other models were built
+costs seconds more), then the configurations alternate in
 `--rounds` rounds (order reversed every other round) of one `fit` call of
 `--steps` steps each (a multiple of the inverse period, 10). ms/step is
 the process CPU time of the fit call / steps, the best round (the least
@@ -51,13 +56,15 @@ import zoo_models
 
 MODELS = zoo_models.NAMES
 CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half",
-           "kfac_dw_all_patches", "kfac_fixed_rate")
+           "kfac_dw_all_patches", "kfac_fixed_rate", "kfac_invert_every30",
+           "kfac_cov_update_every4")
 flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
                              "vit", "gpt"], "Which models (%s)." %
                   ", ".join(MODELS))
 flags.DEFINE_list("configs", ["adam", "kfac"], "Which configurations (adam, "
                   "kfac, kfac_full_patches, kfac_qmodel_half, "
-                  "kfac_dw_all_patches); the first is "
+                  "kfac_dw_all_patches, kfac_fixed_rate, "
+                  "kfac_invert_every30, kfac_cov_update_every4); the first is "
                   "the baseline.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
 flags.DEFINE_integer("steps", 20, "Steps per timed fit call.")
@@ -88,6 +95,10 @@ def make(keras, kfac_keras, name, config):
     if config == "kfac_fixed_rate":
       kwargs.update(momentum_type="regular", learning_rate=0.05,
                     momentum=0.9)
+    if config == "kfac_invert_every30":  # what the inverses cost
+      kwargs["invert_every"] = 30
+    if config == "kfac_cov_update_every4":  # what the statistics cost
+      kwargs["cov_update_every"] = 4
     if config == "kfac_dw_all_patches":
       kwargs["registration_options"] = {
           keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}}
@@ -120,6 +131,13 @@ def worker(name):
     first[config] = dict(wall_s=time.time() - wall,
                          cpu_s=time.process_time() - cpu)
     times[config], losses[config] = [], []
+  # A model's first fit call after other models were built and fitted in
+  # the process costs seconds more (the function runtime's, not a trace:
+  # on 2026-11-29 MobileNetV2's recipe took 1945 ms/step in the first
+  # 20-step round against 173 in the second, Adam 368 against 54). One
+  # untimed step of each configuration, after all are built, pays it.
+  for config in FLAGS.configs:
+    models[config].fit(dataset, steps_per_epoch=1, epochs=1, verbose=0)
   for r in range(FLAGS.rounds):
     order = list(FLAGS.configs) if r % 2 == 0 else list(FLAGS.configs)[::-1]
     for config in order:
