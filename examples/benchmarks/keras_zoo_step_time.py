@@ -17,8 +17,13 @@ statistics (the recipe before it sub-sampled them); `kfac_fixed_rate` the
 recipe at a fixed learning rate 0.05 and momentum 0.9 (momentum_type
 "regular": no quadratic model, only the damping adapted);
 `kfac_invert_every30` and `kfac_cov_update_every4` the recipe with its
-inverses every 30 steps (not 10) and its statistics every 4 (not 2): what
-each part of a step costs (docs/recipe.md, "Where a step goes").
+inverses every 30 steps (not 10) and its statistics every 4 (not 2);
+`kfac_no_statistics` the recipe whose statistics stop after the burn-in
+(cov_update_every=10**6), `kfac_fixed_rate_no_statistics` the same at the
+fixed rate, and `kfac_fixed_rate_frozen` that with the inverses stopped
+too (invert_every=10**6: preconditioning and bookkeeping only, with the
+burn-in's factors): what each part of a step costs (docs/recipe.md,
+"Where a step goes").
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
@@ -57,15 +62,21 @@ import zoo_models
 MODELS = zoo_models.NAMES
 CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half",
            "kfac_dw_all_patches", "kfac_fixed_rate", "kfac_invert_every30",
-           "kfac_cov_update_every4")
+           "kfac_cov_update_every4", "kfac_no_statistics",
+           "kfac_fixed_rate_no_statistics", "kfac_fixed_rate_frozen")
+# Statistics (or inverses) "never" after the burn-in: the step's other parts
+# alone, to split what K-FAC adds (the factors and inverses of the burn-in
+# steps stay in use).
+NEVER = 10 ** 6
 flags.DEFINE_list("models", ["mobilenetv2", "bn_resnet", "efficientnetb0",
                              "vit", "gpt"], "Which models (%s)." %
                   ", ".join(MODELS))
 flags.DEFINE_list("configs", ["adam", "kfac"], "Which configurations (adam, "
                   "kfac, kfac_full_patches, kfac_qmodel_half, "
                   "kfac_dw_all_patches, kfac_fixed_rate, "
-                  "kfac_invert_every30, kfac_cov_update_every4); the first is "
-                  "the baseline.")
+                  "kfac_invert_every30, kfac_cov_update_every4, "
+                  "kfac_no_statistics, kfac_fixed_rate_no_statistics, "
+                  "kfac_fixed_rate_frozen); the first is the baseline.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
 flags.DEFINE_integer("steps", 20, "Steps per timed fit call.")
 flags.DEFINE_integer("warmup_steps", 10, "Untimed steps after the build.")
@@ -92,9 +103,13 @@ def make(keras, kfac_keras, name, config):
     if config == "kfac_full_patches":
       kwargs["registration_options"] = {
           keras.layers.Conv2D: {"sub_sample_patches": False}}
-    if config == "kfac_fixed_rate":
+    if config.startswith("kfac_fixed_rate"):  # no quadratic model
       kwargs.update(momentum_type="regular", learning_rate=0.05,
                     momentum=0.9)
+    if config.endswith(("no_statistics", "frozen")):
+      kwargs["cov_update_every"] = NEVER
+    if config.endswith("frozen"):
+      kwargs["invert_every"] = NEVER
     if config == "kfac_invert_every30":  # what the inverses cost
       kwargs["invert_every"] = 30
     if config == "kfac_cov_update_every4":  # what the statistics cost

@@ -394,6 +394,44 @@ def test_keras_zoo_step_time_quick(tmp_path):
   assert "| gpt | " in table
 
 
+def test_keras_zoo_step_time_split_configurations():
+  """The step-splitting configurations of keras_zoo_step_time.py pass what
+  their names say to Kfac: no quadratic model (a fixed rate and
+  momentum), statistics and inverses "never" after the burn-in."""
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import keras_zoo_step_time as zst  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  import keras  # pylint: disable=g-import-not-at-top
+  import kfac.keras as kfac_keras  # pylint: disable=g-import-not-at-top
+  expected = {
+      "kfac": {},
+      "kfac_no_statistics": dict(cov_update_every=zst.NEVER),
+      "kfac_fixed_rate_no_statistics": dict(
+          momentum_type="regular", momentum=0.9, cov_update_every=zst.NEVER),
+      "kfac_fixed_rate_frozen": dict(
+          momentum_type="regular", momentum=0.9, cov_update_every=zst.NEVER,
+          invert_every=zst.NEVER),
+  }
+  for config, want in expected.items():
+    model = zst.make(keras, kfac_keras, "gpt", config)
+    got = model.optimizer.get_config()
+    assert got["adaptive"] is True, config
+    for key in ("momentum_type", "momentum", "cov_update_every",
+                "invert_every"):
+      if key in want:
+        # (momentum is stored as a float32 variable)
+        assert got[key] == pytest.approx(want[key]), (config, key,
+                                                      got.get(key))
+      else:
+        assert key not in got or got[key] != zst.NEVER, (config, key)
+    assert ("momentum_type" in want) == (
+        got.get("momentum_type") == "regular"), config
+    if "momentum_type" in want:
+      assert got["learning_rate"] == pytest.approx(0.05), config
+
+
 def test_recurrent_step_time_quick(tmp_path):
   """recurrent_step_time.py times its configurations on a tiny GRU and
   LSTM and writes its table and JSON (times not checked). Plain "kfac" is
