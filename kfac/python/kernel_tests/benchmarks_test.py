@@ -629,3 +629,33 @@ def test_products_step_time_quick(tmp_path):
       without["value"]), (full, without)
   table = (tmp_path / "products_step_time.md").read_text()
   assert table.count("\n") == 4, table
+
+
+def test_tree_step_time_tiny(tmp_path):
+  """tree_step_time.py with this checkout on both sides (the Session
+  autoencoder, one block of 10 steps, ~30 s): every worker imports kfac
+  from its tree (checked in the worker), each side is timed once, and the
+  JSON and table hold both medians and their ratio."""
+  root = str(BENCHMARKS.parents[1])
+  _run("tree_step_time.py", ["--base_tree=" + root, "--tree=" + root,
+                             "--workloads=autoencoder_session",
+                             "--rounds=1", "--blocks=1"], tmp_path)
+  result = json.loads((tmp_path / "tree_step_time.json").read_text())
+  row = result["summary"]["autoencoder_session"]
+  for side in ("base", "tree"):
+    assert len(row[side]["cpu_all"]) == 1 and row[side]["cpu_ms"] > 0
+  assert math.isclose(row["ratio_cpu"],
+                      row["tree"]["cpu_ms"] / row["base"]["cpu_ms"])
+  assert "| autoencoder_session |" in (tmp_path / "tree_step_time.md"
+                                       ).read_text()
+
+
+def test_tree_step_time_rejects_a_folder_without_kfac(tmp_path):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "tree_step_time.py"),
+       "--base_tree=%s" % tmp_path, "--output_dir=%s" % tmp_path],
+      cwd=str(BENCHMARKS), env=env, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert proc.returncode != 0
+  assert "has no kfac/ package" in proc.stderr
