@@ -52,9 +52,9 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops.layers.base import damping as damping_lib
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
 from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
+from kfac.python.ops.layers.base.blocks import LayerTowersFB
 from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 from kfac.python.ops.layers.base.factors import DenseSquareFactor
 from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
@@ -70,7 +70,7 @@ __all__ = [
     "ConvTransposeInputKroneckerFactor",
     "ConvTransposeOutputKroneckerFactor",
     "ConvTransposeKFCBasicFB",
-    "ExactBiasBlockMixin",
+    "ExactBiasFB",
     "ConvTransposeKFCBasicBiasFB",
     "ConvTransposeDiagonalFactor",
     "ConvTransposeDiagonalFB",
@@ -130,7 +130,7 @@ def _init_transpose_block(block, layer_collection, params, padding, strides,
       block._filter_shape[:-2], strides, dilation_rate, padding, data_format)  # pylint: disable=protected-access
 
 
-class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
+class ConvTransposeKFCBasicFB(LayerTowersFB, KroneckerProductFB):
   """The filter's KFC block L * (A (x) G) of a transposed convolution
   without bias (see the module docstring). Products act on the [C, K*O]
   view of the filter [k.., O, C] (A on the rows, G on the columns)."""
@@ -201,11 +201,13 @@ class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
     return self._in_filter_order(KroneckerProductFB.full_fisher_block(self))
 
 
-class ExactBiasBlockMixin:
-  """The bias's exact block F_b + damping next to the filter's block of the
-  host class (put it first in the bases): vectors are (filter, bias) pairs,
-  the filter part goes to the host's products. The block has no spectral
-  view of its own (the curvature operator uses its dense products)."""
+class ExactBiasFB(KroneckerProductFB):
+  """A transposed convolution's block with the bias's exact block
+  F_b + damping next to the filter's Kronecker block: vectors are
+  (filter, bias) pairs, the filter part goes to the products of the filter
+  block that follows this class in the bases (K-FAC's or EKFAC's). The
+  block has no spectral view of its own (the curvature operator uses its
+  dense products)."""
 
   spectral_view = None
 
@@ -261,8 +263,7 @@ class ExactBiasBlockMixin:
     ).to_dense()
 
 
-class ConvTransposeKFCBasicBiasFB(ExactBiasBlockMixin,
-                                  ConvTransposeKFCBasicFB):
+class ConvTransposeKFCBasicBiasFB(ExactBiasFB, ConvTransposeKFCBasicFB):
   """blockdiag(L * (A (x) G), F_b) of a transposed convolution with bias
   (see the module docstring); vectors are (filter, bias) pairs."""
 
@@ -304,8 +305,7 @@ class ConvTransposeDiagonalFactor(InputsGradsDiagonalFactor):
     return weighted_sum(terms, self._weights)
 
 
-class ConvTransposeDiagonalFB(ElementwiseDiagonalBlockMixin,
-                              InputsOutputsTowersMixin, FisherBlock):
+class ConvTransposeDiagonalFB(ElementwiseDiagonalFB, LayerTowersFB):
   """Exact diagonal of a transposed convolution's Fisher, plus damping
   (see the module docstring)."""
 
