@@ -507,6 +507,14 @@ class DiagonalFactor(SymmetricSqrtFactor):
     cov = damping_func.scale(tf.convert_to_tensor(self.get_cov_var()))
     return linalg.diagonal_matpower(cov, exp, damping_func())
 
+  def gathered_matpower(self, indices, exp, damping_func):
+    """(diag + damping)^exp at the rows `indices` of the statistic (the same
+    numbers `get_matpower` has there, without computing the other rows: the
+    rows an IndexedSlices vector touches)."""
+    cov = tf.gather(tf.convert_to_tensor(self.get_cov_var()), indices)
+    return linalg.diagonal_matpower(damping_func.scale(cov), exp,
+                                    damping_func())
+
   def get_cholesky(self, damping_func):
     return self.get_matpower(0.5, damping_func)
 

@@ -63,7 +63,6 @@ from kfac.python.ops.layers.conv import factors as conv_factors
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
 from kfac.python.ops.layers.conv.statistics import mean_outer
-from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
 from kfac.python.ops.tensors import utils
 
 __all__ = [
@@ -97,22 +96,22 @@ class ConvTransposeInputKroneckerFactor(DenseSquareFactor):
     return mean_outer(tf.reshape(x, [-1, self._n]))
 
 
-class ConvTransposeOutputKroneckerFactor(OutputGradsMixin, DenseSquareFactor):
+class ConvTransposeOutputKroneckerFactor(
+    conv_factors._ConvOutputSquareFactor):  # pylint: disable=protected-access
   """G = sum_s w_s mean over (n, p) of q q^T ([K*O, K*O]): q the patches of
   the output gradients under the forward convolution `spec` (one per
   input position p)."""
 
   def __init__(self, outputs_grads, kernel_shape, padding, strides=None,
                dilations=None, data_format=None, weights=None, name=None):
-    self._init_grads(outputs_grads, data_format, weights)
+    super().__init__(outputs_grads, data_format, weights, name=name)
     self._spec = patches_lib.make_conv_spec(tuple(kernel_shape), strides,
                                             dilations, padding, data_format)
     self._n = self._spec.num_taps * self._out
-    DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
   def _compute_new_cov(self):
     terms = []
-    for g in self._source_tensors():
+    for g in self._output_grads.tensors():
       q = patches_lib.extract_patches(g, self._spec)
       terms.append(mean_outer(tf.reshape(q, [-1, self._n])))
     return weighted_sum(terms, self._weights)
