@@ -4,7 +4,7 @@ docs/ekfac.md."""
 
 from kfac.python.ops.ekfac.blocks import ConvEKFACFB
 from kfac.python.ops.ekfac.blocks import ConvEKFACReduceFB
-from kfac.python.ops.ekfac.blocks import EKFACMixin
+from kfac.python.ops.ekfac.blocks import EKFACKroneckerFB
 from kfac.python.ops.ekfac.blocks import EmbeddingEKFACFB
 from kfac.python.ops.ekfac.blocks import FullyConnectedEKFACFB
 from kfac.python.ops.ekfac.blocks import FullyConnectedEKFACReduceFB
@@ -14,7 +14,7 @@ from kfac.python.ops.ekfac.factors import EmbeddingEigenCorrectionFactor
 from kfac.python.ops.ekfac.scalings import STRATEGIES
 from kfac.python.ops.ekfac.scalings import choose_strategy
 
-__all__ = ["ConvEKFACFB", "ConvEKFACReduceFB", "EKFACMixin",
+__all__ = ["ConvEKFACFB", "ConvEKFACReduceFB", "EKFACKroneckerFB",
            "EmbeddingEKFACFB", "FullyConnectedEKFACFB",
            "FullyConnectedEKFACReduceFB", "FullyConnectedMultiEKFACFB",
            "EigenCorrectionFactor", "EmbeddingEigenCorrectionFactor",

@@ -12,11 +12,14 @@ a moving average updated with the statistics). Damping adds lambda to S
 or -reduce factors); the scalings always use the true per-example
 gradients, so both are the best diagonal in their basis.
 
-Each block is an `EKFACMixin` over the K-FAC block of the same layer kind,
-which gives the registration, the factors A and G and the matrix view, plus
+Each block is an `EKFACKroneckerFB` over the K-FAC block of the same layer
+kind, which gives the registration, the factors A and G and the matrix
+view; the layer kind's `EKFACViews` (or the block's own methods) give
 `ekfac_shape()`, `ekfac_inputs()` ([N, P, rows]) and `ekfac_grads(source)`
 ([N, P, cols]).
 """
+
+import typing
 
 import tensorflow as tf
 
@@ -25,6 +28,7 @@ from kfac.python.ops.layers.conv import patches as conv_patches
 from kfac.python.ops.layers.conv import statistics as conv_stats
 from kfac.python.ops.layers.conv import transpose as conv_transpose
 from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 from kfac.python.ops.layers.base.factors import merge_trailing_axes
 from kfac.python.ops.layers.dense import blocks as dense_blocks
 from kfac.python.ops.layers.embedding import blocks as embedding_blocks
@@ -34,7 +38,7 @@ from kfac.python.ops.tensors import utils
 from kfac.python.ops.ekfac import factors as ekfac_factors
 from kfac.python.ops.ekfac import scalings
 
-__all__ = ["EKFACMixin", "FullyConnectedEKFACFB", "FullyConnectedEKFACReduceFB",
+__all__ = ["EKFACKroneckerFB", "EKFACViews", "FullyConnectedEKFACFB", "FullyConnectedEKFACReduceFB",
            "FullyConnectedMultiEKFACFB", "ConvEKFACFB", "ConvEKFACReduceFB",
            "EmbeddingEKFACFB", "ConvTransposeEKFACFB",
            "ConvTransposeEKFACBiasFB"]
@@ -66,12 +70,33 @@ def _power(values, exp):
   return tf.pow(values, utils.cast(exp, values.dtype))
 
 
-class EKFACMixin:
-  """Products, registration and views of an EKFAC block (see the module
-  docstring). Put it before a K-FAC block class in the bases."""
+class EKFACViews(typing.NamedTuple):
+  """A layer kind's views for the scalings, three functions of the block:
+  shape(block) -> [rows, cols], inputs(block) -> [N, P, rows] and
+  grads(block, source) -> [N, P, cols]."""
+  shape: typing.Callable
+  inputs: typing.Callable
+  grads: typing.Callable
+
+
+class EKFACKroneckerFB(KroneckerProductFB):
+  """Products and registration of an EKFAC block (see the module
+  docstring) in the eigenbasis of the factors of the K-FAC block that
+  follows it in the bases; the views come from `_views` (an `EKFACViews`)
+  unless the block defines its own."""
 
   is_ekfac = True
   _correction = None
+  _views = None
+
+  def ekfac_shape(self):
+    return self._views.shape(self)
+
+  def ekfac_inputs(self):
+    return self._views.inputs(self)
+
+  def ekfac_grads(self, source):
+    return self._views.grads(self, source)
 
   def instantiate_factors(self, grads_list, damping, weights=None):
     super().instantiate_factors(grads_list, damping, weights)
@@ -199,41 +224,50 @@ def _with_ones(x):
   return tf.concat([x, tf.ones_like(x[..., :1])], axis=-1)
 
 
-class _DenseViews:
-  """Views of a dense layer on [N, P..., in] inputs."""
-
-  def ekfac_shape(self):
-    first = self._inputs[0]
-    out = self._outputs[0].shape[-self._output_axes:]
-    return [int(first.shape[-1]) + (1 if self._has_bias else 0),
-            int(out.num_elements())]
-
-  def ekfac_inputs(self):
-    x = _positions_view(_concat(self._inputs))
-    return _with_ones(x) if self._has_bias else x
-
-  def ekfac_grads(self, source):
-    # Several output axes (set_output_axes) are flattened into one.
-    return _positions_view(_concat(
-        merge_trailing_axes(g, self._output_axes) for g in source))
+# pylint: disable=protected-access
+def _dense_shape(block):
+  first = block._inputs[0]
+  out = block._outputs[0].shape[-block._output_axes:]
+  return [int(first.shape[-1]) + (1 if block._has_bias else 0),
+          int(out.num_elements())]
 
 
-class FullyConnectedEKFACFB(_DenseViews, EKFACMixin,
+def _dense_inputs(block):
+  x = _positions_view(_concat(block._inputs))
+  return _with_ones(x) if block._has_bias else x
+
+
+def _dense_grads(block, source):
+  # Several output axes (set_output_axes) are flattened into one.
+  return _positions_view(_concat(
+      merge_trailing_axes(g, block._output_axes) for g in source))
+# pylint: enable=protected-access
+
+
+# Views of a dense layer on [N, P..., in] inputs.
+DENSE_VIEWS = EKFACViews(_dense_shape, _dense_inputs, _dense_grads)
+
+
+class FullyConnectedEKFACFB(EKFACKroneckerFB,
                             dense_blocks.FullyConnectedKFACBasicFB):
   """EKFAC of a dense layer ("ekfac"), in the K-FAC-expand basis (inputs of
   rank > 2 share the weights over positions)."""
+
+  _views = DENSE_VIEWS
 
   def __init__(self, layer_collection, has_bias=False, params=None):
     dense_blocks.FullyConnectedKFACBasicFB.__init__(
         self, layer_collection, has_bias=has_bias, params=params)
 
 
-class FullyConnectedEKFACReduceFB(_DenseViews, EKFACMixin,
+class FullyConnectedEKFACReduceFB(EKFACKroneckerFB,
                                   multi_use_blocks.FullyConnectedKFACReduceFB):
   """EKFAC of a dense layer in the K-FAC-reduce basis ("ekfac_reduce")."""
 
+  _views = DENSE_VIEWS
 
-class FullyConnectedMultiEKFACFB(EKFACMixin,
+
+class FullyConnectedMultiEKFACFB(EKFACKroneckerFB,
                                  multi_use_blocks.FullyConnectedMultiIndepFB):
   """EKFAC of a dense layer used num_uses times ("ekfac" in
   register_fully_connected_multi), in the kron_indep basis; an example's
@@ -277,38 +311,46 @@ class FullyConnectedMultiEKFACFB(EKFACMixin,
     return _concat(towers)
 
 
-class _ConvViews:
-  """Views of a convolution: per-example patches [N, L, K*C(+1)] and the
-  output gradients [N, L, O]."""
-
-  def ekfac_shape(self):
-    return [int(self._spec.num_taps * self._filter_shape[-2]) +
-            (1 if self._has_bias else 0), int(self._filter_shape[-1])]
-
-  def _locations(self, like):
-    spatial = like.shape[1:-1]
-    return (int(spatial.num_elements()) if spatial.is_fully_defined()
-            else -1)
-
-  def ekfac_inputs(self):
-    first = self._spec.channels_first
-    x = conv_stats.concat_channels_last(self._inputs, first)
-    size = int(self._spec.num_taps * self._filter_shape[-2])
-    p = conv_patches.extract_patches(x, self._spec)
-    p = tf.reshape(p, [tf.shape(p)[0], self._locations(p), size])
-    mask = conv_stats.flat_mask(self._patch_mask, size, p.dtype)
-    if mask is not None:
-      p = p * mask
-    return _with_ones(p) if self._has_bias else p
-
-  def ekfac_grads(self, source):
-    g = conv_stats.concat_channels_last(source, self._spec.channels_first)
-    return tf.reshape(g, [tf.shape(g)[0], self._locations(g),
-                          int(self._filter_shape[-1])])
+# pylint: disable=protected-access
+def _conv_shape(block):
+  return [int(block._spec.num_taps * block._filter_shape[-2]) +
+          (1 if block._has_bias else 0), int(block._filter_shape[-1])]
 
 
-class ConvEKFACFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCBasicFB):
+def _locations(like):
+  spatial = like.shape[1:-1]
+  return (int(spatial.num_elements()) if spatial.is_fully_defined()
+          else -1)
+
+
+def _conv_inputs(block):
+  spec = block._spec
+  x = conv_stats.concat_channels_last(block._inputs, spec.channels_first)
+  size = int(spec.num_taps * block._filter_shape[-2])
+  p = conv_patches.extract_patches(x, spec)
+  p = tf.reshape(p, [tf.shape(p)[0], _locations(p), size])
+  mask = conv_stats.flat_mask(block._patch_mask, size, p.dtype)
+  if mask is not None:
+    p = p * mask
+  return _with_ones(p) if block._has_bias else p
+
+
+def _conv_grads(block, source):
+  g = conv_stats.concat_channels_last(source, block._spec.channels_first)
+  return tf.reshape(g, [tf.shape(g)[0], _locations(g),
+                        int(block._filter_shape[-1])])
+# pylint: enable=protected-access
+
+
+# Views of a convolution: per-example patches [N, L, K*C(+1)] and the
+# output gradients [N, L, O].
+CONV_VIEWS = EKFACViews(_conv_shape, _conv_inputs, _conv_grads)
+
+
+class ConvEKFACFB(EKFACKroneckerFB, conv_blocks.ConvKFCBasicFB):
   """EKFAC of a convolution ("ekfac"), in the KFC (expand) basis."""
+
+  _views = CONV_VIEWS
 
   def __init__(self, layer_collection, params, padding, strides=None,
                dilation_rate=None, data_format=None, patch_mask=None):
@@ -317,8 +359,10 @@ class ConvEKFACFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCBasicFB):
         data_format, patch_mask=patch_mask)
 
 
-class ConvEKFACReduceFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCReduceFB):
+class ConvEKFACReduceFB(EKFACKroneckerFB, conv_blocks.ConvKFCReduceFB):
   """EKFAC of a convolution in the KFAC-reduce basis ("ekfac_reduce")."""
+
+  _views = CONV_VIEWS
 
   def __init__(self, layer_collection, params, padding, strides=None,
                dilation_rate=None, data_format=None, patch_mask=None):
@@ -327,7 +371,7 @@ class ConvEKFACReduceFB(_ConvViews, EKFACMixin, conv_blocks.ConvKFCReduceFB):
         data_format, patch_mask=patch_mask)
 
 
-class ConvTransposeEKFACFB(EKFACMixin,
+class ConvTransposeEKFACFB(EKFACKroneckerFB,
                            conv_transpose.ConvTransposeKFCBasicFB):
   """EKFAC of a transposed convolution's filter ("ekfac"), in the basis of
   its KFC factors: the [C, K*O] view, per example the inputs [N, P, C] and
@@ -347,16 +391,16 @@ class ConvTransposeEKFACFB(EKFACMixin,
     return tf.reshape(q, [tf.shape(q)[0], -1, self._patch_size])
 
   def full_fisher_block(self):
-    return self._in_filter_order(EKFACMixin.full_fisher_block(self))
+    return self._in_filter_order(EKFACKroneckerFB.full_fisher_block(self))
 
 
-class ConvTransposeEKFACBiasFB(conv_transpose.ExactBiasBlockMixin,
+class ConvTransposeEKFACBiasFB(conv_transpose.ExactBiasFB,
                                ConvTransposeEKFACFB):
   """EKFAC of a transposed convolution's filter and the bias's exact block
   ("ekfac" with a bias)."""
 
 
-class EmbeddingEKFACFB(EKFACMixin, embedding_blocks.EmbeddingKFACFB):
+class EmbeddingEKFACFB(EKFACKroneckerFB, embedding_blocks.EmbeddingKFACFB):
   """EKFAC of an embedding table ("ekfac"): the input factor is diagonal,
   so the basis is I (x) Q_G and the scalings are the exact diagonal of the
   table's Fisher in it. Takes `tf.IndexedSlices` vectors without

@@ -33,9 +33,11 @@ def _full_precision(dtype):
   return tf.float32 if dtype in _HALF else dtype
 
 
-class _CorrectionMixin:
-  """Shared by the correction factors: the two Kronecker factors giving the
-  basis, the gated update and the K-FAC fallback."""
+class EigenCorrection(FisherFactor):
+  """A factor of scalings in the eigenbasis of two Kronecker factors (set
+  by `_init_basis`): the basis, the update gated on its first refresh and
+  the K-FAC fallback. The statistic is the subclass's (or that of the
+  factor class after this one in the bases)."""
 
   is_eigen_correction = True
 
@@ -99,7 +101,7 @@ class _CorrectionMixin:
     return tf.reduce_mean(self.get_cov_var())
 
 
-class EigenCorrectionFactor(_CorrectionMixin, FisherFactor):
+class EigenCorrectionFactor(EigenCorrection):
   """The scalings of a layer whose per-example gradient is
   sum_p x_np g_np^T in its [rows, cols] view.
 
@@ -150,7 +152,7 @@ class EigenCorrectionFactor(_CorrectionMixin, FisherFactor):
     return weighted_sum(terms, self._weights)
 
 
-class EmbeddingEigenCorrectionFactor(_CorrectionMixin,
+class EmbeddingEigenCorrectionFactor(EigenCorrection,
                                      EmbeddingDiagonalFactor):
   """The scalings of an embedding table: the input factor is diagonal (its
   basis is the identity), so they are the exact diagonal of the table's

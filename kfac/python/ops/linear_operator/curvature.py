@@ -49,7 +49,7 @@ class _Shared:
 
 
 @utils.exclude_from_autograph
-class CurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
+class CurvatureOperator(flat.FlatVectorOperator):
   """The damped block-diagonal curvature approximation as a LinearOperator.
 
   Args:

@@ -38,7 +38,7 @@ _METHODS = {"fisher": "multiply_fisher", "ggn": "multiply_ggn",
 
 
 @utils.exclude_from_autograph
-class ExactCurvatureOperator(flat.FlatVectorMixin, tf.linalg.LinearOperator):
+class ExactCurvatureOperator(flat.FlatVectorOperator):
   """Exact Fisher / GGN / Hessian (+ damping * I) as a LinearOperator.
 
   Args:

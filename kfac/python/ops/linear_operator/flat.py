@@ -15,8 +15,10 @@ def describe(variables, limit=4):
   return ", ".join(parts)
 
 
-class FlatVectorMixin:
-  """For LinearOperators over the flattened `variables` (a property)."""
+class FlatVectorOperator(tf.linalg.LinearOperator):
+  """A LinearOperator over the flattened `variables` (a property of the
+  subclass): flattening, unflattening, and products and solves that check
+  their argument's length and dtype first."""
 
   @property
   def num_parameters(self):

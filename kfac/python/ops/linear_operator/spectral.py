@@ -12,7 +12,7 @@ with L [rows, rows] and R [cols, cols] orthogonal (None stands for the
 identity) and E [rows, cols] the eigenvalues of B. A `SpectralView(left,
 right, eigenvalues)` holds (L, R, E). Views per block type:
 
-* Kronecker blocks (`TwoFactorKroneckerMixin`: dense, conv, embedding,
+* Kronecker blocks (`KroneckerProductFB`: dense, conv, embedding,
   multi-use and reduce variants, the per-channel depthwise conv): L and R
   are the eigenvectors of the input and output factors (None for a
   `DiagonalFactor`: the kron_*_diag variants and the embedding input
@@ -21,7 +21,7 @@ right, eigenvalues)` holds (L, R, E). Views per block type:
   block's `_renorm_coeff`: exactly the matrix `multiply_matpower` applies.
   Undamped: E = c lambda_A (x) lambda_G.
 * Elementwise diagonal blocks: L = R = None, E = diagonal + damping.
-* Full blocks (`SingleDenseFactorBlockMixin`: generic "full",
+* Full blocks (`SingleFactorFB`: generic "full",
   scale-and-shift "full"): the column view, L = eigenvectors of the
   factor, E = eigenvalues + damping.
 * Blocks with a `spectral_view(damped)` method (EKFAC) give their own view.
@@ -47,9 +47,9 @@ from kfac.python.ops.layers.dense import blocks as dense_blocks
 from kfac.python.ops.layers.embedding import blocks as embedding_blocks
 from kfac.python.ops.numerics import linalg
 from kfac.python.ops.tensors import utils
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
-from kfac.python.ops.layers.base.blocks import SingleDenseFactorBlockMixin
-from kfac.python.ops.layers.base.blocks import TwoFactorKroneckerMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
+from kfac.python.ops.layers.base.blocks import KroneckerProductFB
+from kfac.python.ops.layers.base.blocks import SingleFactorFB
 from kfac.python.ops.layers.base.factors import DiagonalFactor
 
 __all__ = ["SpectralView", "spectral_view", "block_kind", "EigenvalueDamping", "apply_view",
@@ -85,12 +85,12 @@ def apply_view(left, right, evals, mats, exp):
 
 
 def _kronecker_products_are_standard(block):
-  """Whether the block multiplies with TwoFactorKroneckerMixin's product (a
+  """Whether the block multiplies with KroneckerProductFB's product (a
   subclass overriding it, like the kron_series blocks, does not; the dense
   block's override applies the same matrix, in a cheaper order for some
   gradients)."""
   own = type(block).multiply_matpower
-  return own in (TwoFactorKroneckerMixin.multiply_matpower,
+  return own in (KroneckerProductFB.multiply_matpower,
                  embedding_blocks.EmbeddingKFACFB.multiply_matpower,
                  dense_blocks.FullyConnectedKFACBasicFB.multiply_matpower)
 
@@ -100,11 +100,11 @@ def block_kind(block):
   "full" or "dense" (the fallback)."""
   if callable(getattr(block, "spectral_view", None)):
     return "custom"
-  if isinstance(block, TwoFactorKroneckerMixin):
+  if isinstance(block, KroneckerProductFB):
     return "kronecker" if _kronecker_products_are_standard(block) else "dense"
-  if isinstance(block, ElementwiseDiagonalBlockMixin):
+  if isinstance(block, ElementwiseDiagonalFB):
     return "diagonal"
-  if isinstance(block, SingleDenseFactorBlockMixin):
+  if isinstance(block, SingleFactorFB):
     return "full"
   return "dense"
 

@@ -7,8 +7,7 @@ statistic in `_compute_new_cov`."""
 
 import tensorflow as tf
 
-from kfac.python.ops.layers.base.factors import FisherFactor
-from kfac.python.ops.layers.base.factors import MatmulProductsMixin
+from kfac.python.ops.layers.base.factors import MatrixFactor
 from kfac.python.ops.numerics import linalg
 from kfac.python.ops.tensors import utils
 
@@ -48,7 +47,7 @@ def per_channel_second_moments(x):
                    for i in range(n)], axis=-2)
 
 
-class BatchedSquareFactor(MatmulProductsMixin, FisherFactor):
+class BatchedSquareFactor(MatrixFactor):
   """A factor whose statistic is a batch of C symmetric [n, n] matrices
   (one per channel). Damping functions may scale each matrix differently:
   `damping_func.scale(ones([C]))` gives the per-channel scales (the

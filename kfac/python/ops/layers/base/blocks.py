@@ -165,10 +165,10 @@ def kronecker_damping_funcs(options, input_factor, output_factor,
   return split(input_factor, output_factor, normalized, options.pi_type)
 
 
-class InputsOutputsTowersMixin:
-  """Towers of a layer given as (inputs, outputs) pairs, kept in the lists
-  `_inputs` / `_outputs` (set up by `_init_towers()`); the statistics need
-  the loss gradients w.r.t. every tower's outputs."""
+class LayerTowersFB(FisherBlock):
+  """A block of a layer registered as towers of (inputs, outputs) pairs,
+  kept in the lists `_inputs` / `_outputs` (set up by `_init_towers()`);
+  the statistics need the loss gradients w.r.t. every tower's outputs."""
 
   def _init_towers(self):
     self._inputs = []
@@ -190,16 +190,36 @@ class InputsOutputsTowersMixin:
     return tuple(self._outputs)
 
 
-class TwoFactorKroneckerMixin:
-  """Registration and products of a block c * (A (x) G) on [rows, cols]
-  matrix views of vectors: the input factor `_input_factor` (damped by
-  `_in_damping`) acts on the rows, the output factor `_output_factor`
-  (damped by `_out_damping`) on the columns, the coefficient is
-  `_renorm_coeff`. Hosts provide `_to_mat(vector)` / `_from_mat(mat,
-  template)` and set the factors and dampings in `instantiate_factors`.
-  The factors may be batched over a leading axis (per-channel blocks)."""
+class KroneckerProductFB(FisherBlock):
+  """A block c * (A (x) G) acting on [rows, cols] matrix views of vectors.
 
+  A (the input factor `_input_factor`, damped by `_in_damping`) acts on the
+  rows, G (the output factor `_output_factor`, damped by `_out_damping`) on
+  the columns; the factors may be batched over a leading axis (per-channel
+  blocks). The coefficient c (`_renorm_coeff`) is the number of positions a
+  weight is shared over (conv locations, uses of a layer, sequence steps):
+  both factors are averages over all positions, so c restores the sum over
+  positions of the per-example Fisher (KFAC-expand). Damping is factored
+  with the pi rule on the normalised value damping / c, so that the damped
+  block is c * (A (x) G + damping / c) = c A (x) G + damping (with the
+  collection's CurvatureOptions: damping / c^p split by the pi rule or
+  with pi = 1, see layers/base/curvature_options.py).
+
+  Subclasses set `_input_factor`, `_output_factor` and call
+  `_setup_damping(damping)` (or set the two dampings themselves) in
+  `instantiate_factors`, and provide `_to_mat(vector)` /
+  `_from_mat(mat, template)`.
+  """
+
+  _input_factor = None
+  _output_factor = None
   _renorm_coeff = 1.0
+
+  def _setup_damping(self, damping):
+    self._damping_func = damping_lib.as_damping_func(damping)
+    self._in_damping, self._out_damping = kronecker_damping_funcs(
+        self.curvature_options, self._input_factor, self._output_factor,
+        self._damping_func, self._renorm_coeff)
 
   def _coeff_power(self, exp, dtype):
     coeff = self._renorm_coeff
@@ -250,34 +270,6 @@ class TwoFactorKroneckerMixin:
     return self._from_mat(self._scaled(mat, -0.5 if inverse else 0.5),
                           vector)
 
-
-class KroneckerProductFB(TwoFactorKroneckerMixin, FisherBlock):
-  """A block c * (A (x) G) acting on [rows, cols] matrix views of vectors.
-
-  A (the input factor) acts on the rows, G (the output factor) on the
-  columns. The coefficient c (`_renorm_coeff`) is the number of positions a
-  weight is shared over (conv locations, uses of a layer, sequence steps):
-  both factors are averages over all positions, so c restores the sum over
-  positions of the per-example Fisher (KFAC-expand). Damping is factored
-  with the pi rule on the normalised value damping / c, so that the damped
-  block is c * (A (x) G + damping / c) = c A (x) G + damping (with the
-  collection's CurvatureOptions: damping / c^p split by the pi rule or
-  with pi = 1, see layers/base/curvature_options.py).
-
-  Subclasses set `_input_factor`, `_output_factor` and call
-  `_setup_damping(damping)` in `instantiate_factors`, and provide
-  `_to_mat(vector)` / `_from_mat(mat, template)`.
-  """
-
-  _input_factor = None
-  _output_factor = None
-
-  def _setup_damping(self, damping):
-    self._damping_func = damping_lib.as_damping_func(damping)
-    self._in_damping, self._out_damping = kronecker_damping_funcs(
-        self.curvature_options, self._input_factor, self._output_factor,
-        self._damping_func, self._renorm_coeff)
-
   def full_fisher_block(self):
     self._check_instantiated()
     block = linalg.kronecker_product(self._input_factor.get_cov(),
@@ -285,8 +277,8 @@ class KroneckerProductFB(TwoFactorKroneckerMixin, FisherBlock):
     return self._scaled(block, 1)
 
 
-class SingleDenseFactorBlockMixin:
-  """Products for blocks whose single dense square factor acts on a column
+class SingleFactorFB(FisherBlock):
+  """A block that is one dense square factor `_factor` acting on a column
   view of the block's vectors (`_to_view` / `_from_view`), damped by
   `_damping_func` added to its diagonal."""
 
@@ -323,9 +315,10 @@ class SingleDenseFactorBlockMixin:
     return self._factor.get_cov()
 
 
-class ElementwiseDiagonalBlockMixin:
-  """Products for blocks whose single factor is an elementwise diagonal
-  shaped like the block's vector view."""
+class ElementwiseDiagonalFB(FisherBlock):
+  """A block that is one elementwise diagonal factor `_factor` shaped like
+  the block's vector view (`_to_view` / `_from_view`), damped by
+  `_damping_func`."""
 
   def register_matpower(self, exp):
     self._check_instantiated()

@@ -222,10 +222,11 @@ class FisherFactor(abc.ABC):
     """trace(cov) / dim, used by the pi-adjusted damping split."""
 
 
-class MatmulProductsMixin:
-  """Products with a factor's (damped) powers and Cholesky factors, which
-  are matrices (or batches of matrices, acting on batches of matrices x)
-  given by `get_matpower`, `get_cholesky` and `get_cholesky_inverse`."""
+class MatrixFactor(FisherFactor):
+  """A factor whose (damped) powers and Cholesky factors are matrices (or
+  batches of matrices, acting on batches of matrices x) given by
+  `get_matpower`, `get_cholesky` and `get_cholesky_inverse`: products are
+  matmuls with them."""
 
   def left_multiply_matpower(self, x, exp, damping_func):
     return tf.matmul(self.get_matpower(exp, damping_func), x)
@@ -246,7 +247,7 @@ class MatmulProductsMixin:
     return tf.matmul(x, mat, transpose_b=transpose)
 
 
-class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
+class DenseSquareFactor(MatrixFactor):
   """A factor whose statistic is a full symmetric [n, n] matrix.
 
   Inverses and other matrix powers registered through `register_matpower`
@@ -450,9 +451,10 @@ class DenseSquareFactor(MatmulProductsMixin, FisherFactor):
     return self.get_matpower(-1, damping_func)
 
 
-class SymmetricSqrtCholeskyMixin:
-  """Factors whose "Cholesky" factor is the symmetric square root (power
-  1/2, inverse power -1/2), so that transposes are no-ops."""
+class SymmetricSqrtFactor(FisherFactor):
+  """A factor whose "Cholesky" factor is the symmetric square root (power
+  1/2, inverse power -1/2), so that transposes are no-ops; products with
+  powers come from `left_multiply_matpower` / `right_multiply_matpower`."""
 
   def left_multiply_cholesky(self, x, damping_func, transpose=False,
                              inverse=False):
@@ -467,7 +469,7 @@ class SymmetricSqrtCholeskyMixin:
                                         damping_func)
 
 
-class DiagonalFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
+class DiagonalFactor(SymmetricSqrtFactor):
   """A factor whose statistic is a diagonal, stored as its entries.
 
   Powers, Cholesky factors and their inverses are elementwise and computed on
@@ -504,6 +506,14 @@ class DiagonalFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
     """Entries of (diag + damping)^exp, shaped like the statistic."""
     cov = damping_func.scale(tf.convert_to_tensor(self.get_cov_var()))
     return linalg.diagonal_matpower(cov, exp, damping_func())
+
+  def gathered_matpower(self, indices, exp, damping_func):
+    """(diag + damping)^exp at the rows `indices` of the statistic (the same
+    numbers `get_matpower` has there, without computing the other rows: the
+    rows an IndexedSlices vector touches)."""
+    cov = tf.gather(tf.convert_to_tensor(self.get_cov_var()), indices)
+    return linalg.diagonal_matpower(damping_func.scale(cov), exp,
+                                    damping_func())
 
   def get_cholesky(self, damping_func):
     return self.get_matpower(0.5, damping_func)

@@ -35,11 +35,9 @@ from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.conv import statistics
 from kfac.python.ops.tensors import utils
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
-from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
+from kfac.python.ops.layers.base.blocks import LayerTowersFB
 from kfac.python.ops.layers.base.blocks import KroneckerProductFB
-from kfac.python.ops.layers.base.blocks import TwoFactorKroneckerMixin
 from kfac.python.ops.reliability import shapes
 
 __all__ = [
@@ -70,7 +68,7 @@ def _filter_of(params):
   return utils.ensure_sequence(params)[0]
 
 
-class _ConvLayerBlock(InputsOutputsTowersMixin, FisherBlock):
+class _ConvLayerBlock(LayerTowersFB):
   """Shared plumbing: the convolution, towers of (inputs, outputs), the
   [K*C(+1), O] matrix view of vectors."""
 
@@ -198,7 +196,7 @@ class ConvKFCReduceFB(_ConvLayerBlock, KroneckerProductFB):
     self._setup_damping(damping)
 
 
-class ConvDiagonalFB(ElementwiseDiagonalBlockMixin, _ConvLayerBlock):
+class ConvDiagonalFB(ElementwiseDiagonalFB, _ConvLayerBlock):
   """Exact diagonal of a conv layer's Fisher, plus damping."""
 
   def __init__(self, layer_collection, params, strides, padding,
@@ -282,7 +280,7 @@ class ConvKFCBasicMultiIndepFB(ConvKFCBasicFB):
 
 
 # ------------------------------------------------------------ depthwise
-class _DepthwiseConvBlock(InputsOutputsTowersMixin, FisherBlock):
+class _DepthwiseConvBlock(LayerTowersFB):
   """Depthwise conv [k.., C, M] (optional bias [C*M]): towers and the
   [K(+1), C, M] view of vectors."""
 
@@ -325,7 +323,7 @@ class _DepthwiseConvBlock(InputsOutputsTowersMixin, FisherBlock):
     return tf.reshape(view, tf.shape(template))
 
 
-class DepthwiseConvDiagonalFB(ElementwiseDiagonalBlockMixin,
+class DepthwiseConvDiagonalFB(ElementwiseDiagonalFB,
                               _DepthwiseConvBlock):
   """Exact diagonal of a depthwise conv layer's Fisher, plus damping."""
 
@@ -356,7 +354,7 @@ class DepthwiseConvDiagonalFB(ElementwiseDiagonalBlockMixin,
     return self._from_kcm(view, template)
 
 
-class DepthwiseConvKFCBasicFB(TwoFactorKroneckerMixin, _DepthwiseConvBlock):
+class DepthwiseConvKFCBasicFB(_DepthwiseConvBlock, KroneckerProductFB):
   """Per-channel KFC of a depthwise conv: blockdiag_c L * (A_c (x) G_c).
 
   A_c ([K(+1)]^2) is the second moment of the K taps of input channel c

@@ -19,7 +19,7 @@ from kfac.python.ops.layers.conv.statistics import check_sub_sample
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
 from kfac.python.ops.layers.conv.statistics import conv_spec
 from kfac.python.ops.layers.conv.statistics import patch_row_budget
-from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
+from kfac.python.ops.layers.conv.statistics import OutputGradSources
 from kfac.python.ops.tensors import utils
 
 __all__ = [
@@ -129,22 +129,27 @@ class DepthwiseConvInputKroneckerFactor(_BatchedSquareFactor):
     return self.compute_sampled_statistic()[0]
 
 
-class DepthwiseConvOutputKroneckerFactor(OutputGradsMixin,
-                                         _BatchedSquareFactor):
+class DepthwiseConvOutputKroneckerFactor(_BatchedSquareFactor):
   """Per-channel output-gradient second moments of a depthwise conv:
   [C, M, M], G_c = sum_s w_s mean over (n, t) of g_c g_c^T where g_c are
   the M outputs (c*M .. c*M+M-1) of input channel c."""
 
   def __init__(self, outputs_grads, channels, multiplier, data_format=None,
                weights=None, name=None):
-    self._init_grads(outputs_grads, data_format, weights)
+    self._output_grads = OutputGradSources(outputs_grads, data_format,
+                                           weights)
+    self._weights = self._output_grads.weights
     self._batch = int(channels)
     self._n = int(multiplier)
     _BatchedSquareFactor.__init__(self, name=name, weights=self._weights)
 
+  @property
+  def _dtype(self):
+    return self._output_grads.dtype
+
   def _compute_new_cov(self):
     terms = []
-    for g in self._source_tensors():
+    for g in self._output_grads.tensors():
       g = tf.reshape(g, [-1, self._batch, self._n])
       rows = tf.cast(tf.shape(g)[0], g.dtype)
       terms.append(per_channel_second_moments(

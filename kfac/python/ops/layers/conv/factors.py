@@ -51,7 +51,7 @@ from kfac.python.ops.layers.conv.statistics import conv_spec
 from kfac.python.ops.layers.conv.statistics import flat_mask
 from kfac.python.ops.layers.conv.statistics import mean_outer
 from kfac.python.ops.layers.conv.statistics import mean_outer_with_ones
-from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
+from kfac.python.ops.layers.conv.statistics import OutputGradSources
 from kfac.python.ops.layers.conv.statistics import patch_row_budget
 from kfac.python.ops.layers.conv.statistics import sample_examples
 from kfac.python.ops.tensors import utils
@@ -150,14 +150,21 @@ class ConvInputKroneckerFactor(DenseSquareFactor):
     return self.compute_sampled_statistic()[0]
 
 
-class _ConvOutputSquareFactor(OutputGradsMixin, DenseSquareFactor):
-  """[O, O] statistics of the output gradients."""
+class _ConvOutputSquareFactor(DenseSquareFactor):
+  """[O, O] statistics of the output gradients (`_n` = O unless a subclass
+  sets another size after this constructor)."""
 
   def __init__(self, outputs_grads, data_format=None, weights=None,
                name=None):
-    self._init_grads(outputs_grads, data_format, weights)
-    self._n = self._out
+    self._output_grads = OutputGradSources(outputs_grads, data_format,
+                                           weights)
+    self._weights = self._output_grads.weights
+    self._out = self._n = self._output_grads.out
     DenseSquareFactor.__init__(self, name=name, weights=self._weights)
+
+  @property
+  def _dtype(self):
+    return self._output_grads.dtype
 
 
 class ConvOutputKroneckerFactor(_ConvOutputSquareFactor):
@@ -165,7 +172,7 @@ class ConvOutputKroneckerFactor(_ConvOutputSquareFactor):
 
   def _compute_new_cov(self):
     terms = [mean_outer(tf.reshape(g, [-1, self._out]))
-             for g in self._source_tensors()]
+             for g in self._output_grads.tensors()]
     return weighted_sum(terms, self._weights)
 
 
@@ -174,7 +181,7 @@ class ConvOutputReduceKroneckerFactor(_ConvOutputSquareFactor):
 
   def _compute_new_cov(self):
     terms = []
-    for g in self._source_tensors():
+    for g in self._output_grads.tensors():
       axes = list(range(1, g.shape.rank - 1))
       terms.append(mean_outer(tf.reduce_sum(g, axis=axes)))
     return weighted_sum(terms, self._weights)

@@ -29,9 +29,8 @@ import tensorflow as tf
 
 from kfac.python.ops.layers.base import blocks as block_base
 from kfac.python.ops.layers.base import damping as damping_lib
-from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
-from kfac.python.ops.layers.base.blocks import TwoFactorKroneckerMixin
+from kfac.python.ops.layers.base.blocks import KroneckerProductFB
+from kfac.python.ops.layers.base.blocks import LayerTowersFB
 from kfac.python.ops.layers.conv import depthwise_factors
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.conv import statistics
@@ -95,8 +94,7 @@ class GroupedConvOutputKroneckerFactor(
                      data_format, weights, name)
 
 
-class GroupedConvKFCBasicFB(TwoFactorKroneckerMixin, InputsOutputsTowersMixin,
-                            FisherBlock):
+class GroupedConvKFCBasicFB(LayerTowersFB, KroneckerProductFB):
   """blockdiag over groups j of L * (A_j (x) G_j); see the module
   docstring. Vectors are (filter [k.., C/G, O], bias [O]) or a filter."""
 

@@ -2,7 +2,7 @@
 sua_factor.py, depthwise_factors.py, and ekfac's conv blocks): the layer's
 patch geometry, towers made channels-last and concatenated, the patch mask,
 random subsets of examples, mean outer products, and the output-gradient
-sources of a factor."""
+sources of a factor (`OutputGradSources`)."""
 
 import tensorflow as tf
 
@@ -87,25 +87,23 @@ def mean_outer_with_ones(rows):
   return tf.concat([top, bottom[tf.newaxis]], axis=0)
 
 
-class OutputGradsMixin:
-  """Output-gradient factors: sources of towers of [N, spatial..., O]."""
+class OutputGradSources:
+  """The output gradients of a factor: sources (with their weights) of
+  towers of [N, spatial..., O] tensors in `data_format`; `out` is O."""
 
-  def _init_grads(self, outputs_grads, data_format, weights):
-    self._grads = normalize_sources(outputs_grads)
-    self._weights = normalize_weights(weights, len(self._grads))
-    self._channels_first = patches_lib.data_format_is_channels_first(
+  def __init__(self, outputs_grads, data_format, weights):
+    self.grads = normalize_sources(outputs_grads)
+    self.weights = normalize_weights(weights, len(self.grads))
+    self.channels_first = patches_lib.data_format_is_channels_first(
         data_format)
-    first = self._grads[0][0]
-    self._out = int(first.shape[1 if self._channels_first else -1])
-    self._grads_dtype = first.dtype
+    first = self.grads[0][0]
+    self.out = int(first.shape[1 if self.channels_first else -1])
+    self.dtype = first.dtype
 
-  @property
-  def _dtype(self):
-    return self._grads_dtype
-
-  def _source_tensors(self):
-    return [concat_channels_last(towers, self._channels_first)
-            for towers in self._grads]
+  def tensors(self):
+    """One channels-last tensor per source, its towers concatenated."""
+    return [concat_channels_last(towers, self.channels_first)
+            for towers in self.grads]
 
 
 def block_diag_kron(a, g, perm):

@@ -10,8 +10,7 @@ import math
 
 import tensorflow as tf
 
-from kfac.python.ops.layers.base.factors import FisherFactor
-from kfac.python.ops.layers.base.factors import SymmetricSqrtCholeskyMixin
+from kfac.python.ops.layers.base.factors import SymmetricSqrtFactor
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.conv.statistics import check_sub_sample
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
@@ -23,7 +22,7 @@ from kfac.python.ops.tensors import utils
 __all__ = ["ConvInputSUAKroneckerFactor"]
 
 
-class ConvInputSUAKroneckerFactor(SymmetricSqrtCholeskyMixin, FisherFactor):
+class ConvInputSUAKroneckerFactor(SymmetricSqrtFactor):
   """Input factor under spatially uncorrelated activations (KFC's SUA).
 
   With mu and Sigma the mean and covariance of the layer's input channels

@@ -52,9 +52,9 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.ops.layers.base import damping as damping_lib
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
 from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
+from kfac.python.ops.layers.base.blocks import LayerTowersFB
 from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 from kfac.python.ops.layers.base.factors import DenseSquareFactor
 from kfac.python.ops.layers.base.factors import InputsGradsDiagonalFactor
@@ -63,14 +63,13 @@ from kfac.python.ops.layers.conv import factors as conv_factors
 from kfac.python.ops.layers.conv import patches as patches_lib
 from kfac.python.ops.layers.conv.statistics import concat_channels_last
 from kfac.python.ops.layers.conv.statistics import mean_outer
-from kfac.python.ops.layers.conv.statistics import OutputGradsMixin
 from kfac.python.ops.tensors import utils
 
 __all__ = [
     "ConvTransposeInputKroneckerFactor",
     "ConvTransposeOutputKroneckerFactor",
     "ConvTransposeKFCBasicFB",
-    "ExactBiasBlockMixin",
+    "ExactBiasFB",
     "ConvTransposeKFCBasicBiasFB",
     "ConvTransposeDiagonalFactor",
     "ConvTransposeDiagonalFB",
@@ -97,22 +96,22 @@ class ConvTransposeInputKroneckerFactor(DenseSquareFactor):
     return mean_outer(tf.reshape(x, [-1, self._n]))
 
 
-class ConvTransposeOutputKroneckerFactor(OutputGradsMixin, DenseSquareFactor):
+class ConvTransposeOutputKroneckerFactor(
+    conv_factors._ConvOutputSquareFactor):  # pylint: disable=protected-access
   """G = sum_s w_s mean over (n, p) of q q^T ([K*O, K*O]): q the patches of
   the output gradients under the forward convolution `spec` (one per
   input position p)."""
 
   def __init__(self, outputs_grads, kernel_shape, padding, strides=None,
                dilations=None, data_format=None, weights=None, name=None):
-    self._init_grads(outputs_grads, data_format, weights)
+    super().__init__(outputs_grads, data_format, weights, name=name)
     self._spec = patches_lib.make_conv_spec(tuple(kernel_shape), strides,
                                             dilations, padding, data_format)
     self._n = self._spec.num_taps * self._out
-    DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
   def _compute_new_cov(self):
     terms = []
-    for g in self._source_tensors():
+    for g in self._output_grads.tensors():
       q = patches_lib.extract_patches(g, self._spec)
       terms.append(mean_outer(tf.reshape(q, [-1, self._n])))
     return weighted_sum(terms, self._weights)
@@ -130,7 +129,7 @@ def _init_transpose_block(block, layer_collection, params, padding, strides,
       block._filter_shape[:-2], strides, dilation_rate, padding, data_format)  # pylint: disable=protected-access
 
 
-class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
+class ConvTransposeKFCBasicFB(LayerTowersFB, KroneckerProductFB):
   """The filter's KFC block L * (A (x) G) of a transposed convolution
   without bias (see the module docstring). Products act on the [C, K*O]
   view of the filter [k.., O, C] (A on the rows, G on the columns)."""
@@ -201,11 +200,13 @@ class ConvTransposeKFCBasicFB(InputsOutputsTowersMixin, KroneckerProductFB):
     return self._in_filter_order(KroneckerProductFB.full_fisher_block(self))
 
 
-class ExactBiasBlockMixin:
-  """The bias's exact block F_b + damping next to the filter's block of the
-  host class (put it first in the bases): vectors are (filter, bias) pairs,
-  the filter part goes to the host's products. The block has no spectral
-  view of its own (the curvature operator uses its dense products)."""
+class ExactBiasFB(KroneckerProductFB):
+  """A transposed convolution's block with the bias's exact block
+  F_b + damping next to the filter's Kronecker block: vectors are
+  (filter, bias) pairs, the filter part goes to the products of the filter
+  block that follows this class in the bases (K-FAC's or EKFAC's). The
+  block has no spectral view of its own (the curvature operator uses its
+  dense products)."""
 
   spectral_view = None
 
@@ -261,8 +262,7 @@ class ExactBiasBlockMixin:
     ).to_dense()
 
 
-class ConvTransposeKFCBasicBiasFB(ExactBiasBlockMixin,
-                                  ConvTransposeKFCBasicFB):
+class ConvTransposeKFCBasicBiasFB(ExactBiasFB, ConvTransposeKFCBasicFB):
   """blockdiag(L * (A (x) G), F_b) of a transposed convolution with bias
   (see the module docstring); vectors are (filter, bias) pairs."""
 
@@ -304,8 +304,7 @@ class ConvTransposeDiagonalFactor(InputsGradsDiagonalFactor):
     return weighted_sum(terms, self._weights)
 
 
-class ConvTransposeDiagonalFB(ElementwiseDiagonalBlockMixin,
-                              InputsOutputsTowersMixin, FisherBlock):
+class ConvTransposeDiagonalFB(ElementwiseDiagonalFB, LayerTowersFB):
   """Exact diagonal of a transposed convolution's Fisher, plus damping
   (see the module docstring)."""
 

@@ -7,13 +7,12 @@ from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.dense import factors as dense_factors
 from kfac.python.ops.layers.dense import factored_grads
 from kfac.python.ops.tensors import utils
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
-from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
+from kfac.python.ops.layers.base.blocks import LayerTowersFB
 from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 
 
-class _DenseLayerBlock(InputsOutputsTowersMixin, FisherBlock):
+class _DenseLayerBlock(LayerTowersFB):
   """Shared plumbing of blocks for dense layers: towers of (inputs, outputs)
   and the (W, b) <-> [in(+1), out] matrix view of vectors.
 
@@ -188,7 +187,7 @@ def num_shared_positions(inputs):
   return utils.dims_product(inputs, 1, -1)
 
 
-class FullyConnectedDiagonalFB(ElementwiseDiagonalBlockMixin,
+class FullyConnectedDiagonalFB(ElementwiseDiagonalFB,
                                _DenseLayerBlock):
   """Exact diagonal of a dense layer's Fisher ("sum of squares" estimator:
   F_ii = E[v_i^2] with v = vec(a g^T) per example), plus damping."""

@@ -14,36 +14,35 @@ from kfac.python.ops.layers.base.factors import normalize_weights
 from kfac.python.ops.layers.base.factors import weighted_sum
 
 
-class _SecondMomentMixin:
-  """Shared set-up of factors over [batch, n] tensors from several sources."""
+class SecondMomentSources:
+  """The tensors of a second-moment factor: sources (with their weights) of
+  towers of [batch, ..., n] tensors, the last `output_axes` axes flattened
+  into n, with a ones column appended when `has_bias`; `n` counts it."""
 
-  def _init_sources(self, tensors, has_bias, weights, output_axes=1):
-    self._sources = normalize_sources(tensors)
-    self._weights = normalize_weights(weights, len(self._sources))
-    self._has_bias = has_bias
+  def __init__(self, tensors, has_bias, weights, output_axes=1):
+    self.sources = normalize_sources(tensors)
+    self.weights = normalize_weights(weights, len(self.sources))
+    self.has_bias = has_bias
     # Output gradients of a weight with several output axes are flattened
     # here, when the statistics are computed (not when registered: the
     # lazy statistics rebuild the gradients themselves inside the update's
     # branch, and a reshape made outside it would be read every step).
-    self._output_axes = output_axes
-    first = self._sources[0][0]
-    self._n = (int(first.shape[-output_axes:].num_elements()) +
-               (1 if has_bias else 0))
-    self._tensor_dtype = first.dtype
+    self.output_axes = output_axes
+    first = self.sources[0][0]
+    self.n = (int(first.shape[-output_axes:].num_elements()) +
+              (1 if has_bias else 0))
+    self.dtype = first.dtype
 
-  @property
-  def _dtype(self):
-    return self._tensor_dtype
+  def flat(self, x):
+    return merge_trailing_axes(x, self.output_axes)
 
-  def _flat(self, x):
-    return merge_trailing_axes(x, self._output_axes)
-
-  def _source_matrices(self):
-    return [concat_towers([self._flat(t) for t in towers], self._has_bias)
-            for towers in self._sources]
+  def matrices(self):
+    """One [rows, n] matrix per source, its towers concatenated."""
+    return [concat_towers([self.flat(t) for t in towers], self.has_bias)
+            for towers in self.sources]
 
 
-class FullyConnectedKroneckerFactor(_SecondMomentMixin, DenseSquareFactor):
+class FullyConnectedKroneckerFactor(DenseSquareFactor):
   """Second moment E[x x^T] of [batch, n] tensors (layer inputs, with a ones
   column when `has_bias`, or output gradients summed over sources).
   `output_axes` > 1: the tensors' last `output_axes` axes are flattened
@@ -51,8 +50,17 @@ class FullyConnectedKroneckerFactor(_SecondMomentMixin, DenseSquareFactor):
 
   def __init__(self, tensors, has_bias=False, weights=None, name=None,
                output_axes=1):
-    self._init_sources(tensors, has_bias, weights, output_axes)
+    self._moments = m = SecondMomentSources(tensors, has_bias, weights,
+                                            output_axes)
+    self._weights, self._n = m.weights, m.n
     DenseSquareFactor.__init__(self, name=name, weights=self._weights)
+
+  @property
+  def _dtype(self):
+    return self._moments.dtype
+
+  def _source_matrices(self):
+    return self._moments.matrices()
 
   def _compute_new_cov(self):
     terms = []
@@ -62,14 +70,20 @@ class FullyConnectedKroneckerFactor(_SecondMomentMixin, DenseSquareFactor):
     return weighted_sum(terms, self._weights)
 
 
-class DiagonalKroneckerFactor(_SecondMomentMixin, DiagonalFactor):
+class DiagonalKroneckerFactor(DiagonalFactor):
   """Diagonal of the second moment, diag(E[x x^T]) = E[x^2] (an [n] vector):
   the cheap factor behind the kron_*_diag approximations."""
 
   def __init__(self, tensors, has_bias=False, weights=None, name=None,
                output_axes=1):
-    self._init_sources(tensors, has_bias, weights, output_axes)
+    self._moments = m = SecondMomentSources(tensors, has_bias, weights,
+                                            output_axes)
+    self._weights, self._n = m.weights, m.n
     DiagonalFactor.__init__(self, name=name)
+
+  @property
+  def _dtype(self):
+    return self._moments.dtype
 
   @property
   def _cov_shape(self):
@@ -77,7 +91,7 @@ class DiagonalKroneckerFactor(_SecondMomentMixin, DiagonalFactor):
 
   def _compute_new_cov(self):
     terms = [tf.reduce_mean(tf.square(x), axis=0)
-             for x in self._source_matrices()]
+             for x in self._moments.matrices()]
     return weighted_sum(terms, self._weights)
 
 

@@ -17,7 +17,7 @@ from kfac.python.ops.layers.dense import blocks as dense_blocks
 from kfac.python.ops.layers.dense import factors as dense_factors
 from kfac.python.ops.layers.embedding import factors as embedding_factors
 from kfac.python.ops.tensors import utils
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
 from kfac.python.ops.layers.base.blocks import FisherBlock
 from kfac.python.ops.layers.base.blocks import KroneckerProductFB
 
@@ -133,7 +133,7 @@ class EmbeddingKFACFB(_EmbeddingBlock, KroneckerProductFB):
     return _slices(self._scaled(values, half), vector)
 
 
-class EmbeddingDiagonalFB(ElementwiseDiagonalBlockMixin, _EmbeddingBlock):
+class EmbeddingDiagonalFB(ElementwiseDiagonalFB, _EmbeddingBlock):
   """Exact diagonal of an embedding table's Fisher
   (`EmbeddingDiagonalFactor`, [vocab, dim]), plus damping. Lookups at several
   positions add their gradients per example before squaring, so this is
@@ -159,7 +159,7 @@ class EmbeddingDiagonalFB(ElementwiseDiagonalBlockMixin, _EmbeddingBlock):
 
   def _apply_power(self, vector, exp):
     if not isinstance(vector, tf.IndexedSlices):
-      return ElementwiseDiagonalBlockMixin._apply_power(self, vector, exp)
+      return ElementwiseDiagonalFB._apply_power(self, vector, exp)
     self._check_instantiated()
     rows = self._factor.gathered_matpower(vector.indices, exp,
                                           self._damping_func)

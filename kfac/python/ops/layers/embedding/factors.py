@@ -17,7 +17,6 @@ The output factor of an embedding block is the dense layers'
 
 import tensorflow as tf
 
-from kfac.python.ops.numerics import linalg
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.layers.base.factors import DiagonalFactor
 from kfac.python.ops.layers.base.factors import normalize_sources
@@ -36,18 +35,7 @@ def _check_ids(ids, what):
                      (what, ids.dtype.name))
 
 
-class _GatheredDiagonalMixin:
-  """Rows of a diagonal statistic's power at some ids (for IndexedSlices)."""
-
-  def gathered_matpower(self, indices, exp, damping_func):
-    """(diag + damping)^exp at the rows `indices` of the statistic (the same
-    numbers `get_matpower` has there, without computing the other rows)."""
-    cov = tf.gather(tf.convert_to_tensor(self.get_cov_var()), indices)
-    return linalg.diagonal_matpower(damping_func.scale(cov), exp,
-                                    damping_func())
-
-
-class EmbeddingInputKroneckerFactor(_GatheredDiagonalMixin, DiagonalFactor):
+class EmbeddingInputKroneckerFactor(DiagonalFactor):
   """Diagonal n-hot input second moment of an embedding lookup.
 
   Statistic (a [vocab] vector): (1/rows) sum_i n_hot(ids_i)^2, where row i
@@ -118,7 +106,7 @@ class EmbeddingInputKroneckerFactor(_GatheredDiagonalMixin, DiagonalFactor):
     return total / tf.cast(rows, self._dtype)
 
 
-class EmbeddingDiagonalFactor(_GatheredDiagonalMixin, DiagonalFactor):
+class EmbeddingDiagonalFactor(DiagonalFactor):
   """Exact diagonal of an embedding table's Fisher, as a [vocab, dim] matrix.
 
   The per-example gradient of row v of the table is

@@ -6,9 +6,9 @@ import tensorflow as tf
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.generic import factors as generic_factors
 from kfac.python.ops.tensors import utils
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
 from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import SingleDenseFactorBlockMixin
+from kfac.python.ops.layers.base.blocks import SingleFactorFB
 
 
 class _GenericBlock(FisherBlock):
@@ -59,7 +59,7 @@ class _GenericBlock(FisherBlock):
               weights), role)
 
 
-class NaiveFullFB(SingleDenseFactorBlockMixin, _GenericBlock):
+class NaiveFullFB(SingleFactorFB, _GenericBlock):
   """Full Fisher block of arbitrary parameters: E[g g^T] of the flattened
   loss gradient (exact for one example in the 'exact' mode)."""
 
@@ -73,7 +73,7 @@ class NaiveFullFB(SingleDenseFactorBlockMixin, _GenericBlock):
     self._damping_func = damping_lib.as_damping_func(damping)
 
 
-class NaiveDiagonalFB(ElementwiseDiagonalBlockMixin, _GenericBlock):
+class NaiveDiagonalFB(ElementwiseDiagonalFB, _GenericBlock):
   """Diagonal Fisher of arbitrary parameters: E[g^2] per entry."""
 
   def __init__(self, layer_collection, params):

@@ -10,52 +10,58 @@ from kfac.python.ops.layers.base.factors import normalize_weights
 from kfac.python.ops.layers.base.factors import weighted_sum
 
 
-class _ParamsGradsMixin:
-  """Shared set-up of the naive factors over flattened parameter gradients."""
+class ParamsGradsColumns:
+  """The parameter gradients of the naive factors: sources (with their
+  weights) of gradient tuples, each flattened into one [n, 1] column, and
+  the batch size they are summed over."""
 
-  def _init_params_grads(self, params_grads, batch_size, weights):
-    self._grads = [utils.ensure_sequence(g) for g in params_grads]
-    self._weights = normalize_weights(weights, len(self._grads))
-    self._batch_size = batch_size
-    self._n = sum(int(g.shape.num_elements()) for g in self._grads[0])
-    self._grads_dtype = self._grads[0][0].dtype
+  def __init__(self, params_grads, batch_size, weights):
+    self.grads = [utils.ensure_sequence(g) for g in params_grads]
+    self.weights = normalize_weights(weights, len(self.grads))
+    self.batch_size = batch_size
+    self.n = sum(int(g.shape.num_elements()) for g in self.grads[0])
+    self.dtype = self.grads[0][0].dtype
 
-  @property
-  def _dtype(self):
-    return self._grads_dtype
-
-  def _columns(self):
-    return [utils.tensors_to_column(g) for g in self._grads]
-
-  def _batch(self):
-    return utils.cast(self._batch_size, self._grads_dtype)
+  def scaled(self, fn):
+    """[fn(column) / batch_size] over the sources."""
+    batch = utils.cast(self.batch_size, self.dtype)
+    return [fn(utils.tensors_to_column(g)) / batch for g in self.grads]
 
 
-class NaiveFullFactor(_ParamsGradsMixin, DenseSquareFactor):
+class NaiveFullFactor(DenseSquareFactor):
   """g g^T / batch_size for the flattened gradient g of the summed loss:
   the full Fisher of arbitrary parameters ("generic" layers)."""
 
   def __init__(self, params_grads, batch_size, weights=None, name=None):
-    self._init_params_grads(params_grads, batch_size, weights)
+    self._columns = c = ParamsGradsColumns(params_grads, batch_size, weights)
+    self._weights, self._n = c.weights, c.n
     DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
+  @property
+  def _dtype(self):
+    return self._columns.dtype
+
   def _compute_new_cov(self):
-    terms = [tf.matmul(c, c, transpose_b=True) / self._batch()
-             for c in self._columns()]
+    terms = self._columns.scaled(lambda c: tf.matmul(c, c, transpose_b=True))
     return weighted_sum(terms, self._weights)
 
 
-class NaiveDiagonalFactor(_ParamsGradsMixin, DiagonalFactor):
+class NaiveDiagonalFactor(DiagonalFactor):
   """g^2 / batch_size: the diagonal version of `NaiveFullFactor` ([n, 1])."""
 
   def __init__(self, params_grads, batch_size, weights=None, name=None):
-    self._init_params_grads(params_grads, batch_size, weights)
+    self._columns = c = ParamsGradsColumns(params_grads, batch_size, weights)
+    self._weights, self._n = c.weights, c.n
     DiagonalFactor.__init__(self, name=name)
+
+  @property
+  def _dtype(self):
+    return self._columns.dtype
 
   @property
   def _cov_shape(self):
     return [self._n, 1]
 
   def _compute_new_cov(self):
-    terms = [tf.square(c) / self._batch() for c in self._columns()]
+    terms = self._columns.scaled(tf.square)
     return weighted_sum(terms, self._weights)

@@ -60,10 +60,10 @@ class FullyConnectedReduceKroneckerFactor(FullyConnectedKroneckerFactor):
 
   def _source_matrices(self):
     out = []
-    for towers in self._sources:
-      parts = [self._reduce(self._flat(t)) for t in towers]
+    for towers in self._moments.sources:
+      parts = [self._reduce(self._moments.flat(t)) for t in towers]
       x = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-      out.append(utils.append_homog(x) if self._has_bias else x)
+      out.append(utils.append_homog(x) if self._moments.has_bias else x)
     return out
 
 
@@ -127,11 +127,11 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
     if uses == 1:
       return tf.zeros(self._cov_shape, self._dtype)
     terms = []
-    for towers in self._sources:
+    for towers in self._moments.sources:
       total, count = None, None
       for x in towers:
         x = tf.reshape(x, [-1, x.shape[-1]])
-        if self._has_bias:
+        if self._moments.has_bias:
           x = utils.append_homog(x)
         rows = tf.shape(x)[0]
         batch = rows // uses

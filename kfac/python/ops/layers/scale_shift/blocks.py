@@ -12,16 +12,15 @@ import tensorflow as tf
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.scale_shift import factors as scale_shift_factors
 from kfac.python.ops.tensors import utils
-from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalBlockMixin
-from kfac.python.ops.layers.base.blocks import FisherBlock
-from kfac.python.ops.layers.base.blocks import InputsOutputsTowersMixin
-from kfac.python.ops.layers.base.blocks import SingleDenseFactorBlockMixin
+from kfac.python.ops.layers.base.blocks import ElementwiseDiagonalFB
+from kfac.python.ops.layers.base.blocks import LayerTowersFB
+from kfac.python.ops.layers.base.blocks import SingleFactorFB
 
 __all__ = ["ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB",
            "ScaleAndShiftPerChannelFB"]
 
 
-class _ScaleShiftBlock(InputsOutputsTowersMixin, FisherBlock):
+class _ScaleShiftBlock(LayerTowersFB):
   """Towers of (inputs, outputs) of one scale-and-shift layer."""
 
   def __init__(self, layer_collection, params):
@@ -62,7 +61,7 @@ class _ScaleShiftBlock(InputsOutputsTowersMixin, FisherBlock):
     return [self._factor]
 
 
-class ScaleAndShiftFullFB(SingleDenseFactorBlockMixin, _ScaleShiftBlock):
+class ScaleAndShiftFullFB(SingleFactorFB, _ScaleShiftBlock):
   """Full Fisher block of (scale, shift): E_n[v v^T] of the per-example
   parameter gradients (exact in the exact modes, for any batch), plus
   damping * I."""
@@ -74,7 +73,7 @@ class ScaleAndShiftFullFB(SingleDenseFactorBlockMixin, _ScaleShiftBlock):
     self._damping_func = damping_lib.as_damping_func(damping)
 
 
-class ScaleAndShiftDiagonalFB(ElementwiseDiagonalBlockMixin, _ScaleShiftBlock):
+class ScaleAndShiftDiagonalFB(ElementwiseDiagonalFB, _ScaleShiftBlock):
   """Diagonal Fisher of (scale, shift): E_n[v^2] per entry, plus damping."""
 
   def instantiate_factors(self, grads_list, damping, weights=None):
@@ -84,7 +83,7 @@ class ScaleAndShiftDiagonalFB(ElementwiseDiagonalBlockMixin, _ScaleShiftBlock):
     self._damping_func = damping_lib.as_damping_func(damping)
 
 
-class ScaleAndShiftPerChannelFB(SingleDenseFactorBlockMixin, _ScaleShiftBlock):
+class ScaleAndShiftPerChannelFB(SingleFactorFB, _ScaleShiftBlock):
   """Per-channel Fisher blocks of (scale, shift): for each entry i of the
   scale, the [2, 2] block E_n[(v_scale_i, v_shift_i)(...)^T] of the full
   block (exact in the exact modes, for any batch), plus damping * I; the

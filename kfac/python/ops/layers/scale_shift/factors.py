@@ -50,39 +50,45 @@ def reduce_to_param(tensor, param_shape):
   return tf.reshape(tensor, [-1, int(np.prod(param_shape, dtype=np.int64))])
 
 
-class _ScaleShiftMixin:
-  """Per-example parameter gradients of a scale-and-shift layer."""
+class ScaleShiftGrads:
+  """The per-example parameter gradients of a scale-and-shift layer, from
+  its inputs (a tuple over towers) and the sources (with their weights) of
+  the gradients w.r.t. its outputs; `size` counts the parameters."""
 
-  def _init_scale_shift(self, inputs, outputs_grads, scale_shape, shift_shape,
-                        weights):
-    self._inputs = utils.ensure_sequence(inputs)
-    self._grads = normalize_sources(outputs_grads)
-    self._weights = normalize_weights(weights, len(self._grads))
-    self._scale_shape = tuple(int(d) for d in scale_shape)
-    self._shift_shape = (None if shift_shape is None else
-                         tuple(int(d) for d in shift_shape))
-    self._n = int(np.prod(self._scale_shape, dtype=np.int64))
-    if self._shift_shape is not None:
-      self._n += int(np.prod(self._shift_shape, dtype=np.int64))
-    self._input_dtype = self._inputs[0].dtype
+  def __init__(self, inputs, outputs_grads, scale_shape, shift_shape,
+               weights):
+    self.inputs = utils.ensure_sequence(inputs)
+    self.grads = normalize_sources(outputs_grads)
+    self.weights = normalize_weights(weights, len(self.grads))
+    self.scale_shape = tuple(int(d) for d in scale_shape)
+    self.shift_shape = (None if shift_shape is None else
+                        tuple(int(d) for d in shift_shape))
+    self.size = int(np.prod(self.scale_shape, dtype=np.int64))
+    if self.shift_shape is not None:
+      self.size += int(np.prod(self.shift_shape, dtype=np.int64))
+    self.dtype = self.inputs[0].dtype
 
-  @property
-  def _dtype(self):
-    return self._input_dtype
-
-  def _per_example_grads(self, grads):
-    """[examples, n]: the parameter gradient of each example (towers
-    concatenated)."""
+  def per_example(self, grads):
+    """[examples, size]: the parameter gradient of each example for one
+    source's `grads` (towers concatenated)."""
     rows = []
-    for x, g in zip(self._inputs, grads):
-      parts = [reduce_to_param(g * x, self._scale_shape)]
-      if self._shift_shape is not None:
-        parts.append(reduce_to_param(g, self._shift_shape))
+    for x, g in zip(self.inputs, grads):
+      parts = [reduce_to_param(g * x, self.scale_shape)]
+      if self.shift_shape is not None:
+        parts.append(reduce_to_param(g, self.shift_shape))
       rows.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=1))
     return rows[0] if len(rows) == 1 else tf.concat(rows, axis=0)
 
+  def per_source(self):
+    """[(per-example gradients [examples, size], examples)] per source."""
+    out = []
+    for grads in self.grads:
+      v = self.per_example(grads)
+      out.append((v, tf.cast(tf.shape(v)[0], v.dtype)))
+    return out
 
-class ScaleAndShiftFullFactor(_ScaleShiftMixin, DenseSquareFactor):
+
+class ScaleAndShiftFullFactor(DenseSquareFactor):
   """E_n[v v^T] for the per-example gradient v of (scale, shift), flattened
   as concat(scale.flatten(), shift.flatten())."""
 
@@ -99,44 +105,50 @@ class ScaleAndShiftFullFactor(_ScaleShiftMixin, DenseSquareFactor):
       weights: optional per-source weights.
       name: the factor's name.
     """
-    self._init_scale_shift(inputs, outputs_grads, scale_shape, shift_shape,
-                           weights)
+    self._params_grads = g = ScaleShiftGrads(inputs, outputs_grads,
+                                             scale_shape, shift_shape,
+                                             weights)
+    self._weights, self._n = g.weights, g.size
     DenseSquareFactor.__init__(self, name=name, weights=self._weights)
 
+  @property
+  def _dtype(self):
+    return self._params_grads.dtype
+
   def _compute_new_cov(self):
-    terms = []
-    for grads in self._grads:
-      v = self._per_example_grads(grads)
-      n = tf.cast(tf.shape(v)[0], v.dtype)
-      terms.append(tf.matmul(v, v, transpose_a=True) / n)
+    terms = [tf.matmul(v, v, transpose_a=True) / n
+             for v, n in self._params_grads.per_source()]
     return weighted_sum(terms, self._weights)
 
 
-class ScaleAndShiftDiagonalFactor(_ScaleShiftMixin, DiagonalFactor):
+class ScaleAndShiftDiagonalFactor(DiagonalFactor):
   """E_n[v^2], the diagonal of `ScaleAndShiftFullFactor`, as an [n, 1]
   column."""
 
   def __init__(self, inputs, outputs_grads, scale_shape, shift_shape=None,
                weights=None, name=None):
     """Arguments as for `ScaleAndShiftFullFactor`."""
-    self._init_scale_shift(inputs, outputs_grads, scale_shape, shift_shape,
-                           weights)
+    self._params_grads = g = ScaleShiftGrads(inputs, outputs_grads,
+                                             scale_shape, shift_shape,
+                                             weights)
+    self._weights, self._n = g.weights, g.size
     DiagonalFactor.__init__(self, name=name)
+
+  @property
+  def _dtype(self):
+    return self._params_grads.dtype
 
   @property
   def _cov_shape(self):
     return [self._n, 1]
 
   def _compute_new_cov(self):
-    terms = []
-    for grads in self._grads:
-      v = self._per_example_grads(grads)
-      n = tf.cast(tf.shape(v)[0], v.dtype)
-      terms.append(tf.reduce_sum(tf.square(v), axis=0)[:, tf.newaxis] / n)
+    terms = [tf.reduce_sum(tf.square(v), axis=0)[:, tf.newaxis] / n
+             for v, n in self._params_grads.per_source()]
     return weighted_sum(terms, self._weights)
 
 
-class ScaleAndShiftPerChannelFactor(_ScaleShiftMixin, BatchedSquareFactor):
+class ScaleAndShiftPerChannelFactor(BatchedSquareFactor):
   """The per-channel blocks of `ScaleAndShiftFullFactor`: [m, k, k] with m
   the scale's size and k = 2 (scale_i, shift_i) with a shift (of the
   scale's shape), 1 without one. Products take and give the block's column
@@ -152,17 +164,21 @@ class ScaleAndShiftPerChannelFactor(_ScaleShiftMixin, BatchedSquareFactor):
           "entry with its shift entry: their shapes must agree, got scale "
           "%s and shift %s (factor %s)." % (tuple(scale_shape),
                                             tuple(shift_shape), name))
-    self._init_scale_shift(inputs, outputs_grads, scale_shape, shift_shape,
-                           weights)
-    self._batch = int(np.prod(self._scale_shape, dtype=np.int64))
+    self._params_grads = g = ScaleShiftGrads(inputs, outputs_grads,
+                                             scale_shape, shift_shape,
+                                             weights)
+    self._weights = g.weights
+    self._batch = int(np.prod(g.scale_shape, dtype=np.int64))
     self._n = 1 if shift_shape is None else 2
     BatchedSquareFactor.__init__(self, name=name, weights=self._weights)
 
+  @property
+  def _dtype(self):
+    return self._params_grads.dtype
+
   def _compute_new_cov(self):
     terms = []
-    for grads in self._grads:
-      v = self._per_example_grads(grads)  # [examples, k m]
-      n = tf.cast(tf.shape(v)[0], v.dtype)
+    for v, n in self._params_grads.per_source():  # v: [examples, k m]
       pairs = tf.reshape(v, [-1, self._n, self._batch])
       terms.append(per_channel_second_moments(pairs) / n)
     return weighted_sum(terms, self._weights)
