@@ -168,8 +168,8 @@ class FisherEstimator:
     """Uses the placement policy `policy` (placement.py); before first use
     (the parts are made with it)."""
     if self._finalized:
-      raise ValueError("The placement of %s is set before its first use." %
-                       self._name)
+      raise ValueError("%s: the placement policy is set before the "
+                       "estimator's first use." % self._name)
     self._placement = policy
 
   def _finalize(self):
