@@ -16,4 +16,4 @@ from kfac.python.ops.estimation.strategies import (
 from kfac.python.ops.estimation.strategies import FisherEstimatorRoundRobin
 from kfac.python.ops.estimation.strategies import estimator_class
 from kfac.python.ops.estimation.strategies import make_fisher_estimator
-from kfac.python.ops.estimation.update_ops import UpdateOps
+from kfac.python.ops.estimation.estimator import UpdateOps

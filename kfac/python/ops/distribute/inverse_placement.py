@@ -18,6 +18,10 @@ of replicas, so every replica computes the same one.
 The inverse updates then contain collectives, so a conditional around them
 must be a `collective.cross_replica_cond` (PeriodicInvCovUpdateKfacOpt does
 this). With one replica this placement is the default one.
+
+`ReplicaRoundRobin` is the placement policy of the estimator
+(estimation/placement.py describes the interface); the estimator gets it
+from the table of estimation/strategies.py.
 """
 
 import threading
@@ -49,59 +53,65 @@ def assign_owners(costs, num_replicas):
   return owners
 
 
-class ReplicaRoundRobinPlacementMixin:
-  """FisherEstimator mixin: each factor's inverse update runs on one
-  replica and is broadcast to the others (module docstring)."""
+class ReplicaRoundRobin:
+  """The placement policy (estimation/placement.py) computing each
+  factor's inverse update on one replica and broadcasting it to the others
+  (module docstring)."""
 
-  def __init__(self, distribute_transformations=True, **kwargs):
+  def __init__(self, distribute_transformations=True):
     """`distribute_transformations` is accepted for compatibility with the
     old library; the products with the inverses (one matmul per layer,
     cheaper than sending their results) stay on every replica."""
-    self._distribute_transformations = bool(distribute_transformations)
+    self.distribute_transformations = bool(distribute_transformations)
     self._inverse_ops = {}
-    super().__init__(**kwargs)
 
-  @property
-  def inverse_update_uses_collectives(self):
-    return (collective.is_distributed() or
-            super().inverse_update_uses_collectives)
+  def place_statistics(self, thunks):
+    return thunks
 
-  def inverse_owners(self, num_replicas=None):
+  def place_inverses(self, thunks):
+    return thunks
+
+  def per_factor_inverses(self):
+    return collective.is_distributed()
+
+  def uses_collectives(self):
+    return collective.is_distributed()
+
+  def inverse_owners(self, factors, num_replicas=None):
     """{factor name: replica id} of the factors with inverse updates."""
     num_replicas = num_replicas or replicas.num_replicas_in_sync()
-    self.instantiate_variables()
+    for factor in factors:
+      factor.instantiate_cov_variables()
+      factor.instantiate_inv_variables()
     names, costs = [], []
-    for factor in self.factors:
+    for factor in factors:
       shapes = [var.shape for var in factor.inverse_variables()]
       if shapes:
         names.append(factor.name)
         costs.append(sum(_cost(s) for s in shapes))
     return dict(zip(names, assign_owners(costs, num_replicas)))
 
-  def _per_factor_inverses(self):
-    return collective.is_distributed() or super()._per_factor_inverses()
-
-  def _inverse_thunks(self, scope=None):
+  def inverse_thunks(self, factors, thunks, open_scope):
+    """Under several replicas, every factor's thunk returns the one op that
+    updates them all (built once per graph and replica thread, under
+    open_scope()): the broadcast is one collective per dtype."""
     if not collective.is_distributed():
-      return super()._inverse_thunks(scope)
+      return thunks
 
     def thunk():
-      # Every factor's thunk returns the one op that updates them all
-      # (built once per graph and replica thread): the broadcast is one
-      # collective per dtype.
       key = (tf.compat.v1.get_default_graph(), threading.get_ident())
       if key not in self._inverse_ops:
-        with self._scope(scope):
-          self._inverse_ops[key] = self._broadcast_inverses()
+        with open_scope():
+          self._inverse_ops[key] = self._broadcast_inverses(factors)
       return self._inverse_ops[key]
-    return [thunk for _ in self.factors]
+    return [thunk for _ in factors]
 
-  def _broadcast_inverses(self):
-    owners = self.inverse_owners()
+  def _broadcast_inverses(self, factors):
+    owners = self.inverse_owners(factors)
     me = tf.get_static_value(collective.replica_id())
     variables, values = [], []
     with tf.name_scope("replica_round_robin_inverses"):
-      for factor in self.factors:
+      for factor in factors:
         if factor.name not in owners:
           continue
         owner = owners[factor.name]

@@ -1,5 +1,5 @@
 """The Fisher estimator and its parts: how estimation modes turn registered
-losses into gradient sources (modes), the estimator's core (estimator), its
-products (products), statistics updates (statistics), inverse updates and
-op assembly (update_ops), the device placement mixins (placement) and the
-estimator classes of the placement strategies (strategies)."""
+losses into gradient sources (modes), the estimator (estimator), its
+statistics part (statistics), inverses part (inverses) and products part
+(products), the placement policies (placement) and the placement strategies
+by name (strategies)."""

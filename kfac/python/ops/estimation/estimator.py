@@ -14,14 +14,22 @@ finalized, the registration checked and the factors made on first use
 (`create_ops_and_vars_thunks`, `make_vars_and_create_op_thunks`, the
 `multiply*` methods, `factors`, ...), not in the constructor.
 
-This module is the estimator's core (construction, set-up of the factors,
-properties); its other responsibilities are its bases: products.py (the
-multiply* entry points), statistics.py (the statistics update ops) and
-update_ops.py (the inverse update ops, the variables and the op thunks).
-`FisherEstimatorRoundRobin` (the class `make_fisher_estimator` returns by
-default) and `FisherEstimatorReplicaRoundRobin`, in strategies.py, add the
-device placement strategies of placement.py.
+This module is the estimator's core (construction, set-up of the factors
+and of the gradient sources, properties) and its public methods, which
+delegate to three parts made when the factors are (on first use), each
+given what it reads in its constructor:
+
+* `statistics.Statistics`: the statistics updates (thunks, the checked and
+  conditional updates of a training step, the lazy sync's local folds);
+* `inverses.Inverses`: the inverse updates (thunks, one batched op);
+* `products.Products`: the products with the blocks (multiply*).
+
+Where the update ops run is a placement policy (placement.py), `Replicated`
+here; `make_fisher_estimator` (strategies.py) picks another one by the
+name of a placement strategy.
 """
+
+import collections
 
 import tensorflow as tf
 
@@ -30,10 +38,11 @@ from kfac.python.ops import lazy
 from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.layers.base import damping as damping_lib
+from kfac.python.ops.estimation import inverses
 from kfac.python.ops.estimation import modes as estimation_modes
+from kfac.python.ops.estimation import placement
 from kfac.python.ops.estimation import products
 from kfac.python.ops.estimation import statistics
-from kfac.python.ops.estimation import update_ops
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
@@ -41,9 +50,7 @@ from kfac.python.ops.reliability import arguments
 
 
 @utils.exclude_from_autograph
-class FisherEstimator(products.ProductsMixin,
-                      statistics.StatisticsUpdateMixin,
-                      update_ops.UpdateOpsMixin):
+class FisherEstimator:
   """Estimates and applies a block-diagonal approximation of the Fisher."""
 
   def __init__(self,
@@ -145,17 +152,25 @@ class FisherEstimator(products.ProductsMixin,
     self._batch_size = batch_size
     self._store = state_store or state.StateStore(name)
     self._params_stats = None
-    self._source_grads, self._rebuild_source_grads = [], None
-    self._source_home = None  # lazy.defer's graph of the stand-ins
     self._lazy_statistics_sync = bool(lazy_statistics_sync)
-    self._lazy_sync_ops = {}
     self._skip_non_finite = bool(skip_non_finite)
     self._sample_step = sample_step
     self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
                                                     memory_budget)
     self._over_budget = memory_fallback.check_over_budget(
         type(self).__name__, over_budget)
+    self._placement = placement.Replicated()
+    # The parts, made by _finalize.
+    self._statistics = self._inverses = self._products = None
     self._finalized = False
+
+  def _set_placement(self, policy):
+    """Uses the placement policy `policy` (placement.py); before first use
+    (the parts are made with it)."""
+    if self._finalized:
+      raise ValueError("%s: the placement policy is set before the "
+                       "estimator's first use." % self._name)
+    self._placement = policy
 
   def _finalize(self):
     """Finalizes the layer collection, checks the registration against
@@ -168,11 +183,24 @@ class FisherEstimator(products.ProductsMixin,
     # As kfac 0.2.x: each variable registered as often as the losses' graph
     # uses it (TF1 graphs; layer_collection._use_problems).
     self._layers.check_registration(self.variables)
-    self._setup()
+    sources = self._setup()
+    factors = self._layers.get_factors()
+
+    def lazy_sync():
+      return self._lazy()
+    self._statistics = statistics.Statistics(
+        factors, self._layers.get_blocks(), sources, self._cov_ema_decay,
+        self._skip_non_finite, self.replica_examples, self._name, lazy_sync,
+        self._placement)
+    self._inverses = inverses.Inverses(factors, self._name, lazy_sync,
+                                       self._placement)
+    self._products = products.Products(self._layers.blocks_and_params())
     self._finalized = True
 
   # ---------------------------------------------------------------- set-up
   def _setup(self):
+    """Makes the factors from the estimation mode's gradient sources;
+    returns the statistics' `statistics.Sources`."""
     blocks = self._layers.get_blocks()
     sources = estimation_modes.make_sources(self._estimation_mode,
                                             self._layers, self._sample_seeds())
@@ -192,11 +220,12 @@ class FisherEstimator(products.ProductsMixin,
     # gradient the branch cannot rebuild (None) keeps the outer tensor.
     lazy_xs = [j for j, x in enumerate(xs)
                if not isinstance(x, tf.Variable) and x.dtype != tf.resource]
+    home = None  # lazy.defer's graph of the stand-ins
     if len(lazy_xs) == len(xs):
       # In a tf.function's trace, not even the outer copy is built until
       # something outside a conditional reads it (lazy.defer; TF1 graphs
       # build it now).
-      flat, self._source_home = lazy.defer(
+      flat, home = lazy.defer(
           [x for _ in sources for x in xs],
           lambda: [g for grads in estimation_modes.gradients_of_sources(
               sources, xs) for g in grads])
@@ -204,12 +233,12 @@ class FisherEstimator(products.ProductsMixin,
                for k in range(len(sources))]
     else:
       grads = estimation_modes.gradients_of_sources(sources, xs)
-    deferred = self._source_home is not None
-    self._source_grads = [g[j] for g in grads for j in lazy_xs]
-    self._rebuild_source_grads = lambda: [
-        g[j] for g in estimation_modes.gradients_of_sources(
-            sources, [xs[j] for j in lazy_xs], fill=deferred)
-        for j in range(len(lazy_xs))]
+    deferred = home is not None
+
+    def rebuild():
+      return [g[j] for g in estimation_modes.gradients_of_sources(
+          sources, [xs[j] for j in lazy_xs], fill=deferred)
+              for j in range(len(lazy_xs))]
     weights = [s.weight for s in sources]
     if all(w == 1.0 for w in weights):
       weights = None
@@ -222,6 +251,8 @@ class FisherEstimator(products.ProductsMixin,
     if self._compute_params_stats:
       self._params_stats = self._make_params_stats(
           [g[n_block_xs:] for g in grads], [s.weight for s in sources])
+    return statistics.Sources([g[j] for g in grads for j in lazy_xs],
+                              rebuild, home)
 
   def _instantiate_blocks(self, block_grads, weights):
     """Makes every block's factors (in the state store) from its gradients
@@ -333,9 +364,174 @@ class FisherEstimator(products.ProductsMixin,
   def state_store(self):
     return self._store
 
+  # ------------------------------------------------------------ products
+  def multiply_inverse(self, vecs_and_vars):
+    self._finalize()
+    return self._products.apply(lambda b, v: b.multiply_inverse(v),
+                                vecs_and_vars)
+
+  def multiply(self, vecs_and_vars):
+    self._finalize()
+    return self._products.apply(lambda b, v: b.multiply(v), vecs_and_vars)
+
+  def multiply_matpower(self, exp, vecs_and_vars):
+    self._finalize()
+    return self._products.apply(lambda b, v: b.multiply_matpower(v, exp),
+                                vecs_and_vars)
+
+  def multiply_cholesky(self, vecs_and_vars, transpose=False):
+    self._finalize()
+    return self._products.apply(
+        lambda b, v: b.multiply_cholesky(v, transpose), vecs_and_vars)
+
+  def multiply_cholesky_inverse(self, vecs_and_vars, transpose=False):
+    self._finalize()
+    return self._products.apply(
+        lambda b, v: b.multiply_cholesky_inverse(v, transpose), vecs_and_vars)
+
+  def gradient_operands(self, vecs_and_vars):
+    """{weight variable ref: (x, d)} for the dense weight gradients x^T d
+    that their blocks may precondition through x and d without reading
+    the product (FullyConnectedKFACBasicFB.gradient_operands)."""
+    self._finalize()
+    return self._products.gradient_operands(vecs_and_vars)
+
+  # ---------------------------------------------------------- statistics
+  def checked_cov_update(self, pred, gate=None, should_decay=True,
+                         scope=None, conditional_reduction=False):
+    """The statistics update of a training step, guarded against
+    non-finite values (reliability/nonfinite.py).
+
+    When `pred` (a Python bool or a boolean tensor) and `gate` (a boolean
+    tensor: the step's loss and gradients are finite; None: no guard) hold,
+    computes every factor's statistics and, with a gate, folds them in only
+    if all of them are finite. Returns a boolean tensor: False when the
+    statistics were computed and are not all finite (the step must then be
+    skipped), True otherwise. Under several replicas the statistics are
+    reduced before the check, so the flag is the same on every replica.
+    With lazy_statistics_sync, or `conditional_reduction` (reduce only when
+    `pred` holds: conditional_cov_update), each factor is guarded on its
+    own and the flag is True.
+    """
+    self._finalize()
+    return self._statistics.checked_update(pred, gate, should_decay, scope,
+                                           conditional_reduction)
+
+  def conditional_cov_update(self, pred, scope=None):
+    """An op that updates the statistics' moving averages when `pred`
+    holds. Under several replicas (eager sync) the statistics are computed
+    now and reduced only when `pred` holds, in a conditional taken for all
+    replicas at once (collective.cross_replica_cond): no traffic on the
+    steps without a statistics update."""
+    self._finalize()
+    return self._statistics.conditional_update(pred, scope)
+
+  def replica_examples(self):
+    """This replica's number of examples (of the first registered loss),
+    the weight of its statistics in the cross-replica average."""
+    return statistics.replica_examples(self._batch_size, self._layers)
+
+  # ------------------------------------------------------------ inverses
+  @property
+  def inverse_update_uses_collectives(self):
+    """Whether the inverse update ops talk to other replicas (then a
+    conditional around them must be a collective.cross_replica_cond)."""
+    return self._placement.uses_collectives() or self._lazy()
+
+  def inverse_update_op(self, scope=None):
+    """One op updating every factor's inverses, as the inverse update
+    thunks do together: the damped Cholesky inverses of all factors are
+    computed as batches of equal shapes with one float64 fallback
+    (numerics/batched_inverse.py), so that the graph grows with the number
+    of distinct factor shapes, not of factors. (The per-factor thunks where
+    the placement says so.)"""
+    self._finalize()
+    return self._inverses.update_op(scope)
+
+  # ---------------------------------------------------- update op thunks
+  def create_ops_and_vars_thunks(self, scope=None):
+    """Thunks that make variables and update ops, one per factor (in the
+    order of `factors`); call a factor's variable thunks before its update
+    thunks. A covariance update thunk takes `should_decay=True` (False: the
+    statistic joins an arithmetic mean instead of the moving average).
+
+    Returns:
+      (cov_variable_thunks, cov_update_thunks, inv_variable_thunks,
+       inv_update_thunks): four lists.
+    """
+    self._finalize()
+    return (self._statistics.variable_thunks(),
+            self._statistics.update_thunks(scope),
+            self._inverses.variable_thunks(),
+            self._inverses.update_thunks(scope))
+
+  def make_vars_and_create_op_thunks(self, scope=None):
+    """Makes all variables now and returns the update thunks (kfac 0.2.x).
+
+    Returns:
+      (cov_update_thunks, inv_update_thunks): two lists, one thunk per
+      factor; each call builds that factor's update op.
+    """
+    (cov_var_thunks, cov_update_thunks, inv_var_thunks,
+     inv_update_thunks) = self.create_ops_and_vars_thunks(scope)
+    for thunk in cov_var_thunks + inv_var_thunks:
+      thunk()
+    return cov_update_thunks, inv_update_thunks
+
+  def make_vars_and_create_ops(self, scope=None):
+    """Makes all variables and builds every update op now.
+
+    Returns:
+      An `UpdateOps` namedtuple (cov_update_ops, cov_update_op,
+      inv_update_ops, inv_update_op, cov_update_thunks, inv_update_thunks):
+      the per-factor ops, one op grouping each kind, and the thunks (as
+      make_vars_and_create_op_thunks returns them).
+    """
+    cov_update_thunks, inv_update_thunks = (
+        self.make_vars_and_create_op_thunks(scope))
+    cov_update_ops = [t() for t in cov_update_thunks]
+    inv_update_ops = [t() for t in inv_update_thunks]
+    with self._scope(scope):
+      cov_update_op = tf.group(*cov_update_ops, name="cov_update_op")
+      inv_update_op = tf.group(*inv_update_ops, name="inv_update_op")
+    return UpdateOps(cov_update_ops, cov_update_op, inv_update_ops,
+                     inv_update_op, cov_update_thunks, inv_update_thunks)
+
+  # ----------------------------------------------------------- variables
+  def instantiate_variables(self):
+    for factor in self.factors:
+      factor.instantiate_cov_variables()
+      factor.instantiate_inv_variables()
+
+  def get_cov_vars(self):
+    """The statistics' variables: a tuple with one list per factor (in the
+    order of `factors`), as in kfac 0.2.x."""
+    self.instantiate_variables()
+    return tuple(_cov_vars_of(f) for f in self.factors)
+
+  def get_inv_vars(self):
+    """The inverse-related variables: a tuple with one list per factor
+    (empty for factors without any, e.g. diagonal ones)."""
+    self.instantiate_variables()
+    return tuple(list(f.inverse_variables()) for f in self.factors)
+
   # ------------------------------------------------------------- helpers
   def _scope(self, scope):
     return tf.name_scope(scope or self._name)
 
   def _lazy(self):
+    """Whether the statistics are synchronised lazily here (several
+    replicas and lazy_statistics_sync; optimizers/periodic.py reads it)."""
     return self._lazy_statistics_sync and collective.is_distributed()
+
+
+UpdateOps = collections.namedtuple(
+    "UpdateOps", ["cov_update_ops", "cov_update_op", "inv_update_ops",
+                  "inv_update_op", "cov_update_thunks", "inv_update_thunks"])
+
+
+def _cov_vars_of(factor):
+  out = [factor.get_cov_var()]
+  if hasattr(factor, "get_cov_dt1"):
+    out.append(factor.get_cov_dt1())
+  return out

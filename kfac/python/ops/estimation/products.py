@@ -1,8 +1,13 @@
-"""The Fisher estimator's products: vectors times the damped approximate
-Fisher / GGN, its powers and its Cholesky factors, block by block.
+"""The Fisher estimator's products part: vectors times the damped
+approximate Fisher / GGN, its powers and its Cholesky factors, block by
+block.
 
-`ProductsMixin` is a base of `estimator.FisherEstimator`; it reads the
-estimator's `_layers` (the LayerCollection) and `_finalize()`.
+`Products` is made by `estimator.FisherEstimator` once its blocks have
+their factors; it gets the (parameters, block) pairs of the
+LayerCollection in its constructor. `apply(fn, vecs_and_vars)` applies a
+block product to every registered layer's vectors (the estimator's
+multiply* methods name the product); `gradient_operands` finds the dense
+weight gradients that their blocks precondition without the product.
 """
 
 import tensorflow as tf
@@ -10,15 +15,19 @@ import tensorflow as tf
 from kfac.python.ops.tensors import utils
 
 
-class ProductsMixin:
-  """The FisherEstimator's multiply* entry points (see module docstring)."""
+class Products:
+  """The FisherEstimator's products (see module docstring)."""
 
-  def _apply(self, fn, vecs_and_vars):
+  def __init__(self, blocks_and_params):
+    """`blocks_and_params`: the LayerCollection's (parameters, block)
+    pairs, its `blocks_and_params()`."""
+    self._blocks_and_params = list(blocks_and_params)
+
+  def apply(self, fn, vecs_and_vars):
     """Applies fn(block, vector) blockwise; returns [(result, var)] in the
     order of `vecs_and_vars`. `tf.IndexedSlices` vectors reach blocks with
     `supports_indexed_slices = True` unchanged (their results may be
     IndexedSlices too) and are densified for the other blocks."""
-    self._finalize()
     by_ref = {}
     for vec, var in vecs_and_vars:
       if vec is None:
@@ -27,7 +36,7 @@ class ProductsMixin:
       by_ref[var.ref()] = (vec if isinstance(vec, tf.IndexedSlices) else
                            tf.convert_to_tensor(vec))
     results = {}
-    for params, block in self._layers.blocks_and_params():
+    for params, block in self._blocks_and_params:
       seq = utils.ensure_sequence(params)
       present = [v.ref() in by_ref for v in seq]
       if not any(present):
@@ -62,10 +71,9 @@ class ProductsMixin:
     """{weight variable ref: (x, d)} for the dense weight gradients x^T d
     that their blocks may precondition through x and d without reading
     the product (FullyConnectedKFACBasicFB.gradient_operands)."""
-    self._finalize()
     by_ref = {var.ref(): vec for vec, var in vecs_and_vars}
     found = {}
-    for params, block in self._layers.blocks_and_params():
+    for params, block in self._blocks_and_params:
       seq = utils.ensure_sequence(params)
       vec = tuple(by_ref.get(v.ref()) for v in seq)
       if (not hasattr(block, "gradient_operands") or
@@ -76,23 +84,6 @@ class ProductsMixin:
       if pair is not None:
         found[seq[0].ref()] = pair
     return found
-
-  def multiply_inverse(self, vecs_and_vars):
-    return self._apply(lambda b, v: b.multiply_inverse(v), vecs_and_vars)
-
-  def multiply(self, vecs_and_vars):
-    return self._apply(lambda b, v: b.multiply(v), vecs_and_vars)
-
-  def multiply_matpower(self, exp, vecs_and_vars):
-    return self._apply(lambda b, v: b.multiply_matpower(v, exp), vecs_and_vars)
-
-  def multiply_cholesky(self, vecs_and_vars, transpose=False):
-    return self._apply(lambda b, v: b.multiply_cholesky(v, transpose),
-                       vecs_and_vars)
-
-  def multiply_cholesky_inverse(self, vecs_and_vars, transpose=False):
-    return self._apply(lambda b, v: b.multiply_cholesky_inverse(v, transpose),
-                       vecs_and_vars)
 
 
 _HALF = (tf.float16, tf.bfloat16)

@@ -1,14 +1,16 @@
-"""The Fisher estimator's statistics updates: the ops that fold each factor's
+"""The Fisher estimator's statistics part: the ops that fold each factor's
 covariance statistics into its moving average, with the non-finite guard
 (reliability/nonfinite.py), the cross-replica reduction (distribute/) and
 the lazy rebuild of the sampled backward pass inside conditionals (lazy/).
 
-`StatisticsUpdateMixin` is a base of `estimator.FisherEstimator`; it reads
-the estimator's state (`factors`, `blocks`, `_layers`, `_cov_ema_decay`,
-`_batch_size`, `_skip_non_finite`, `_source_grads`,
-`_rebuild_source_grads`) and its helpers `_scope` and `_lazy`.
+`Statistics` is made by `estimator.FisherEstimator` once its factors exist;
+it gets them, the blocks, the gradient sources, the configuration and the
+placement policy (placement.py) in its constructor. Its entry points:
+`variable_thunks`, `update_thunks`, `checked_update` and
+`conditional_update`.
 """
 
+import collections
 import contextlib
 import weakref
 
@@ -21,12 +23,63 @@ from kfac.python.ops.distribute import lazy_sync
 from kfac.python.ops.reliability import nonfinite
 
 
-class StatisticsUpdateMixin:
-  """The FisherEstimator's statistics update ops (see module docstring)."""
+class Sources(collections.namedtuple(
+    "Sources", ["grads", "rebuild", "home"])):
+  """The gradients of the estimation mode's sources that the statistics
+  read (`grads`), the function that builds them again inside a
+  conditional (`rebuild`) and lazy.defer's graph of their stand-ins
+  (`home`, or None); see lazy.recompute_in_branch."""
 
-  def _cov_variable_thunks(self):
-    return [f.instantiate_cov_variables for f in self.factors]
 
+def replica_examples(batch_size, layers):
+  """This replica's number of examples (of the first registered loss of
+  the LayerCollection `layers`, or `batch_size` when given), the weight of
+  its statistics in the cross-replica average."""
+  if batch_size is not None:
+    return tf.constant(float(batch_size), tf.float64)
+  towers = layers.towers_by_loss
+  return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
+                           for loss in towers[0]]), tf.float64)
+
+
+class Statistics:
+  """The FisherEstimator's statistics updates (see module docstring)."""
+
+  def __init__(self, factors, blocks, sources, cov_ema_decay,
+               skip_non_finite, examples, name, lazy_sync, placement):
+    """Args:
+      factors: the estimator's factors, in order.
+      blocks: its blocks (their run-time row checks come first).
+      sources: a `Sources`.
+      cov_ema_decay: the decay of the moving averages.
+      skip_non_finite: guard each factor's update against non-finite
+        statistics.
+      examples: a function returning this replica's number of examples
+        (`replica_examples`).
+      name: the default name scope.
+      lazy_sync: a function saying whether the statistics are synchronised
+        lazily (distribute/lazy_sync.py) where the ops are built.
+      placement: the placement policy (placement.py).
+    """
+    self._factors = list(factors)
+    self._blocks = list(blocks)
+    self._sources = sources
+    self._cov_ema_decay = cov_ema_decay
+    self._skip_non_finite = skip_non_finite
+    self._examples = examples
+    self._name = name
+    self._lazy = lazy_sync
+    self._placement = placement
+    self._decay_pairs = weakref.WeakKeyDictionary()
+    self._reduced = None
+
+  def _scope(self, scope):
+    return tf.name_scope(scope or self._name)
+
+  def variable_thunks(self):
+    """One thunk per factor making its statistics' variables."""
+    return self._placement.place_statistics(
+        [f.instantiate_cov_variables for f in self._factors])
 
   def _decay_and_weight(self, should_decay, dtype=tf.float64):
     """(decay, weight of the new statistic) of a statistics update:
@@ -47,8 +100,7 @@ class StatisticsUpdateMixin:
     # has hundreds); made free of the control dependencies in scope.
     graph = tf.compat.v1.get_default_graph()
     shareable = graph._get_control_flow_context() is None  # pylint: disable=protected-access
-    cache = self.__dict__.setdefault("_decay_pairs",
-                                     weakref.WeakKeyDictionary())
+    cache = self._decay_pairs
     key = (should_decay.ref(), tf.as_dtype(dtype).name)
     if shareable and key in cache.get(graph, {}):
       return cache[graph][key]
@@ -62,11 +114,14 @@ class StatisticsUpdateMixin:
       cache.setdefault(graph, {})[key] = pair
     return pair
 
-  def _cov_update_thunks(self, scope=None):
-    """One thunk per factor; thunk(should_decay=True) builds its update
-    (see _decay_and_weight)."""
+  def update_thunks(self, scope=None):
+    """One thunk per factor, placed; thunk(should_decay=True) builds its
+    update (see _decay_and_weight)."""
+    return self._placement.place_statistics(self._update_thunks(scope))
+
+  def _update_thunks(self, scope):
     if self._lazy():
-      corrections = [f.name for f in self.factors
+      corrections = [f.name for f in self._factors
                      if getattr(f, "is_eigen_correction", False)]
       if corrections:
         raise ValueError(
@@ -74,7 +129,7 @@ class StatisticsUpdateMixin:
             "scalings depend on the basis of the last refresh): %s. Use "
             "lazy_statistics_sync=False or another approximation." %
             ", ".join(corrections))
-      examples = self.replica_examples()
+      examples = self._examples()
 
       def make_local(factor):
         def thunk(should_decay=True):
@@ -91,7 +146,7 @@ class StatisticsUpdateMixin:
                 [t for t, _ in pairs], lambda: lazy_sync.fold_op(
                     factor, self._cov_ema_decay, examples, pairs))
         return thunk
-      return [make_local(f) for f in self.factors]
+      return [make_local(f) for f in self._factors]
     reduced = self._reduced_statistics(scope)
 
     def make(factor):
@@ -102,7 +157,7 @@ class StatisticsUpdateMixin:
           return self._guarded_assign(factor, stats, should_decay,
                                       self._skip_non_finite)
       return thunk
-    return [make(f) for f in self.factors]
+    return [make(f) for f in self._factors]
 
   def _guarded_assign(self, factor, stats, should_decay, check):
     """Folds `stats` into the factor's average; with `check`, only when
@@ -119,13 +174,13 @@ class StatisticsUpdateMixin:
   def _in_branch(self, make_op):
     """make_op() with the sources' gradients rebuilt where the statistics
     read them, when that is inside a conditional branch (lazy/)."""
-    with lazy.recompute_in_branch(self._source_grads,
-                                  self._rebuild_source_grads,
-                                  home=self._source_home):
+    with lazy.recompute_in_branch(self._sources.grads,
+                                  self._sources.rebuild,
+                                  home=self._sources.home):
       return make_op()
 
-  def checked_cov_update(self, pred, gate=None, should_decay=True,
-                         scope=None, conditional_reduction=False):
+  def checked_update(self, pred, gate=None, should_decay=True, scope=None,
+                     conditional_reduction=False):
     """The statistics update of a training step, guarded against
     non-finite values (reliability/nonfinite.py).
 
@@ -146,11 +201,11 @@ class StatisticsUpdateMixin:
       if gate is not None:
         pred = tf.logical_and(pred, gate)
       if self._lazy():
-        thunks = self._cov_update_thunks(scope)
+        thunks = self.update_thunks(scope)
         op = utils.cond_op(pred, lambda: self._in_branch(lambda: tf.group(
             *[t(should_decay) for t in thunks])))
       else:
-        op = self.conditional_cov_update(pred, scope)
+        op = self.conditional_update(pred, scope)
       with tf.control_dependencies([op]):
         return tf.constant(True)
 
@@ -161,7 +216,7 @@ class StatisticsUpdateMixin:
       def assign_all():
         return tf.group(*[
             self._guarded_assign(f, stats[f.name], should_decay, False)
-            for f in self.factors])
+            for f in self._factors])
       if flag is None:
         return assign_all()
       return utils.cond_op(tf.logical_and(flag, gate), assign_all)
@@ -174,7 +229,7 @@ class StatisticsUpdateMixin:
       flag = None
       if gate is not None:
         flag = nonfinite.finite_flag(
-            [t for factor in self.factors for t in stats[factor.name]])
+            [t for factor in self._factors for t in stats[factor.name]])
       op = when_pred(lambda: fold(stats, flag))
       with tf.control_dependencies([op]):
         if flag is None:
@@ -198,7 +253,7 @@ class StatisticsUpdateMixin:
     """A context under which statistics are computed after the blocks'
     run-time row checks (reliability/shapes.py)."""
     return tf.control_dependencies([
-        c for block in self.blocks
+        c for block in self._blocks
         for c in getattr(block, "row_checks", [])])
 
   def _local_statistics(self):
@@ -206,7 +261,7 @@ class StatisticsUpdateMixin:
     (a factor may have several statistics)."""
     owners, tensors, symmetric = [], [], []
     with self._row_checks():
-      for factor in self.factors:
+      for factor in self._factors:
         for stat, sym in factor.covariance_statistics():
           owners.append(factor)
           tensors.append(stat)
@@ -227,28 +282,28 @@ class StatisticsUpdateMixin:
     with one replica. Built once per estimator."""
     if not collective.is_distributed():
       return None
-    if getattr(self, "_reduced", None) is None:
+    if self._reduced is None:
       with self._scope(scope), tf.name_scope("cross_replica_statistics"):
         owners, tensors, symmetric = self._local_statistics()
         reduced = collective.all_reduce(
             tensors, collective.MEAN, symmetric,
-            weight=self.replica_examples())
+            weight=self._examples())
       self._reduced = self._by_factor(owners, reduced)
     return self._reduced
 
-  def conditional_cov_update(self, pred, scope=None):
+  def conditional_update(self, pred, scope=None):
     """An op that updates the statistics' moving averages when `pred`
     holds. Under several replicas (eager sync) the statistics are computed
     now and reduced only when `pred` holds, in a conditional taken for all
     replicas at once (collective.cross_replica_cond): no traffic on the
     steps without a statistics update."""
     if not collective.is_distributed() or self._lazy():
-      thunks = self._cov_update_thunks(scope)
+      thunks = self.update_thunks(scope)
       return utils.cond_op(pred, lambda: self._in_branch(
           lambda: tf.group(*[t() for t in thunks])))
     with self._scope(scope):
       owners, tensors, symmetric = self._local_statistics()
-      examples = self.replica_examples()
+      examples = self._examples()
 
     def fold_reduced(tensors, examples):
       with self._scope(scope), tf.name_scope("cross_replica_statistics"):
@@ -258,16 +313,7 @@ class StatisticsUpdateMixin:
         return tf.group(*[
             self._guarded_assign(factor, stats[factor.name], True,
                                  self._skip_non_finite)
-            for factor in self.factors])
+            for factor in self._factors])
 
     return collective.cross_replica_cond(pred, fold_reduced,
                                          (tensors, examples))
-
-  def replica_examples(self):
-    """This replica's number of examples (of the first registered loss),
-    the weight of its statistics in the cross-replica average."""
-    if self._batch_size is not None:
-      return tf.constant(float(self._batch_size), tf.float64)
-    towers = self._layers.towers_by_loss
-    return tf.cast(tf.add_n([tf.shape(loss.inputs[0])[0]
-                             for loss in towers[0]]), tf.float64)
