@@ -37,7 +37,7 @@ _conv_data_format = conv_variants.conv_data_format
 _padding = conv_variants.padding_of
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class KerasLayerKind:
   """One kind of Keras layer (see the module docstring).
 

@@ -92,7 +92,7 @@ def set_block_params(block, params):
     block._params = params  # pylint: disable=protected-access
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LayerKind:
   """One kind of layer a family registers, declared once.
 
@@ -117,7 +117,7 @@ class LayerKind:
     return tuple(self.blocks)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LayerFamily:
   """A layer family's declaration (layers/<family>/registration.py):
 
