@@ -41,6 +41,7 @@ transposed convolution with groups > 1.
 import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
+from kfac.python.ops.layers.conv import transpose_registration
 
 
 class Fallback(Exception):
@@ -160,7 +161,8 @@ def is_separable(layer):
 def register_transpose(lc, plan, calls):
   layer = plan.layer
   call = single_call(plan, calls)
-  if plan.approx not in (None, "kron", "diagonal", "ekfac"):
+  if (plan.approx is not None and
+      plan.approx not in transpose_registration.CONV_TRANSPOSE.blocks):
     raise Fallback("transposed convolution has no %r approximation (only "
                    "'kron', 'diagonal' and 'ekfac')" % (plan.approx,))
   if getattr(layer, "groups", 1) != 1:

@@ -2,7 +2,8 @@
 
 The code lives in the collection/ package (kfac.python.ops.collection: the
 registry core, losses, the registration check, the default collection) and
-in the per-family registration mixins of layers/<family>/registration.py;
+in the per-family declarations and registration functions of
+layers/<family>/registration.py;
 this module keeps the old path importable with every name it had.
 """
 

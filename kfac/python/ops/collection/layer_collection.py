@@ -14,6 +14,7 @@ import contextlib
 import tensorflow as tf
 
 from kfac.python.ops.collection import default as default_lib
+from kfac.python.ops.collection import layer_kinds
 from kfac.python.ops.collection import losses as losses_lib
 from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.collection import use_check
@@ -21,10 +22,6 @@ from kfac.python.ops.compat_utils import legacy_constants
 from kfac.python.ops.ekfac import scalings as ekfac_scalings
 from kfac.python.ops.layers.base import curvature_options as options_lib
 from kfac.python.ops.layers.base import registration as registration_base
-from kfac.python.ops.layers.base.approximations import APPROX_DIAGONAL_NAME
-from kfac.python.ops.layers.base.approximations import APPROX_FULL_NAME
-from kfac.python.ops.layers.base.approximations import APPROX_KRONECKER_INDEP_NAME
-from kfac.python.ops.layers.base.approximations import APPROX_KRONECKER_NAME
 from kfac.python.ops.layers.base.registration import VARIABLE_SCOPE
 from kfac.python.ops.layers.base.registration import describe as _describe
 from kfac.python.ops.layers.conv import registration as conv_registration
@@ -37,40 +34,38 @@ from kfac.python.ops.layers.scale_shift import registration as scale_shift_regis
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.tensors.layer_params_dict import LayerParametersDict
 
-# Layer kinds whose default approximation can be changed. Kinds whose
-# registration functions are not part of this version keep their documented
-# defaults here so the setters accept them, but nothing uses them yet.
-_DEFAULT_APPROXIMATIONS = {
-    "generic": APPROX_DIAGONAL_NAME,
-    "fully_connected": APPROX_KRONECKER_NAME,
-    "conv2d": APPROX_KRONECKER_NAME,
-    "fully_connected_multi": APPROX_KRONECKER_INDEP_NAME,
-    "conv2d_multi": APPROX_KRONECKER_INDEP_NAME,
-    "scale_and_shift": APPROX_FULL_NAME,
-}
+# The default approximation of each layer kind whose default can be changed
+# (from the families' declarations, collection/layer_kinds.py).
+_DEFAULT_APPROXIMATIONS = layer_kinds.DEFAULT_APPROXIMATIONS
 
 # kfac 0.2.x's name of the blocks-by-parameters view (now the mapping
 # itself).
 BlocksByParams = LayerParametersDict
 
 
+def _documented_by(function):
+  """Gives a thin method the docstring of the function it calls."""
+  def decorate(method):
+    method.__doc__ = function.__doc__
+    return method
+  return decorate
+
+
 @utils.exclude_from_autograph
-class LayerCollection(dense_registration.DenseRegistrationMixin,
-                      generic_registration.GenericRegistrationMixin,
-                      conv_registration.ConvRegistrationMixin,
-                      transpose_registration.ConvTransposeRegistrationMixin,
-                      embedding_registration.EmbeddingRegistrationMixin,
-                      multi_use_registration.MultiUseRegistrationMixin,
-                      scale_shift_registration.ScaleShiftRegistrationMixin,
-                      losses_lib.LossRegistrationMixin,
-                      use_check.UseCheckMixin):
+class LayerCollection:
   """Registry of layers (parameters and their approximations) and losses.
 
   This class is the registry's core (layers, towers, factors, linked
-  parameters, default approximations); the registration of each layer
-  family comes from its mixin in layers/<family>/registration.py, the
-  losses from collection/losses.py and the registration check from
-  collection/use_check.py.
+  parameters, default approximations). Its parts: each layer family's
+  declaration and registration functions (layers/<family>/registration.py,
+  listed in collection/layer_kinds.py), which its register_* methods call
+  with the collection; the losses (`collection/losses.LossRegistry`); the
+  count of registered uses and the registration check
+  (collection/use_check.py).
+
+  The registry interface the families' registration functions use:
+  `register_block`, `resolve_approximation`, `linked_approximation`,
+  `default_approximation`, `record_uses`.
   """
 
   def __init__(self, graph=None, name="LayerCollection",
@@ -85,17 +80,13 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
         legacy_constants.curvature_defaults() if curvature_options is None
         else curvature_options)
     self._fisher_blocks = LayerParametersDict()  # params -> block
-    self._uses = {}  # var.ref() -> registered uses (float: inf = any)
+    self._uses = use_check.UseCount()  # registered uses per variable
     self._factors = collections.OrderedDict()  # factor key -> factor
     self._factor_names = set()
     # Layers re-registered to fit the memory budget (memory_fallback.py).
     self.memory_fallbacks = []
     self._block_names = set()
-    self._loss_dict = collections.OrderedDict()  # name -> [loss per tower]
-    # kfac 0.2.x's public maps: loss -> its coefficient, and loss -> the
-    # tensor it was registered on (its logits / mean / prediction).
-    self.loss_coeffs = {}
-    self.loss_colocation_ops = {}
+    self._losses = losses_lib.LossRegistry()
     self._linked = collections.OrderedDict()  # frozenset(refs) -> approx
     self._linked_params = collections.OrderedDict()  # same key -> params
     self._defaults = dict(_DEFAULT_APPROXIMATIONS)
@@ -127,11 +118,62 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
     return self._graph
 
   # ------------------------------------------------------------ defaults
-  def _set_default(self, kind, approx, valid):
+  def _set_default(self, kind, approx):
+    valid = layer_kinds.KINDS[kind].blocks
     if approx not in valid:
       raise ValueError("Unknown %s approximation %r; expected one of %s." %
                        (kind, approx, sorted(valid)))
     self._defaults[kind] = approx
+
+  def default_approximation(self, kind):
+    """The approximation of a `kind` layer registered without one: the
+    collection's default for the kinds whose default can be changed, else
+    the kind's own (collection/layer_kinds.py)."""
+    if kind in self._defaults:
+      return self._defaults[kind]
+    return layer_kinds.KINDS[kind].default
+
+  def set_default_generic_approximation(self, value):
+    self._set_default("generic", value)
+
+  @property
+  def default_generic_approximation(self):
+    return self._defaults["generic"]
+
+  def set_default_fully_connected_approximation(self, value):
+    self._set_default("fully_connected", value)
+
+  @property
+  def default_fully_connected_approximation(self):
+    return self._defaults["fully_connected"]
+
+  def set_default_fully_connected_multi_approximation(self, value):
+    self._set_default("fully_connected_multi", value)
+
+  @property
+  def default_fully_connected_multi_approximation(self):
+    return self._defaults["fully_connected_multi"]
+
+  def set_default_conv2d_approximation(self, value):
+    self._set_default("conv2d", value)
+
+  @property
+  def default_conv2d_approximation(self):
+    return self._defaults["conv2d"]
+
+  def set_default_conv2d_multi_approximation(self, value):
+    self._set_default("conv2d_multi", value)
+
+  @property
+  def default_conv2d_multi_approximation(self):
+    return self._defaults["conv2d_multi"]
+
+  def set_default_scale_and_shift_approximation(self, value):
+    self._set_default("scale_and_shift", value)
+
+  @property
+  def default_scale_and_shift_approximation(self):
+    return self._defaults["scale_and_shift"]
 
   # ------------------------------------------------------------ default
   @contextlib.contextmanager
@@ -207,7 +249,8 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
                       "variables are fine): %s" % (cls.__name__, e))
     if factor is None:
       factor = cls(*self._full_precision(args))
-      factor.set_name(self._unique(name or cls.__name__, self._factor_names))
+      factor.set_name(registration_base.unique_name(name or cls.__name__,
+                                                    self._factor_names))
       if hasattr(factor, "set_curvature_options"):
         factor.set_curvature_options(self._curvature_options)
       self._factors[key] = factor
@@ -231,28 +274,12 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
       cache[key] = tf.cast(value, tf.float32)
     return cache[key]
 
-  @staticmethod
-  def _unique(base, used):
-    name, i = base, 1
-    while name in used:
-      name = "%s_%d" % (base, i)
-      i += 1
-    used.add(name)
-    return name
-
   # ------------------------------------------------------------ blocks
   def _check_not_finalized(self):
     if self._finalized:
       raise ValueError("LayerCollection %s is finalized (an estimator was "
                        "built on it); register everything before creating "
                        "the optimizer." % self._name)
-
-  @staticmethod
-  def _check_params(params):
-    for p in utils.ensure_sequence(params):
-      if not (isinstance(p, tf.Variable) or tf.is_tensor(p)):
-        raise TypeError("Registered parameters must be tf.Variables (or "
-                        "tensors), got %r." % (p,))
 
   def register_block(self, layer_key, fisher_block, reuse=VARIABLE_SCOPE):
     """Registers `fisher_block` for the parameters `layer_key` (a variable,
@@ -269,7 +296,7 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
       ValueError: for the conflicts above, naming the variables.
     """
     self._check_not_finalized()
-    self._check_params(layer_key)
+    registration_base.check_params(layer_key)
     layer_key = (tuple(layer_key) if isinstance(layer_key, list)
                  else layer_key)
     mode = registration_base.reuse_mode(reuse)
@@ -305,7 +332,8 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
     self._check_linked(layer_key)
     if hasattr(fisher_block, "set_name"):
       base = utils.state_name(utils.ensure_sequence(layer_key)[0])
-      fisher_block.set_name(self._unique(base, self._block_names))
+      fisher_block.set_name(registration_base.unique_name(
+          base, self._block_names))
     self._fisher_blocks[layer_key] = fisher_block
     return fisher_block
 
@@ -321,24 +349,34 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
             "not equal to it; register the whole group together." %
             (_describe(params), _describe(self._linked_params[linked])))
 
-  def _linked_approx(self, params):
+  def linked_approximation(self, params):
+    """The approximation define_linked_parameters gave the group `params`
+    (None if none)."""
     refs = frozenset(utils.hashable_key(utils.ensure_sequence(params)))
     return self._linked.get(refs)
 
-  def _resolve_approx(self, params, approx, kind, table):
-    self._check_params(params)
+  # The name graph search (tensormatch/record_registration.py) reads.
+  _linked_approx = linked_approximation
+
+  def resolve_approximation(self, params, approx, kind):
+    """The approximation of a `kind` (a layers/base LayerKind) layer with
+    parameters `params`: `approx`, else the linked group's, else the
+    collection's default; ValueError unless the kind has a block for it."""
+    registration_base.check_params(params)
     if approx is None:
-      approx = self._linked_approx(params) or self._defaults[kind]
-    if approx not in table:
+      approx = (self.linked_approximation(params) or
+                self.default_approximation(kind.name))
+    if approx not in kind.blocks:
       raise ValueError(
           "Unknown approximation %r for %s layer (%s); expected one of %s." %
-          (approx, kind.replace("_", " "), _describe(params), sorted(table)))
+          (approx, kind.label, _describe(params), sorted(kind.blocks)))
     return approx
 
-  @staticmethod
-  def _block_params_set(block, params):
-    if block.params is None:
-      block._params = params  # pylint: disable=protected-access
+  def record_uses(self, params, uses):
+    """Records `uses` more uses of each variable of `params` in the graph
+    (checked by check_registration; float("inf") for registrations that
+    cover any number of uses)."""
+    self._uses.add(params, uses)
 
   def define_linked_parameters(self, params, approximation=None):
     """Declares `params` one group: registrations must cover the whole group,
@@ -407,3 +445,301 @@ class LayerCollection(dense_registration.DenseRegistrationMixin,
     that point)."""
     rows = memory_lib.memory_table(self.get_blocks())
     return rows, memory_lib.total_bytes(rows)
+
+  # ------------------------------------------------------------ layers
+  # One thin method per registration function of the families
+  # (collection/layer_kinds.py), each with that function's docstring.
+  @_documented_by(generic_registration.register_generic)
+  def register_generic(self, params, batch_size, approx=None,
+                       reuse=VARIABLE_SCOPE):
+    return generic_registration.register_generic(
+        self, params, batch_size, approx=approx, reuse=reuse)
+
+  @_documented_by(dense_registration.register_fully_connected)
+  def register_fully_connected(self, params, inputs, outputs, approx=None,
+                               dense_inputs=True, reuse=VARIABLE_SCOPE,
+                               output_axes=1):
+    return dense_registration.register_fully_connected(
+        self, params, inputs, outputs, approx=approx,
+        dense_inputs=dense_inputs, reuse=reuse, output_axes=output_axes)
+
+  @_documented_by(embedding_registration.register_embedding)
+  def register_embedding(self, params, inputs, outputs, approx=None,
+                         reuse=VARIABLE_SCOPE):
+    return embedding_registration.register_embedding(
+        self, params, inputs, outputs, approx=approx, reuse=reuse)
+
+  @_documented_by(multi_use_registration.register_fully_connected_multi)
+  def register_fully_connected_multi(self, params, inputs, outputs,
+                                     num_uses=None, approx=None,
+                                     dense_inputs=True,
+                                     reuse=VARIABLE_SCOPE):
+    return multi_use_registration.register_fully_connected_multi(
+        self, params, inputs, outputs, num_uses=num_uses, approx=approx,
+        dense_inputs=dense_inputs, reuse=reuse)
+
+  @_documented_by(conv_registration.register_conv2d)
+  def register_conv2d(self, params, strides, padding, inputs, outputs,
+                      data_format=None, dilations=None, approx=None,
+                      reuse=VARIABLE_SCOPE, sub_sample_inputs=None,
+                      sub_sample_patches=None, patch_mask=None):
+    return conv_registration.register_conv2d(
+        self, params, strides, padding, inputs, outputs,
+        data_format=data_format, dilations=dilations, approx=approx,
+        reuse=reuse, sub_sample_inputs=sub_sample_inputs,
+        sub_sample_patches=sub_sample_patches, patch_mask=patch_mask)
+
+  @_documented_by(conv_registration.register_conv1d)
+  def register_conv1d(self, params, strides, padding, inputs, outputs,
+                      dilations=None, approx=None, reuse=VARIABLE_SCOPE,
+                      sub_sample_inputs=None, sub_sample_patches=None,
+                      patch_mask=None, data_format=None):
+    return conv_registration.register_conv1d(
+        self, params, strides, padding, inputs, outputs,
+        dilations=dilations, approx=approx, reuse=reuse,
+        sub_sample_inputs=sub_sample_inputs,
+        sub_sample_patches=sub_sample_patches, patch_mask=patch_mask,
+        data_format=data_format)
+
+  @_documented_by(conv_registration.register_convolution)
+  def register_convolution(self, params, inputs, outputs, padding,
+                           strides=None, dilation_rate=None, data_format=None,
+                           approx=None, reuse=VARIABLE_SCOPE,
+                           sub_sample_inputs=None, sub_sample_patches=None,
+                           patch_mask=None):
+    return conv_registration.register_convolution(
+        self, params, inputs, outputs, padding, strides=strides,
+        dilation_rate=dilation_rate, data_format=data_format, approx=approx,
+        reuse=reuse, sub_sample_inputs=sub_sample_inputs,
+        sub_sample_patches=sub_sample_patches, patch_mask=patch_mask)
+
+  @_documented_by(conv_registration.register_depthwise_conv2d)
+  def register_depthwise_conv2d(self, params, inputs, outputs, strides,
+                                padding, rate=None, data_format=None,
+                                approx=None, reuse=VARIABLE_SCOPE,
+                                sub_sample_patches=None):
+    return conv_registration.register_depthwise_conv2d(
+        self, params, inputs, outputs, strides, padding, rate=rate,
+        data_format=data_format, approx=approx, reuse=reuse,
+        sub_sample_patches=sub_sample_patches)
+
+  @_documented_by(conv_registration.register_grouped_convolution)
+  def register_grouped_convolution(self, params, inputs, outputs, padding,
+                                   groups, strides=None, dilation_rate=None,
+                                   data_format=None, approx=None,
+                                   reuse=VARIABLE_SCOPE):
+    return conv_registration.register_grouped_convolution(
+        self, params, inputs, outputs, padding, groups, strides=strides,
+        dilation_rate=dilation_rate, data_format=data_format, approx=approx,
+        reuse=reuse)
+
+  @_documented_by(conv_registration.register_separable_conv2d)
+  def register_separable_conv2d(self, depthwise_params, pointwise_params,
+                                inputs, depthwise_outputs, pointwise_outputs,
+                                strides, padding, rate=None, data_format=None,
+                                approx=None, reuse=VARIABLE_SCOPE):
+    return conv_registration.register_separable_conv2d(
+        self, depthwise_params, pointwise_params, inputs, depthwise_outputs,
+        pointwise_outputs, strides, padding, rate=rate,
+        data_format=data_format, approx=approx, reuse=reuse)
+
+  @_documented_by(conv_registration.register_conv2d_multi)
+  def register_conv2d_multi(self, params, strides, padding, inputs, outputs,
+                            num_uses=None, data_format=None, dilations=None,
+                            approx=None, reuse=VARIABLE_SCOPE):
+    return conv_registration.register_conv2d_multi(
+        self, params, strides, padding, inputs, outputs, num_uses=num_uses,
+        data_format=data_format, dilations=dilations, approx=approx,
+        reuse=reuse)
+
+  @_documented_by(transpose_registration.register_conv_transpose)
+  def register_conv_transpose(self, params, inputs, outputs, strides,
+                              padding, data_format=None, dilations=None,
+                              approx=None, reuse=VARIABLE_SCOPE,
+                              num_spatial=None):
+    return transpose_registration.register_conv_transpose(
+        self, params, inputs, outputs, strides, padding,
+        data_format=data_format, dilations=dilations, approx=approx,
+        reuse=reuse, num_spatial=num_spatial)
+
+  @_documented_by(transpose_registration.register_conv2d_transpose)
+  def register_conv2d_transpose(self, params, inputs, outputs, strides,
+                                padding, data_format=None, dilations=None,
+                                approx=None, reuse=VARIABLE_SCOPE):
+    return transpose_registration.register_conv2d_transpose(
+        self, params, inputs, outputs, strides, padding,
+        data_format=data_format, dilations=dilations, approx=approx,
+        reuse=reuse)
+
+  @_documented_by(transpose_registration.register_conv1d_transpose)
+  def register_conv1d_transpose(self, params, inputs, outputs, strides,
+                                padding, data_format=None, dilations=None,
+                                approx=None, reuse=VARIABLE_SCOPE):
+    return transpose_registration.register_conv1d_transpose(
+        self, params, inputs, outputs, strides, padding,
+        data_format=data_format, dilations=dilations, approx=approx,
+        reuse=reuse)
+
+  @_documented_by(scale_shift_registration.register_scale_and_shift)
+  def register_scale_and_shift(self, params, inputs, outputs, approx=None,
+                               reuse=VARIABLE_SCOPE):
+    return scale_shift_registration.register_scale_and_shift(
+        self, params, inputs, outputs, approx=approx, reuse=reuse)
+
+  # ------------------------------------------------------------ losses
+  # The losses are the LossRegistry part (collection/losses.py); each
+  # method builds its loss (losses_lib.<kind>, with its checks) and
+  # registers it. The base names of unnamed losses are kfac 0.2.x's, per
+  # method.
+  @property
+  def _loss_dict(self):
+    """name -> [loss per tower] (the LossRegistry's; kfac 0.2.x's name)."""
+    return self._losses.by_name
+
+  @property
+  def loss_coeffs(self):
+    """kfac 0.2.x's map: loss -> its coefficient."""
+    return self._losses.coeffs
+
+  @loss_coeffs.setter
+  def loss_coeffs(self, value):
+    self._losses.coeffs = value
+
+  @property
+  def loss_colocation_ops(self):
+    """kfac 0.2.x's map: loss -> the tensor it was registered on (its
+    logits / mean / prediction)."""
+    return self._losses.colocation_ops
+
+  @loss_colocation_ops.setter
+  def loss_colocation_ops(self, value):
+    self._losses.colocation_ops = value
+
+  @property
+  def losses(self):
+    return self._losses.losses
+
+  @property
+  def towers_by_loss(self):
+    return self._losses.towers_by_loss
+
+  def losses_with_coeffs(self):
+    return self._losses.losses_with_coeffs()
+
+  @property
+  def loss_names(self):
+    return list(self._losses.by_name)
+
+  def _register_loss(self, loss, base_name, name, coeff, reuse,
+                     colocation=None):
+    self._check_not_finalized()
+    return self._losses.register(loss, base_name, name, coeff, reuse,
+                                 colocation)
+
+  def register_categorical_predictive_distribution(
+      self, logits, seed=None, targets=None, name=None, coeff=1.0,
+      reuse=VARIABLE_SCOPE):
+    """Categorical over the last axis of `logits`. `targets` are integer
+    labels, or one-hot rows (same shape as logits)."""
+    return self._register_loss(
+        losses_lib.categorical(logits, seed, targets, coeff),
+        "categorical_predictive_distribution", name, coeff, reuse, logits)
+
+  def register_softmax_cross_entropy_loss(self, logits, seed=None,
+                                          targets=None, name=None, coeff=1.0,
+                                          reuse=VARIABLE_SCOPE):
+    """Softmax cross-entropy: the categorical predictive distribution."""
+    return self._register_loss(
+        losses_lib.categorical(logits, seed, targets, coeff),
+        "sparse_softmax_cross_entropy_loss", name, coeff, reuse, logits)
+
+  def register_normal_predictive_distribution(self, mean, var=0.5, seed=None,
+                                              targets=None, name=None,
+                                              coeff=1.0,
+                                              reuse=VARIABLE_SCOPE):
+    """Gaussian with mean `mean` and fixed variance `var`."""
+    return self._register_loss(
+        losses_lib.normal(mean, var, seed, targets, coeff),
+        "normal_predictive_distribution", name, coeff, reuse, mean)
+
+  def register_squared_error_loss(self, prediction, seed=None, targets=None,
+                                  name=None, coeff=1.0,
+                                  reuse=VARIABLE_SCOPE):
+    """||t - y||^2 summed over outputs (a Gaussian with variance 0.5, whose
+    Fisher 2 I is the Hessian of the squared error). If your loss is
+    0.5 ||t - y||^2, pass coeff=0.5."""
+    return self._register_loss(
+        losses_lib.normal(prediction, 0.5, seed, targets, coeff),
+        "squared_error_loss", name, coeff, reuse, prediction)
+
+  def register_multi_bernoulli_predictive_distribution(
+      self, logits, seed=None, targets=None, name=None, coeff=1.0,
+      reuse=VARIABLE_SCOPE):
+    """Independent Bernoullis with `logits` (targets in [0, 1])."""
+    return self._register_loss(
+        losses_lib.bernoulli(logits, seed, targets, coeff),
+        "multi_bernoulli_predictive_distribution", name, coeff, reuse, logits)
+
+  def register_sigmoid_cross_entropy_loss(self, logits, seed=None,
+                                          targets=None, name=None, coeff=1.0,
+                                          reuse=VARIABLE_SCOPE):
+    """Sigmoid cross-entropy: the multi-Bernoulli predictive distribution."""
+    return self._register_loss(
+        losses_lib.bernoulli(logits, seed, targets, coeff),
+        "sigmoid_cross_entropy_loss", name, coeff, reuse, logits)
+
+  def register_normal_mean_variance_predictive_distribution(
+      self, mean, variance, seed=None, targets=None, name=None, coeff=1.0,
+      reuse=VARIABLE_SCOPE):
+    """Gaussian with learned mean and variance (both network outputs)."""
+    return self._register_loss(
+        losses_lib.normal_mean_variance(mean, variance, seed, targets, coeff),
+        "normal_mean_variance", name, coeff, reuse, mean)
+
+  def eval_losses(self, target_mode="data", coeff_mode="regular",
+                  seeds=None):
+    """The registered losses (one entry per loss tower), each summed over
+    its batch.
+
+    target_mode: "data" (the registered targets) or "sample" (targets drawn
+    from the model). coeff_mode: "regular" (times coeff), "sqrt" (times
+    sqrt(coeff)) or "off". seeds: None, or a function of the loss's index
+    giving the sampling seed of a loss registered without one.
+    """
+    return self._losses.evaluate(target_mode, coeff_mode, seeds)
+
+  def total_loss(self, coeff_mode="regular"):
+    return tf.add_n(self.eval_losses("data", coeff_mode))
+
+  def total_sampled_loss(self, coeff_mode="regular", seeds=None):
+    return tf.add_n(self.eval_losses("sample", coeff_mode, seeds))
+
+  # ------------------------------------------------------------ use check
+  def _get_use_count_map(self):
+    """{var.ref(): registered uses} (kfac 0.2.x helper)."""
+    return dict(self._uses.counts)
+
+  @property
+  def subgraph(self):
+    """The `SubGraph` (kfac.utils.SubGraph) of the registered losses' inputs (the ops
+    the losses depend on); None before a loss is registered or outside a
+    graph."""
+    return use_check.losses_subgraph(self.losses)
+
+  def _use_problems(self, variables):
+    """use_check.use_problems of this collection (kfac 0.2.x's use count;
+    read by the estimator's docs and tests)."""
+    return use_check.use_problems(self._uses, self._fisher_blocks,
+                                  self.losses, variables)
+
+  def check_registration(self, variables, check_uses=True):
+    """Raises ValueError unless `variables` and the registered variables are
+    the same set, naming the ones that differ; with check_uses, also
+    unless each variable is registered as many times as the losses' graph
+    uses it (kfac 0.2.x's check, TF1 graphs only, see
+    collection/use_check.use_problems). The estimator (and so the
+    optimizers) runs it, with check_uses, when it sets up its blocks, as
+    kfac 0.2.x did."""
+    use_check.check_registration(self._uses, self._fisher_blocks,
+                                 self.losses, self.registered_variables,
+                                 variables, check_uses)

@@ -1,12 +1,12 @@
-"""Registration of the losses (predictive distributions) on the
-LayerCollection, and their evaluation.
-
-The mixin's methods run on a `LayerCollection`: the core sets up
-`self._loss_dict` (name -> [loss per tower]), `self.loss_coeffs` and
-`self.loss_colocation_ops`, and provides `self._check_not_finalized()` and
-`self._unique(base, used)`.
+"""The losses (predictive distributions) of a LayerCollection: the
+`LossRegistry` part (the registered losses by name, one per tower, with
+their coefficients; their evaluation) and the functions that build each
+kind of loss from a model's outputs, with their checks. LayerCollection's
+register_*_loss / register_*_predictive_distribution methods combine the
+two.
 """
 
+import collections
 import math
 
 import tensorflow as tf
@@ -14,33 +14,38 @@ import tensorflow as tf
 from kfac.python.ops import losses as lf
 from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.layers.base.registration import RegistrationKeyError
-from kfac.python.ops.layers.base.registration import VARIABLE_SCOPE
 from kfac.python.ops.tensors import utils
 
 
-class LossRegistrationMixin:
-  """LayerCollection methods; see the module docstring."""
+class LossRegistry:
+  """The registered losses of one collection.
+
+  `by_name`: name -> [loss per tower] (in registration order); `coeffs`:
+  loss -> its coefficient; `colocation_ops`: loss -> the tensor it was
+  registered on (kfac 0.2.x's LayerCollection.loss_coeffs and
+  loss_colocation_ops).
+  """
+
+  def __init__(self):
+    self.by_name = collections.OrderedDict()
+    self.coeffs = {}
+    self.colocation_ops = {}
 
   @property
   def losses(self):
-    return [loss for towers in self._loss_dict.values() for loss in towers]
+    return [loss for towers in self.by_name.values() for loss in towers]
 
   @property
   def towers_by_loss(self):
-    return [tuple(towers) for towers in self._loss_dict.values()]
+    return [tuple(towers) for towers in self.by_name.values()]
 
   def losses_with_coeffs(self):
-    return [(loss, self.loss_coeffs[loss])
-            for towers in self._loss_dict.values() for loss in towers]
+    return [(loss, self.coeffs[loss])
+            for towers in self.by_name.values() for loss in towers]
 
-  @property
-  def loss_names(self):
-    return list(self._loss_dict)
-
-  # ------------------------------------------------------------ losses
-  def _register_loss(self, loss, base_name, name, coeff, reuse,
-                     colocation=None):
-    self._check_not_finalized()
+  def register(self, loss, base_name, name, coeff, reuse, colocation=None):
+    """Registers `loss` under `name` (default: `base_name`, made unique);
+    with reuse, as a new tower of the loss of that name."""
     mode = registration_base.reuse_mode(reuse)
     if name is None:
       if mode is True:
@@ -48,14 +53,14 @@ class LossRegistrationMixin:
             "reuse=True adds a tower to a loss registered before: pass that "
             "loss's name= too (reuse may also come from a reusing "
             "tf.compat.v1.variable_scope).")
-      name = self._unique(base_name, set(self._loss_dict))
-    if name in self._loss_dict:
+      name = registration_base.unique_name(base_name, set(self.by_name))
+    if name in self.by_name:
       if not mode:
         raise RegistrationKeyError(
             "A loss named %r is already registered. Pass reuse=True to add "
             "a tower to it, or use another name." % name)
-      towers = self._loss_dict[name]
-      first = self.loss_coeffs[towers[0]]
+      towers = self.by_name[name]
+      first = self.coeffs[towers[0]]
       if (utils.is_python_number(first) and utils.is_python_number(coeff)
           and first != coeff):
         raise ValueError("The loss %r was registered with coeff=%s; a tower "
@@ -68,132 +73,13 @@ class LossRegistrationMixin:
           "name was registered. Register it without reuse first (reuse may "
           "also come from a reusing tf.compat.v1.variable_scope)." % name)
     else:
-      self._loss_dict[name] = [loss]
-    self.loss_coeffs[loss] = coeff
-    self.loss_colocation_ops[loss] = colocation
+      self.by_name[name] = [loss]
+    self.coeffs[loss] = coeff
+    self.colocation_ops[loss] = colocation
     return loss
 
-  @staticmethod
-  def _check_coeff(coeff):
-    if utils.is_python_number(coeff) and coeff < 0:
-      raise ValueError("Loss coeff must be non-negative, got %s." % coeff)
-
-  def register_categorical_predictive_distribution(
-      self, logits, seed=None, targets=None, name=None, coeff=1.0,
-      reuse=VARIABLE_SCOPE):
-    """Categorical over the last axis of `logits`. `targets` are integer
-    labels, or one-hot rows (same shape as logits)."""
-    return self._register_categorical(
-        logits, seed, targets, name, coeff, reuse,
-        "categorical_predictive_distribution")
-
-  # The base names of unnamed losses are kfac 0.2.x's, per method.
-  def _register_categorical(self, logits, seed, targets, name, coeff, reuse,
-                            base_name):
-    self._check_coeff(coeff)
-    if targets is not None and not utils.is_tensor_or_variable(targets):
-      targets = tf.convert_to_tensor(targets)  # numpy arrays, lists
-    onehot = targets is not None and targets.shape.rank == logits.shape.rank
-    if targets is not None:
-      expected = logits.shape if onehot else logits.shape[:-1]
-      if not targets.shape.is_compatible_with(expected):
-        raise ValueError("Targets of shape %s do not fit logits of shape %s "
-                         "(expected integer labels of shape %s or one-hot "
-                         "rows of shape %s)." % (targets.shape, logits.shape,
-                                                 logits.shape[:-1],
-                                                 logits.shape))
-    if onehot:
-      loss = lf.OnehotCategoricalLogitsNegativeLogProbLoss(logits, targets,
-                                                           seed)
-    else:
-      loss = lf.CategoricalLogitsNegativeLogProbLoss(logits, targets, seed)
-    return self._register_loss(loss, base_name, name, coeff, reuse, logits)
-
-  def register_softmax_cross_entropy_loss(self, logits, seed=None,
-                                          targets=None, name=None, coeff=1.0,
-                                          reuse=VARIABLE_SCOPE):
-    """Softmax cross-entropy: the categorical predictive distribution."""
-    return self._register_categorical(logits, seed, targets, name, coeff,
-                                      reuse,
-                                      "sparse_softmax_cross_entropy_loss")
-
-  def register_normal_predictive_distribution(self, mean, var=0.5, seed=None,
-                                              targets=None, name=None,
-                                              coeff=1.0,
-                                              reuse=VARIABLE_SCOPE):
-    """Gaussian with mean `mean` and fixed variance `var`."""
-    return self._register_normal(mean, var, seed, targets, name, coeff,
-                                 reuse, "normal_predictive_distribution")
-
-  def _register_normal(self, mean, var, seed, targets, name, coeff, reuse,
-                       base_name):
-    self._check_coeff(coeff)
-    if utils.is_python_number(var) and var <= 0:
-      raise ValueError("var must be positive, got %s." % var)
-    self._check_targets_like(targets, mean)
-    loss = lf.NormalMeanNegativeLogProbLoss(mean, var, targets, seed)
-    return self._register_loss(loss, base_name, name, coeff, reuse, mean)
-
-  def register_squared_error_loss(self, prediction, seed=None, targets=None,
-                                  name=None, coeff=1.0,
-                                  reuse=VARIABLE_SCOPE):
-    """||t - y||^2 summed over outputs (a Gaussian with variance 0.5, whose
-    Fisher 2 I is the Hessian of the squared error). If your loss is
-    0.5 ||t - y||^2, pass coeff=0.5."""
-    return self._register_normal(prediction, 0.5, seed, targets, name, coeff,
-                                 reuse, "squared_error_loss")
-
-  def register_multi_bernoulli_predictive_distribution(
-      self, logits, seed=None, targets=None, name=None, coeff=1.0,
-      reuse=VARIABLE_SCOPE):
-    """Independent Bernoullis with `logits` (targets in [0, 1])."""
-    return self._register_bernoulli(
-        logits, seed, targets, name, coeff, reuse,
-        "multi_bernoulli_predictive_distribution")
-
-  def _register_bernoulli(self, logits, seed, targets, name, coeff, reuse,
-                          base_name):
-    self._check_coeff(coeff)
-    self._check_targets_like(targets, logits)
-    loss = lf.MultiBernoulliNegativeLogProbLoss(logits, targets, seed)
-    return self._register_loss(loss, base_name, name, coeff, reuse, logits)
-
-  def register_sigmoid_cross_entropy_loss(self, logits, seed=None,
-                                          targets=None, name=None, coeff=1.0,
-                                          reuse=VARIABLE_SCOPE):
-    """Sigmoid cross-entropy: the multi-Bernoulli predictive distribution."""
-    return self._register_bernoulli(logits, seed, targets, name, coeff, reuse,
-                                    "sigmoid_cross_entropy_loss")
-
-  def register_normal_mean_variance_predictive_distribution(
-      self, mean, variance, seed=None, targets=None, name=None, coeff=1.0,
-      reuse=VARIABLE_SCOPE):
-    """Gaussian with learned mean and variance (both network outputs)."""
-    self._check_coeff(coeff)
-    self._check_targets_like(targets, mean)
-    loss = lf.NormalMeanVarianceNegativeLogProbLoss(mean, variance, targets,
-                                                    seed)
-    return self._register_loss(loss, "normal_mean_variance", name, coeff,
-                               reuse, mean)
-
-  @staticmethod
-  def _check_targets_like(targets, prediction):
-    if targets is not None and not targets.shape.is_compatible_with(
-        prediction.shape):
-      raise ValueError("Targets of shape %s do not match predictions of "
-                       "shape %s." % (targets.shape, prediction.shape))
-
-  # ------------------------------------------------------------ evaluation
-  def eval_losses(self, target_mode="data", coeff_mode="regular",
-                  seeds=None):
-    """The registered losses (one entry per loss tower), each summed over
-    its batch.
-
-    target_mode: "data" (the registered targets) or "sample" (targets drawn
-    from the model). coeff_mode: "regular" (times coeff), "sqrt" (times
-    sqrt(coeff)) or "off". seeds: None, or a function of the loss's index
-    giving the sampling seed of a loss registered without one.
-    """
+  def evaluate(self, target_mode="data", coeff_mode="regular", seeds=None):
+    """LayerCollection.eval_losses."""
     if target_mode not in ("data", "sample"):
       raise ValueError("Unknown target_mode %r; expected 'data' or 'sample'."
                        % (target_mode,))
@@ -214,11 +100,63 @@ class LossRegistrationMixin:
       out.append(value)
     return out
 
-  def total_loss(self, coeff_mode="regular"):
-    return tf.add_n(self.eval_losses("data", coeff_mode))
 
-  def total_sampled_loss(self, coeff_mode="regular", seeds=None):
-    return tf.add_n(self.eval_losses("sample", coeff_mode, seeds))
+# ------------------------------------------------------------ the losses
+def check_coeff(coeff):
+  if utils.is_python_number(coeff) and coeff < 0:
+    raise ValueError("Loss coeff must be non-negative, got %s." % coeff)
+
+
+def _check_targets_like(targets, prediction):
+  if targets is not None and not targets.shape.is_compatible_with(
+      prediction.shape):
+    raise ValueError("Targets of shape %s do not match predictions of "
+                     "shape %s." % (targets.shape, prediction.shape))
+
+
+def categorical(logits, seed, targets, coeff):
+  """The categorical loss over the last axis of `logits`; `targets` are
+  integer labels, or one-hot rows (same shape as logits)."""
+  check_coeff(coeff)
+  if targets is not None and not utils.is_tensor_or_variable(targets):
+    targets = tf.convert_to_tensor(targets)  # numpy arrays, lists
+  onehot = targets is not None and targets.shape.rank == logits.shape.rank
+  if targets is not None:
+    expected = logits.shape if onehot else logits.shape[:-1]
+    if not targets.shape.is_compatible_with(expected):
+      raise ValueError("Targets of shape %s do not fit logits of shape %s "
+                       "(expected integer labels of shape %s or one-hot "
+                       "rows of shape %s)." % (targets.shape, logits.shape,
+                                               logits.shape[:-1],
+                                               logits.shape))
+  if onehot:
+    return lf.OnehotCategoricalLogitsNegativeLogProbLoss(logits, targets,
+                                                         seed)
+  return lf.CategoricalLogitsNegativeLogProbLoss(logits, targets, seed)
+
+
+def normal(mean, var, seed, targets, coeff):
+  """The Gaussian loss with mean `mean` and fixed variance `var`."""
+  check_coeff(coeff)
+  if utils.is_python_number(var) and var <= 0:
+    raise ValueError("var must be positive, got %s." % var)
+  _check_targets_like(targets, mean)
+  return lf.NormalMeanNegativeLogProbLoss(mean, var, targets, seed)
+
+
+def bernoulli(logits, seed, targets, coeff):
+  """Independent Bernoullis with `logits` (targets in [0, 1])."""
+  check_coeff(coeff)
+  _check_targets_like(targets, logits)
+  return lf.MultiBernoulliNegativeLogProbLoss(logits, targets, seed)
+
+
+def normal_mean_variance(mean, variance, seed, targets, coeff):
+  """The Gaussian loss with learned mean and variance."""
+  check_coeff(coeff)
+  _check_targets_like(targets, mean)
+  return lf.NormalMeanVarianceNegativeLogProbLoss(mean, variance, targets,
+                                                  seed)
 
 
 def sqrt_coeff(coeff, dtype):

@@ -255,7 +255,7 @@ def _register_one(lc, params, record_list, reuse, batch_size):
           "without knowledge of batch_size. Pass batch_size to fix this, "
           "or register them yourself before auto registration." % name)
     _log.info("Registering as generic (batch norm): %s", name)
-    linked = lc._linked_approx(params)  # pylint: disable=protected-access
+    linked = lc.linked_approximation(params)
     diagonal = linked == "diagonal" or (
         linked is None and lc.default_generic_approximation == "diagonal")
     if diagonal:

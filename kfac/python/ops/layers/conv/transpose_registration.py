@@ -1,6 +1,9 @@
 """Registration of transposed convolutions (tf.nn.conv_transpose,
 tf.nn.conv2d_transpose / conv1d_transpose / conv3d_transpose; Keras
-Conv1DTranspose / Conv2DTranspose / Conv3DTranspose) on the LayerCollection.
+Conv1DTranspose / Conv2DTranspose / Conv3DTranspose) on a LayerCollection:
+the family's declaration (`FAMILY`) and its registration functions, which
+LayerCollection's register_conv_transpose / register_conv2d_transpose /
+register_conv1d_transpose call with the collection `lc` first.
 
 Approximations (layers/conv/transpose.py): "kron" (default): KFC with the
 patches on the output-gradient side, the bias in an exact block of its
@@ -16,6 +19,7 @@ of), in any form register_conv2d accepts, except "CAUSAL".
 from kfac.python.ops.ekfac import blocks as ekfac_blocks
 from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.layers.conv import patches as patches_lib
+from kfac.python.ops.layers.conv import registration as conv_registration
 from kfac.python.ops.layers.conv import transpose
 from kfac.python.ops.tensors import utils
 
@@ -24,7 +28,34 @@ _describe = registration_base.describe
 _KRON = "kron"
 _DIAGONAL = "diagonal"
 _EKFAC = "ekfac"
-_APPROXIMATIONS = (_KRON, _DIAGONAL, _EKFAC)
+
+
+def _transpose_block(plain, with_bias):
+  def make(lc, params, spec, data_format, has_bias):
+    cls = with_bias if has_bias else plain
+    return cls(lc, params, spec.padding, spec.strides, spec.dilations,
+               data_format)
+  return make
+
+
+# The error message lists the approximations in this order.
+CONV_TRANSPOSE = registration_base.LayerKind(
+    name="conv_transpose", label="transposed convolution", default=_KRON,
+    blocks={
+        _KRON: _transpose_block(transpose.ConvTransposeKFCBasicFB,
+                                transpose.ConvTransposeKFCBasicBiasFB),
+        _DIAGONAL: _transpose_block(transpose.ConvTransposeDiagonalFB,
+                                    transpose.ConvTransposeDiagonalFB),
+        _EKFAC: _transpose_block(ekfac_blocks.ConvTransposeEKFACFB,
+                                 ekfac_blocks.ConvTransposeEKFACBiasFB),
+    })
+
+FAMILY = registration_base.LayerFamily(
+    name="conv_transpose", kinds=(CONV_TRANSPOSE,),
+    params="the filter [k1, ..., kd, out_channels, in_channels], or "
+    "(filter, bias [out_channels])",
+    methods=("register_conv_transpose", "register_conv2d_transpose",
+             "register_conv1d_transpose"))
 
 
 def _check(filt, bias, inputs, outputs, spec, what):
@@ -76,97 +107,85 @@ def _check(filt, bias, inputs, outputs, spec, what):
                      (what, name, d, outputs.shape))
 
 
-class ConvTransposeRegistrationMixin:
-  """LayerCollection methods; see the module docstring."""
+def register_conv_transpose(lc, params, inputs, outputs, strides,
+                            padding, data_format=None, dilations=None,
+                            approx=None, reuse=_VARIABLE_SCOPE,
+                            num_spatial=None):
+  """Registers a transposed convolution (plus an optional bias add).
 
-  def register_conv_transpose(self, params, inputs, outputs, strides,
+  Args:
+    params: the filter [k1, ..., kd, out_channels, in_channels], or
+      (filter, bias [out_channels]).
+    inputs: [batch, spatial..., in_channels] (or channels-first).
+    outputs: the pre-activations [batch, spatial'..., out_channels].
+    strides, dilations: an int, d ints or the TensorFlow form with batch
+      and channel entries (default 1).
+    padding: "SAME", "VALID" or explicit (before, after) pairs, as given
+      to tf.nn.conv_transpose.
+    data_format: None / channels-last ("NWC", "NHWC", "NDHWC") or
+      channels-first ("NCW", "NCHW", "NCDHW").
+    approx: "kron" (default), "diagonal" or "ekfac": see
+      layers/conv/transpose.py.
+    reuse: True adds a tower to an existing registration of `params`.
+    num_spatial: d, checked against the filter's rank (default: the
+      filter's rank - 2).
+
+  Returns:
+    The layer's FisherBlock (transpose.ConvTransposeKFCBasicFB, or
+    ConvTransposeKFCBasicBiasFB with a bias; ConvTransposeDiagonalFB;
+    ekfac_blocks.ConvTransposeEKFACFB / ConvTransposeEKFACBiasFB).
+  """
+  what = "Transposed convolution layer"
+  seq = utils.ensure_sequence(params)
+  if len(seq) not in (1, 2):
+    raise ValueError("%s params must be a filter or (filter, bias), got "
+                     "%d variables (%s)." % (what, len(seq),
+                                             _describe(params)))
+  filt, bias = seq[0], (seq[1] if len(seq) == 2 else None)
+  rank = filt.shape.rank
+  if rank is None or rank < 3 or (num_spatial is not None and
+                                  rank != num_spatial + 2):
+    raise ValueError(
+        "%s filter %s must have rank %s [k.., out_channels, in_channels], "
+        "got shape %s." % (what, utils.variable_name(filt),
+                           num_spatial + 2 if num_spatial else ">= 3",
+                           filt.shape))
+  if isinstance(padding, str) and padding.upper() == "CAUSAL":
+    raise ValueError("%s %s: CAUSAL padding is for convolutions, not "
+                     "transposed ones." % (what, utils.variable_name(filt)))
+  try:
+    spec = patches_lib.make_conv_spec(filt.shape[:-2], strides, dilations,
+                                      padding, data_format)
+  except ValueError as e:
+    raise ValueError("%s with filter %s: %s" %
+                     (what, utils.variable_name(filt), e)) from None
+  _check(filt, bias, inputs, outputs, spec, what)
+  registration_base.check_params(params)
+  if approx is None:
+    approx = lc.linked_approximation(params) or CONV_TRANSPOSE.default
+  if approx not in CONV_TRANSPOSE.blocks:
+    raise ValueError("Unknown approximation %r for transposed convolution "
+                     "layer (%s); expected one of %s." %
+                     (approx, _describe(params), list(CONV_TRANSPOSE.blocks)))
+  block = CONV_TRANSPOSE.blocks[approx](lc, params, spec, data_format,
+                                       bias is not None)
+  return conv_registration.finish_registration(
+      lc, params, block, reuse, inputs, outputs, ("transpose", approx, spec))
+
+def register_conv2d_transpose(lc, params, inputs, outputs, strides,
                               padding, data_format=None, dilations=None,
-                              approx=None, reuse=_VARIABLE_SCOPE,
-                              num_spatial=None):
-    """Registers a transposed convolution (plus an optional bias add).
+                              approx=None, reuse=_VARIABLE_SCOPE):
+  """Registers tf.nn.conv2d_transpose (filter [kh, kw, out, in]); see
+  register_conv_transpose."""
+  return register_conv_transpose(
+      lc, params, inputs, outputs, strides, padding, data_format, dilations,
+      approx, reuse, num_spatial=2)
 
-    Args:
-      params: the filter [k1, ..., kd, out_channels, in_channels], or
-        (filter, bias [out_channels]).
-      inputs: [batch, spatial..., in_channels] (or channels-first).
-      outputs: the pre-activations [batch, spatial'..., out_channels].
-      strides, dilations: an int, d ints or the TensorFlow form with batch
-        and channel entries (default 1).
-      padding: "SAME", "VALID" or explicit (before, after) pairs, as given
-        to tf.nn.conv_transpose.
-      data_format: None / channels-last ("NWC", "NHWC", "NDHWC") or
-        channels-first ("NCW", "NCHW", "NCDHW").
-      approx: "kron" (default), "diagonal" or "ekfac": see
-        layers/conv/transpose.py.
-      reuse: True adds a tower to an existing registration of `params`.
-      num_spatial: d, checked against the filter's rank (default: the
-        filter's rank - 2).
-
-    Returns:
-      The layer's FisherBlock (transpose.ConvTransposeKFCBasicFB, or
-      ConvTransposeKFCBasicBiasFB with a bias; ConvTransposeDiagonalFB;
-      ekfac_blocks.ConvTransposeEKFACFB / ConvTransposeEKFACBiasFB).
-    """
-    what = "Transposed convolution layer"
-    seq = utils.ensure_sequence(params)
-    if len(seq) not in (1, 2):
-      raise ValueError("%s params must be a filter or (filter, bias), got "
-                       "%d variables (%s)." % (what, len(seq),
-                                               _describe(params)))
-    filt, bias = seq[0], (seq[1] if len(seq) == 2 else None)
-    rank = filt.shape.rank
-    if rank is None or rank < 3 or (num_spatial is not None and
-                                    rank != num_spatial + 2):
-      raise ValueError(
-          "%s filter %s must have rank %s [k.., out_channels, in_channels], "
-          "got shape %s." % (what, utils.variable_name(filt),
-                             num_spatial + 2 if num_spatial else ">= 3",
-                             filt.shape))
-    if isinstance(padding, str) and padding.upper() == "CAUSAL":
-      raise ValueError("%s %s: CAUSAL padding is for convolutions, not "
-                       "transposed ones." % (what, utils.variable_name(filt)))
-    try:
-      spec = patches_lib.make_conv_spec(filt.shape[:-2], strides, dilations,
-                                        padding, data_format)
-    except ValueError as e:
-      raise ValueError("%s with filter %s: %s" %
-                       (what, utils.variable_name(filt), e)) from None
-    _check(filt, bias, inputs, outputs, spec, what)
-    self._check_params(params)
-    if approx is None:
-      approx = self._linked_approx(params) or _KRON
-    if approx not in _APPROXIMATIONS:
-      raise ValueError("Unknown approximation %r for transposed convolution "
-                       "layer (%s); expected one of %s." %
-                       (approx, _describe(params), list(_APPROXIMATIONS)))
-    if approx == _DIAGONAL:
-      cls = transpose.ConvTransposeDiagonalFB
-    elif approx == _EKFAC:
-      cls = (ekfac_blocks.ConvTransposeEKFACBiasFB if bias is not None else
-             ekfac_blocks.ConvTransposeEKFACFB)
-    elif bias is not None:
-      cls = transpose.ConvTransposeKFCBasicBiasFB
-    else:
-      cls = transpose.ConvTransposeKFCBasicFB
-    block = cls(self, params, spec.padding, spec.strides, spec.dilations,
-                data_format)
-    return self._finish_registration(params, block, reuse, inputs, outputs,
-                                     ("transpose", approx, spec))
-
-  def register_conv2d_transpose(self, params, inputs, outputs, strides,
-                                padding, data_format=None, dilations=None,
-                                approx=None, reuse=_VARIABLE_SCOPE):
-    """Registers tf.nn.conv2d_transpose (filter [kh, kw, out, in]); see
-    register_conv_transpose."""
-    return self.register_conv_transpose(
-        params, inputs, outputs, strides, padding, data_format, dilations,
-        approx, reuse, num_spatial=2)
-
-  def register_conv1d_transpose(self, params, inputs, outputs, strides,
-                                padding, data_format=None, dilations=None,
-                                approx=None, reuse=_VARIABLE_SCOPE):
-    """Registers tf.nn.conv1d_transpose (filter [k, out, in]); see
-    register_conv_transpose."""
-    return self.register_conv_transpose(
-        params, inputs, outputs, strides, padding, data_format, dilations,
-        approx, reuse, num_spatial=1)
+def register_conv1d_transpose(lc, params, inputs, outputs, strides,
+                              padding, data_format=None, dilations=None,
+                              approx=None, reuse=_VARIABLE_SCOPE):
+  """Registers tf.nn.conv1d_transpose (filter [k, out, in]); see
+  register_conv_transpose."""
+  return register_conv_transpose(
+      lc, params, inputs, outputs, strides, padding, data_format, dilations,
+      approx, reuse, num_spatial=1)

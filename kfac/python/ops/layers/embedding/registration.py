@@ -1,9 +1,12 @@
-"""Registration of embedding lookups (dense layers with integer-id inputs) on the LayerCollection.
-
-The mixin's methods run on a `LayerCollection` and use its core helpers:
-`self._resolve_approx(params, approx, kind, table)`,
-`self.register_block(params, block, reuse)`, `self._set_default(kind, value,
-table)`.
+"""Registration of embedding lookups (dense layers with integer-id inputs)
+on a LayerCollection: the family's declaration (`FAMILY`) and its
+registration function, which LayerCollection.register_embedding (and
+register_fully_connected with dense_inputs=False) calls with the collection
+`lc` first (its registry interface: `lc.linked_approximation`,
+`lc.default_approximation`, `lc.register_block`, `lc.record_uses`). A
+multi-use embedding (register_fully_connected_multi with
+dense_inputs=False) is registered by layers/multi_use/registration.py with
+this family's EMBEDDING_MULTI kind.
 
 An embedding lookup is registered with
 `register_fully_connected(W, ids, outputs, dense_inputs=False)` or its alias
@@ -28,132 +31,112 @@ import tensorflow as tf
 from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.tensors import utils
 
-_KRON = "kron"
-_DIAGONAL = "diagonal"
+def _embedding_block(diagonal_approx_for_output):
+  def make(lc, vocab):
+    from kfac.python.ops.layers.embedding import blocks as embedding_blocks  # pylint: disable=g-import-not-at-top
+    return embedding_blocks.EmbeddingKFACFB(
+        lc, vocab, diagonal_approx_for_output=diagonal_approx_for_output)
+  return make
 
-# approx -> diagonal_approx_for_output of EmbeddingKFACFB (None: the
-# diagonal block). The input factor of an embedding is always diagonal, so
-# kron_in_diag is kron and kron_both_diag is kron_out_diag.
-_EMBEDDING_APPROXIMATIONS = {
-    "kron": False,
-    "kron_in_diag": False,
-    "kron_out_diag": True,
-    "kron_both_diag": True,
-    "diagonal": None,
-    "ekfac": "ekfac",
-}
+
+def _diagonal_block(lc, vocab):
+  from kfac.python.ops.layers.embedding import blocks as embedding_blocks  # pylint: disable=g-import-not-at-top
+  return embedding_blocks.EmbeddingDiagonalFB(lc, vocab)
+
+
+def _ekfac_block(lc, vocab):
+  from kfac.python.ops.ekfac import blocks as ekfac_blocks  # pylint: disable=g-import-not-at-top
+  return ekfac_blocks.EmbeddingEKFACFB(lc, vocab)
+
+
+def _multi_indep_block(lc, vocab, num_uses):
+  from kfac.python.ops.layers.embedding import blocks as embedding_blocks  # pylint: disable=g-import-not-at-top
+  return embedding_blocks.EmbeddingMultiIndepFB(lc, vocab, num_uses)
+
+
+# The input factor of an embedding is always diagonal, so kron_in_diag is
+# kron and kron_both_diag is kron_out_diag. The default is the collection's
+# fully-connected default.
+EMBEDDING = registration_base.LayerKind(
+    name="embedding", label="embedding", default=None,
+    blocks={
+        "kron": _embedding_block(False),
+        "kron_in_diag": _embedding_block(False),
+        "kron_out_diag": _embedding_block(True),
+        "kron_both_diag": _embedding_block(True),
+        "diagonal": _diagonal_block,
+        "ekfac": _ekfac_block,
+    })
+
+# An embedding looked up once per use (register_fully_connected_multi with
+# dense_inputs=False); the default is the collection's fully-connected
+# multi default.
+EMBEDDING_MULTI = registration_base.LayerKind(
+    name="embedding_multi", label="multi-use embedding", default=None,
+    blocks={"kron_indep": _multi_indep_block})
+
+FAMILY = registration_base.LayerFamily(
+    name="embedding", kinds=(EMBEDDING, EMBEDDING_MULTI),
+    params="the table W [vocab, dim]",
+    methods=("register_embedding",))
 
 
 def _describe(params):
   return registration_base.describe(params)
 
 
-class EmbeddingRegistrationMixin:
-  """LayerCollection methods; see the module docstring."""
+def register_embedding(lc, params, inputs, outputs, approx=None,
+                       reuse=registration_base.VARIABLE_SCOPE):
+  """Registers an embedding lookup outputs = W[ids] (summed over a bag).
 
-  def register_embedding(self, params, inputs, outputs, approx=None,
-                         reuse=registration_base.VARIABLE_SCOPE):
-    """Registers an embedding lookup outputs = W[ids] (summed over a bag).
+  Args:
+    params: the table W [vocab, dim] (a tf.Variable). A bias is not
+      supported (register it with register_generic).
+    inputs: integer ids: [batch, positions...] (one id per lookup) or
+      [batch, positions..., k] (a bag of k ids per lookup, summed).
+    outputs: [batch, positions..., dim], the looked-up (summed) rows.
+    approx: "kron" (default when the collection's fully-connected default
+      is a Kronecker approximation), "kron_in_diag" (the same: the input
+      factor of an embedding is diagonal anyway), "kron_out_diag" /
+      "kron_both_diag" (diagonal output factor), "diagonal" (the exact
+      diagonal of the table's Fisher) or "ekfac" (EKFAC in the basis
+      I (x) Q_G).
+    reuse: True adds a tower to an existing registration of `params`.
 
-    Args:
-      params: the table W [vocab, dim] (a tf.Variable). A bias is not
-        supported (register it with register_generic).
-      inputs: integer ids: [batch, positions...] (one id per lookup) or
-        [batch, positions..., k] (a bag of k ids per lookup, summed).
-      outputs: [batch, positions..., dim], the looked-up (summed) rows.
-      approx: "kron" (default when the collection's fully-connected default
-        is a Kronecker approximation), "kron_in_diag" (the same: the input
-        factor of an embedding is diagonal anyway), "kron_out_diag" /
-        "kron_both_diag" (diagonal output factor), "diagonal" (the exact
-        diagonal of the table's Fisher) or "ekfac" (EKFAC in the basis
-        I (x) Q_G).
-      reuse: True adds a tower to an existing registration of `params`.
-
-    Returns:
-      The `EmbeddingKFACFB` or `EmbeddingDiagonalFB` block.
-    """
-    return self._register_embedding(params, inputs, outputs, approx=approx,
-                                    reuse=reuse)
-
-  def _register_embedding(self, params, inputs, outputs, approx=None,
-                          reuse=registration_base.VARIABLE_SCOPE):
-    from kfac.python.ops.layers.embedding import blocks as embedding_blocks  # pylint: disable=g-import-not-at-top
-    params = _check_embedding_params(params)
-    bag = _check_embedding_shapes(params, inputs, outputs)
-    approx = self._embedding_approx(params, approx)
-    diag_out = _EMBEDDING_APPROXIMATIONS[approx]
-    vocab = int(params.shape[0])
-    if diag_out is None:
-      block = embedding_blocks.EmbeddingDiagonalFB(self, vocab)
-    elif diag_out == "ekfac":
-      from kfac.python.ops.ekfac import blocks as ekfac_blocks  # pylint: disable=g-import-not-at-top
-      block = ekfac_blocks.EmbeddingEKFACFB(self, vocab)
-    else:
-      block = embedding_blocks.EmbeddingKFACFB(
-          self, vocab, diagonal_approx_for_output=diag_out)
-    block = self.register_block(params, block, reuse=reuse)
-    if block.num_registered_towers:
-      _check_same_positions(params, block.tensors_to_compute_grads()[0],
-                            outputs)
-    ids_rows, ids_per_example = _ids_layouts(inputs, outputs, bag)
-    block.register_additional_tower(ids_rows, ids_per_example, outputs)
-    self._block_params_set(block, params)
-    self._add_uses(params, 1)
-    return block
-
-  def _register_embedding_multi(self, params, inputs, outputs, num_uses,
-                                approx, reuse):
-    """register_fully_connected_multi(..., dense_inputs=False)."""
-    from kfac.python.ops.layers.embedding import blocks as embedding_blocks  # pylint: disable=g-import-not-at-top
-    from kfac.python.ops.layers.multi_use import registration as multi  # pylint: disable=g-import-not-at-top
-    params = _check_embedding_params(params)
-    name = _describe(params)
-    if approx is None:
-      approx = (self._linked_approx(params) or
-                self._defaults["fully_connected_multi"])
-    if approx != "kron_indep":
-      raise ValueError(
-          "Multi-use embedding %s supports approximation 'kron_indep' only, "
-          "got %r." % (name, approx))
-    inputs, outputs, num_uses = multi._normalize_uses(  # pylint: disable=protected-access
-        name, inputs, outputs, num_uses)
-    for ids, out in zip(utils.ensure_sequence(inputs),
-                        utils.ensure_sequence(outputs)):
-      _check_embedding_shapes(params, ids, out)
-      if out.shape.rank != 2:
-        raise ValueError(
-            "Outputs of the multi-use embedding %s must be [batch, %s] per "
-            "use (or folded [num_uses * batch, %s]), got %s." %
-            (name, params.shape[1], params.shape[1], out.shape))
-    multi._check_outputs_depend_on_params(params, outputs)  # pylint: disable=protected-access
-    block = embedding_blocks.EmbeddingMultiIndepFB(self, int(params.shape[0]),
-                                                   num_uses)
-    block = self.register_block(params, block, reuse=reuse)
-    if block.num_uses != num_uses:
-      raise ValueError(
-          "Embedding %s was registered with %d uses and is now registered (as "
-          "a new tower) with %d." % (name, block.num_uses, num_uses))
-    block.register_additional_tower(inputs, outputs)
-    self._block_params_set(block, params)
-    # A folded registration is one op of the graph.
-    self._add_uses(params, len(inputs) if isinstance(inputs, tuple) else 1)
-    return block
-
-  def _embedding_approx(self, params, approx):
-    from_default = approx is None
-    if from_default:
-      approx = self._linked_approx(params) or self._defaults["fully_connected"]
-    if approx not in _EMBEDDING_APPROXIMATIONS:
-      where = (" (the collection's default fully-connected approximation; "
-               "pass approx= explicitly)" if from_default else "")
-      raise ValueError(
-          "Embedding layer (%s) does not support approximation %r%s; "
-          "expected one of %s." % (_describe(params), approx, where,
-                                   sorted(_EMBEDDING_APPROXIMATIONS)))
-    return approx
+  Returns:
+    The `EmbeddingKFACFB` or `EmbeddingDiagonalFB` block.
+  """
+  params = check_embedding_params(params)
+  bag = check_embedding_shapes(params, inputs, outputs)
+  approx = _embedding_approx(lc, params, approx)
+  block = EMBEDDING.blocks[approx](lc, int(params.shape[0]))
+  block = lc.register_block(params, block, reuse=reuse)
+  if block.num_registered_towers:
+    _check_same_positions(params, block.tensors_to_compute_grads()[0],
+                          outputs)
+  ids_rows, ids_per_example = _ids_layouts(inputs, outputs, bag)
+  block.register_additional_tower(ids_rows, ids_per_example, outputs)
+  registration_base.set_block_params(block, params)
+  lc.record_uses(params, 1)
+  return block
 
 
-def _check_embedding_params(params):
+def _embedding_approx(lc, params, approx):
+  from_default = approx is None
+  if from_default:
+    approx = (lc.linked_approximation(params) or
+              lc.default_approximation("fully_connected"))
+  if approx not in EMBEDDING.blocks:
+    where = (" (the collection's default fully-connected approximation; "
+             "pass approx= explicitly)" if from_default else "")
+    raise ValueError(
+        "Embedding layer (%s) does not support approximation %r%s; "
+        "expected one of %s." % (_describe(params), approx, where,
+                                 sorted(EMBEDDING.blocks)))
+  return approx
+
+
+def check_embedding_params(params):
   if isinstance(params, (list, tuple)):
     if len(params) == 1:
       params = params[0]
@@ -173,7 +156,7 @@ def _check_embedding_params(params):
   return params
 
 
-def _check_embedding_shapes(params, inputs, outputs):
+def check_embedding_shapes(params, inputs, outputs):
   """Validates ids and outputs; returns True for a bag of ids per lookup."""
   name = _describe(params)
   if isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)) or not (

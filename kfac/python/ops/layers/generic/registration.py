@@ -1,13 +1,12 @@
-"""Registration of arbitrary parameters (generic layers) on the
+"""Registration of arbitrary parameters (generic layers) on a
 LayerCollection: a full or diagonal block of the Fisher of their flattened
-gradient.
-
-The mixin's methods run on a `LayerCollection` and use its core helpers:
-`self._resolve_approx(params, approx, kind, table)`,
-`self.register_block(params, block, reuse)`, `self._set_default(kind, value,
-table)`, `self._add_uses(params, n)`.
+gradient. The family's declaration (`FAMILY`) and its registration
+function, which LayerCollection.register_generic calls with the collection
+`lc` first (its registry interface: `lc.resolve_approximation`,
+`lc.register_block`, `lc.record_uses`).
 """
 
+from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.layers.base.approximations import APPROX_DIAGONAL_NAME
 from kfac.python.ops.layers.base.approximations import APPROX_FULL_NAME
 from kfac.python.ops.layers.base.registration import VARIABLE_SCOPE
@@ -18,25 +17,23 @@ _GENERIC_APPROX_TO_BLOCK = {
     APPROX_DIAGONAL_NAME: generic_blocks.NaiveDiagonalFB,
 }
 
+GENERIC = registration_base.LayerKind(
+    name="generic", label="generic", default=APPROX_DIAGONAL_NAME,
+    blocks=_GENERIC_APPROX_TO_BLOCK, settable=True)
 
-class GenericRegistrationMixin:
-  """LayerCollection methods; see the module docstring."""
+FAMILY = registration_base.LayerFamily(
+    name="generic", kinds=(GENERIC,),
+    params="any variable, or a tuple / list of variables",
+    methods=("register_generic",))
 
-  def set_default_generic_approximation(self, value):
-    self._set_default("generic", value, _GENERIC_APPROX_TO_BLOCK)
 
-  @property
-  def default_generic_approximation(self):
-    return self._defaults["generic"]
-
-  def register_generic(self, params, batch_size, approx=None,
-                       reuse=VARIABLE_SCOPE):
-    """Registers arbitrary parameters with a full or diagonal block of the
-    Fisher of their flattened gradient (batch_size: examples per tower)."""
-    approx = self._resolve_approx(params, approx, "generic",
-                                  _GENERIC_APPROX_TO_BLOCK)
-    block = _GENERIC_APPROX_TO_BLOCK[approx](self, params)
-    block = self.register_block(params, block, reuse=reuse)
-    block.register_additional_tower(batch_size)
-    self._add_uses(params, float("inf"))  # any number of uses
-    return block
+def register_generic(lc, params, batch_size, approx=None,
+                     reuse=VARIABLE_SCOPE):
+  """Registers arbitrary parameters with a full or diagonal block of the
+  Fisher of their flattened gradient (batch_size: examples per tower)."""
+  approx = lc.resolve_approximation(params, approx, GENERIC)
+  block = GENERIC.blocks[approx](lc, params)
+  block = lc.register_block(params, block, reuse=reuse)
+  block.register_additional_tower(batch_size)
+  lc.record_uses(params, float("inf"))  # any number of uses
+  return block

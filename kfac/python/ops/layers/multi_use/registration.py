@@ -1,16 +1,19 @@
 """Registration of dense layers used several times (time steps, tied
-weights) on the LayerCollection.
-
-The mixin's methods run on a `LayerCollection` and use its core helpers:
-`self._resolve_approx(params, approx, kind, table)`,
-`self.register_block(params, block, reuse)`, `self._set_default(kind, value,
-table)`.
+weights) on a LayerCollection: the family's declaration (`FAMILY`) and its
+registration function, which LayerCollection.register_fully_connected_multi
+calls with the collection `lc` first (its registry interface:
+`lc.resolve_approximation`, `lc.linked_approximation`,
+`lc.default_approximation`, `lc.register_block`, `lc.record_uses`). With
+dense_inputs=False it registers an embedding looked up once per use (the
+embedding family's EMBEDDING_MULTI kind).
 """
 
 import tensorflow as tf
 
-from kfac.python.ops.layers.multi_use import blocks as multi_use_blocks
 from kfac.python.ops.layers.base import registration as registration_base
+from kfac.python.ops.layers.dense import registration as dense_registration
+from kfac.python.ops.layers.embedding import registration as embedding_registration
+from kfac.python.ops.layers.multi_use import blocks as multi_use_blocks
 from kfac.python.ops.tensors import utils
 
 
@@ -53,80 +56,116 @@ def _is_uses_list(x):
   return isinstance(x, (list, tuple))
 
 
-class MultiUseRegistrationMixin:
-  """LayerCollection methods; see the module docstring."""
+FULLY_CONNECTED_MULTI = registration_base.LayerKind(
+    name="fully_connected_multi", label="fully connected multi",
+    default="kron_indep", blocks=_FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK,
+    settable=True)
 
-  def set_default_fully_connected_multi_approximation(self, value):
-    self._set_default("fully_connected_multi", value,
-                      _FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK)
+FAMILY = registration_base.LayerFamily(
+    name="multi_use", kinds=(FULLY_CONNECTED_MULTI,),
+    params="W [in, out] or (W, b); the table W [vocab, dim] of an embedding",
+    methods=("register_fully_connected_multi",))
 
-  @property
-  def default_fully_connected_multi_approximation(self):
-    return self._defaults["fully_connected_multi"]
 
-  def register_fully_connected_multi(self, params, inputs, outputs,
-                                     num_uses=None, approx=None,
-                                     dense_inputs=True,
-                                     reuse=registration_base.VARIABLE_SCOPE):
-    """Registers a dense layer used several times (RNN steps, tied weights).
+def register_fully_connected_multi(lc, params, inputs, outputs,
+                                   num_uses=None, approx=None,
+                                   dense_inputs=True,
+                                   reuse=registration_base.VARIABLE_SCOPE):
+  """Registers a dense layer used several times (RNN steps, tied weights).
 
-    Args:
-      params: W [in, out] or (W, b).
-      inputs: a list over uses of [batch, in] tensors, or one folded
-        [num_uses * batch, in] tensor (time-major: rows
-        [t * batch, (t + 1) * batch) are use t).
-      outputs: the pre-activations, in the same form ([batch, out] per use
-        or folded [num_uses * batch, out]).
-      num_uses: the number of uses; required for folded tensors, optional
-        (but checked) for lists.
-      approx: kron_indep (default: the collection's fully-connected-multi
-        default), kron_indep_in_diag, kron_indep_out_diag,
-        kron_indep_both_diag, kron_series_1 or kron_series_2. The series
-        approximations treat the uses as ordered in time.
-      dense_inputs: False registers an embedding table looked up once per
-        use: inputs are integer ids ([batch] or a bag [batch, k] per use),
-        params the table W [vocab, dim]; only kron_indep (see
-        `EmbeddingMultiIndepFB`).
-      reuse: True adds a tower (with the same number of uses) to an existing
-        registration of `params`.
+  Args:
+    params: W [in, out] or (W, b).
+    inputs: a list over uses of [batch, in] tensors, or one folded
+      [num_uses * batch, in] tensor (time-major: rows
+      [t * batch, (t + 1) * batch) are use t).
+    outputs: the pre-activations, in the same form ([batch, out] per use
+      or folded [num_uses * batch, out]).
+    num_uses: the number of uses; required for folded tensors, optional
+      (but checked) for lists.
+    approx: kron_indep (default: the collection's fully-connected-multi
+      default), kron_indep_in_diag, kron_indep_out_diag,
+      kron_indep_both_diag, kron_series_1 or kron_series_2. The series
+      approximations treat the uses as ordered in time.
+    dense_inputs: False registers an embedding table looked up once per
+      use: inputs are integer ids ([batch] or a bag [batch, k] per use),
+      params the table W [vocab, dim]; only kron_indep (see
+      `EmbeddingMultiIndepFB`).
+    reuse: True adds a tower (with the same number of uses) to an existing
+      registration of `params`.
 
-    Returns:
-      The layer's block.
-    """
-    names = registration_base.describe(params)
-    if not dense_inputs:
-      return self._register_embedding_multi(params, inputs, outputs,
-                                            num_uses, approx, reuse)
-    approx = self._resolve_approx(params, approx, "fully_connected_multi",
-                                  _FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK)
-    inputs, outputs, num_uses = _normalize_uses(names, inputs, outputs,
-                                                num_uses)
-    for x, y in zip(utils.ensure_sequence(inputs),
-                    utils.ensure_sequence(outputs)):
-      if x.shape.rank != 2:
-        raise ValueError(
-            "Inputs of the multi-use layer %s must be [batch, in] per use or "
-            "folded [num_uses * batch, in], got shape %s." % (names, x.shape))
-      self._check_dense_shapes(params, x, y)
-    _check_outputs_depend_on_params(params, outputs)
-    has_bias = isinstance(params, (list, tuple))
-    block = _FULLY_CONNECTED_MULTI_APPROX_TO_BLOCK[approx](self, has_bias,
-                                                           num_uses)
-    block = self.register_block(params, block, reuse=reuse)
-    if block.num_uses != num_uses:
+  Returns:
+    The layer's block.
+  """
+  names = registration_base.describe(params)
+  if not dense_inputs:
+    return _register_embedding_multi(lc, params, inputs, outputs, num_uses,
+                                    approx, reuse)
+  approx = lc.resolve_approximation(params, approx, FULLY_CONNECTED_MULTI)
+  inputs, outputs, num_uses = _normalize_uses(names, inputs, outputs,
+                                              num_uses)
+  for x, y in zip(utils.ensure_sequence(inputs),
+                  utils.ensure_sequence(outputs)):
+    if x.shape.rank != 2:
       raise ValueError(
-          "Layer %s was registered with %d uses and is now registered (as a "
-          "new tower) with %d." % (names, block.num_uses, num_uses))
-    if block.approximation != approx:
+          "Inputs of the multi-use layer %s must be [batch, in] per use or "
+          "folded [num_uses * batch, in], got shape %s." % (names, x.shape))
+    dense_registration.check_dense_shapes(params, x, y)
+  _check_outputs_depend_on_params(params, outputs)
+  has_bias = isinstance(params, (list, tuple))
+  block = FULLY_CONNECTED_MULTI.blocks[approx](lc, has_bias, num_uses)
+  block = lc.register_block(params, block, reuse=reuse)
+  if block.num_uses != num_uses:
+    raise ValueError(
+        "Layer %s was registered with %d uses and is now registered (as a "
+        "new tower) with %d." % (names, block.num_uses, num_uses))
+  if block.approximation != approx:
+    raise ValueError(
+        "Layer %s was registered with approximation %s and is now "
+        "registered (as a new tower) with %s." %
+        (names, block.approximation, approx))
+  block.register_additional_tower(inputs, outputs)
+  registration_base.set_block_params(block, params)
+  # A folded registration is one op of the graph.
+  lc.record_uses(params, len(inputs) if isinstance(inputs, tuple) else 1)
+  return block
+
+
+
+
+def _register_embedding_multi(lc, params, inputs, outputs, num_uses, approx,
+                              reuse):
+  """register_fully_connected_multi(..., dense_inputs=False)."""
+  params = embedding_registration.check_embedding_params(params)
+  name = registration_base.describe(params)
+  if approx is None:
+    approx = (lc.linked_approximation(params) or
+              lc.default_approximation("fully_connected_multi"))
+  if approx not in embedding_registration.EMBEDDING_MULTI.blocks:
+    raise ValueError(
+        "Multi-use embedding %s supports approximation 'kron_indep' only, "
+        "got %r." % (name, approx))
+  inputs, outputs, num_uses = _normalize_uses(name, inputs, outputs, num_uses)
+  for ids, out in zip(utils.ensure_sequence(inputs),
+                      utils.ensure_sequence(outputs)):
+    embedding_registration.check_embedding_shapes(params, ids, out)
+    if out.shape.rank != 2:
       raise ValueError(
-          "Layer %s was registered with approximation %s and is now "
-          "registered (as a new tower) with %s." %
-          (names, block.approximation, approx))
-    block.register_additional_tower(inputs, outputs)
-    self._block_params_set(block, params)
-    # A folded registration is one op of the graph.
-    self._add_uses(params, len(inputs) if isinstance(inputs, tuple) else 1)
-    return block
+          "Outputs of the multi-use embedding %s must be [batch, %s] per "
+          "use (or folded [num_uses * batch, %s]), got %s." %
+          (name, params.shape[1], params.shape[1], out.shape))
+  _check_outputs_depend_on_params(params, outputs)
+  block = embedding_registration.EMBEDDING_MULTI.blocks[approx](
+      lc, int(params.shape[0]), num_uses)
+  block = lc.register_block(params, block, reuse=reuse)
+  if block.num_uses != num_uses:
+    raise ValueError(
+        "Embedding %s was registered with %d uses and is now registered (as "
+        "a new tower) with %d." % (name, block.num_uses, num_uses))
+  block.register_additional_tower(inputs, outputs)
+  registration_base.set_block_params(block, params)
+  # A folded registration is one op of the graph.
+  lc.record_uses(params, len(inputs) if isinstance(inputs, tuple) else 1)
+  return block
 
 
 def _check_num_uses(names, num_uses):

@@ -1,9 +1,8 @@
-"""Registration of scale-and-shift (normalization affine) parameters on the LayerCollection.
-
-The mixin's methods run on a `LayerCollection` and use its core helpers:
-`self._resolve_approx(params, approx, kind, table)`,
-`self.register_block(params, block, reuse)`, `self._set_default(kind, value,
-table)`.
+"""Registration of scale-and-shift (normalization affine) parameters on a
+LayerCollection: the family's declaration (`FAMILY`) and its registration
+function, which LayerCollection.register_scale_and_shift calls with the
+collection `lc` first (its registry interface: `lc.resolve_approximation`,
+`lc.register_block`, `lc.record_uses`).
 
 `register_scale_and_shift(params, inputs, outputs)` registers
 outputs = inputs * scale (+ shift) with `params` = `scale` or
@@ -18,64 +17,65 @@ full rank must have a leading 1 (it cannot differ per example).
 from kfac.python.ops.layers.base import registration as registration_base
 from kfac.python.ops.tensors import utils
 
-_KIND = "scale_and_shift"
+
+def _block(name):
+  # The blocks module is imported when a block is made.
+  def make(lc, params):
+    from kfac.python.ops.layers.scale_shift import blocks as scale_shift_blocks  # pylint: disable=g-import-not-at-top
+    return getattr(scale_shift_blocks, name)(lc, params)
+  return make
 
 
-def _approx_to_block():
-  from kfac.python.ops.layers.scale_shift import blocks as scale_shift_blocks  # pylint: disable=g-import-not-at-top
-  return {
-      "full": scale_shift_blocks.ScaleAndShiftFullFB,
-      "diagonal": scale_shift_blocks.ScaleAndShiftDiagonalFB,
-      "per_channel": scale_shift_blocks.ScaleAndShiftPerChannelFB,
-  }
+SCALE_AND_SHIFT = registration_base.LayerKind(
+    name="scale_and_shift", label="scale and shift", default="full",
+    blocks={
+        "full": _block("ScaleAndShiftFullFB"),
+        "diagonal": _block("ScaleAndShiftDiagonalFB"),
+        "per_channel": _block("ScaleAndShiftPerChannelFB"),
+    },
+    settable=True)
+
+FAMILY = registration_base.LayerFamily(
+    name="scale_shift", kinds=(SCALE_AND_SHIFT,),
+    params="scale, or (scale, shift)",
+    methods=("register_scale_and_shift",))
 
 
-class ScaleShiftRegistrationMixin:
-  """LayerCollection methods; see the module docstring."""
+def register_scale_and_shift(lc, params, inputs, outputs, approx=None,
+                             reuse=registration_base.VARIABLE_SCOPE):
+  """Registers outputs = inputs * scale (+ shift).
 
-  def register_scale_and_shift(self, params, inputs, outputs, approx=None,
-                               reuse=registration_base.VARIABLE_SCOPE):
-    """Registers outputs = inputs * scale (+ shift).
+  Args:
+    params: `scale`, or a tuple `(scale, shift)` (tf.Variables).
+    inputs: Tensor [batch, ...], the normalized inputs.
+    outputs: Tensor shaped like `inputs`.
+    approx: "full" (the default scale-and-shift approximation unless
+      changed): the exact Fisher block of the parameters' per-example
+      gradients; "diagonal": its diagonal; or "per_channel": its [2, 2]
+      blocks pairing each scale entry with its shift entry (scale and
+      shift of one shape), the couplings between channels dropped.
+    reuse: True adds a tower to an existing registration of `params`.
 
-    Args:
-      params: `scale`, or a tuple `(scale, shift)` (tf.Variables).
-      inputs: Tensor [batch, ...], the normalized inputs.
-      outputs: Tensor shaped like `inputs`.
-      approx: "full" (the default scale-and-shift approximation unless
-        changed): the exact Fisher block of the parameters' per-example
-        gradients; "diagonal": its diagonal; or "per_channel": its [2, 2]
-        blocks pairing each scale entry with its shift entry (scale and
-        shift of one shape), the couplings between channels dropped.
-      reuse: True adds a tower to an existing registration of `params`.
-
-    Returns:
-      The `ScaleAndShiftFullFB`, `ScaleAndShiftDiagonalFB` or
-      `ScaleAndShiftPerChannelFB` block.
-    """
-    table = _approx_to_block()
-    _check_scale_shift(params, inputs, outputs)
-    approx = self._resolve_approx(params, approx, _KIND, table)
-    seq = utils.ensure_sequence(params)
-    if (approx == "per_channel" and len(seq) == 2 and
-        tuple(seq[0].shape) != tuple(seq[1].shape)):
-      raise ValueError(
-          "register_scale_and_shift(approx='per_channel') pairs each scale "
-          "entry with its shift entry: scale %s has shape %s, shift %s has "
-          "shape %s." % (seq[0].name, tuple(seq[0].shape), seq[1].name,
-                         tuple(seq[1].shape)))
-    block = table[approx](self, params)
-    block = self.register_block(params, block, reuse=reuse)
-    block.register_additional_tower(inputs, outputs)
-    self._block_params_set(block, params)
-    self._add_uses(params, 1)
-    return block
-
-  def set_default_scale_and_shift_approximation(self, value):
-    self._set_default(_KIND, value, _approx_to_block())
-
-  @property
-  def default_scale_and_shift_approximation(self):
-    return self._defaults[_KIND]
+  Returns:
+    The `ScaleAndShiftFullFB`, `ScaleAndShiftDiagonalFB` or
+    `ScaleAndShiftPerChannelFB` block.
+  """
+  _check_scale_shift(params, inputs, outputs)
+  approx = lc.resolve_approximation(params, approx, SCALE_AND_SHIFT)
+  seq = utils.ensure_sequence(params)
+  if (approx == "per_channel" and len(seq) == 2 and
+      tuple(seq[0].shape) != tuple(seq[1].shape)):
+    raise ValueError(
+        "register_scale_and_shift(approx='per_channel') pairs each scale "
+        "entry with its shift entry: scale %s has shape %s, shift %s has "
+        "shape %s." % (seq[0].name, tuple(seq[0].shape), seq[1].name,
+                       tuple(seq[1].shape)))
+  block = SCALE_AND_SHIFT.blocks[approx](lc, params)
+  block = lc.register_block(params, block, reuse=reuse)
+  block.register_additional_tower(inputs, outputs)
+  registration_base.set_block_params(block, params)
+  lc.record_uses(params, 1)
+  return block
 
 
 def _check_scale_shift(params, inputs, outputs):
