@@ -69,7 +69,7 @@ class KfacEngine:
           "kfac.PeriodicInvCovUpdateKfacOpt.")
     for one_loss in ([] if loss is None else tf.nest.flatten(loss)):
       loss_registration.loss_spec(one_loss)  # unsupported losses fail now
-    self._learning_rate_variable = learning_rate_variable
+    self.learning_rate_variable = learning_rate_variable
     self.options = dict(kfac_kwargs.pop("registration_options", None) or {})
     self.kwargs = dict(kfac_kwargs)
     self.loss = loss
@@ -200,7 +200,7 @@ class KfacEngine:
   # -------------------------------------------------------------- hyperparameters
   def learning_rate_tensor(self):
     return tf.convert_to_tensor(
-        keras_flavor.unwrap_variable(self._learning_rate_variable()))
+        keras_flavor.unwrap_variable(self.learning_rate_variable()))
 
   @property
   def mutable_hyperparameters(self):

@@ -92,7 +92,7 @@ class KerasStep:
       y_pred = model(x, training=True)
       return model.compute_loss(x=x, y=y, y_pred=y_pred,
                                 sample_weight=sample_weight)
-    return self._engine.stateless(loss)
+    return self._stateless(loss)
 
   def _stateless(self, compute):
     """compute() -- a training-mode call of the model, unrecorded -- run
@@ -134,7 +134,7 @@ class KerasStep:
     x_rows = tf.nest.map_structure(head, x)
     y_rows = None if y is None else tf.nest.map_structure(head, y)
     model = self._engine.model
-    y_pred = self._engine.stateless(lambda: model(x_rows, training=True))
+    y_pred = self._stateless(lambda: model(x_rows, training=True))
     loss, weights = self.losses()
     lc = lc_lib.LayerCollection()
     keras_utils.register_loss_pairs(
@@ -276,7 +276,7 @@ class KerasStep:
       # Show the learning rate the quadratic model chose.
       with tf.control_dependencies([op]):
         lr = keras_flavor.unwrap_variable(
-            self._engine._learning_rate_variable())
+            self._engine.learning_rate_variable())
         op = tf.group(lr.assign(tf.cast(self._engine.core.learning_rate,
                                         lr.dtype), read_value=False))
     unused = self._engine.state.unused_restored_keys
