@@ -6,30 +6,38 @@ import tf_keras.
 In a TF1 graph (v2 behaviour disabled, or inside a tf.compat.v1.Graph)
 tf_keras builds models with its v1 engine, and `kfac.keras.optimizers.Kfac`
 is kfac 0.2.x's graph-mode class, keras/graph_optimizer.py's `Kfac`
-(classes.kfac_class chooses). Why two classes and not one serving both
-engines (measured on tf_keras 2.21):
+(classes.kfac_class chooses where `Kfac` is looked up). Why two classes,
+and not one serving both engines (measured with tf_keras 2.21):
 
-* the v1 engine trains through `optimizer.get_updates(loss, params)` and
-  takes only OptimizerV2 optimizers (`tf_keras.optimizers.legacy.
-  Optimizer`): `optimizers.get` converts any other, by class name, to a
-  legacy built-in when v2 behaviour is off, which fails for Kfac; the
-  graph-mode contract (kfac_compat tests) is an OptimizerV2 with its
-  `_hyper` hyperparameters, `weights` and `get_weights` (HDF5 saving);
-* TF2's `fit` accepts an OptimizerV2 too, but this class is a
-  `tf_keras.optimizers.Optimizer` (the TF2 contract: its checkpoints and
-  `.keras` files hold that base class's variables, and tf_keras picks the
-  loss-scale wrapper of mixed_float16, LossScaleOptimizerV3, and the
-  SavedModel revival by that base class);
-* one class deriving from both bases would be an OptimizerV2 in TF2 too:
-  tf_keras would then wrap it in the OptimizerV2 LossScaleOptimizer (other
-  checkpoint layout) and revive it as an OptimizerV2, and every method
-  both bases define (iterations, variables, apply_gradients, minimize,
-  get_config, set_weights, learning_rate) would need a switch by engine.
+* the v1 engine trains through `optimizer.get_updates(loss, params)`,
+  which only the OptimizerV2 base (`tf_keras.optimizers.legacy.Optimizer`)
+  has: given a `tf_keras.optimizers.Optimizer` inside a tf.compat.v1.Graph
+  it fails with "'SGD' object has no attribute 'get_updates'", and with v2
+  behaviour disabled `optimizers.get` converts such an optimizer to a
+  built-in legacy one by its class name (none for Kfac). The graph-mode
+  contract (keras_compat_optimizer_test) is an OptimizerV2 (its `_hyper`
+  hyperparameters, `weights`, `get_weights` for HDF5 files);
+* TF2's `fit` takes an OptimizerV2 too, but the TF2 contract is a
+  `tf_keras.optimizers.Optimizer` (isinstance, as the tests check; its
+  checkpoints and `.keras` files hold that base's variables);
+* one class deriving from both bases (a consistent MRO: Optimizer,
+  _BaseOptimizer, AutoTrackable, OptimizerV2, Trackable) is an OptimizerV2
+  in TF2 as well: tf_keras then wraps it for mixed_float16 in the
+  OptimizerV2 LossScaleOptimizer instead of LossScaleOptimizerV3 (another
+  checkpoint layout), revives it from a SavedModel as an OptimizerV2,
+  routes every attribute lookup through OptimizerV2.__getattribute__ (a
+  missing attribute then reports "no attribute '_hyper'"), and the 12
+  names both bases define (__init__, iterations, variables,
+  apply_gradients, minimize, get_config, from_config, set_weights,
+  _serialize_hyperparameter, ...) would each need a switch by engine.
 
-So each engine has its own class, both defined here in source, with no
-metaclass and no `__new__`: in a TF1 graph `kfac.keras.optimizers.Kfac`
-(looked up there) is the graph-mode class, and `isinstance(opt,
-kfac.keras.optimizers.Kfac)` holds for the optimizer built in the same mode.
+So each engine has its own class, both defined in source, with no
+metaclass and no `__new__`: `kfac.keras.optimizers.Kfac` looked up in a TF1
+graph is the graph-mode class, and `isinstance(opt, kfac.keras.optimizers.Kfac)`
+holds for an optimizer built in the same mode. This class refuses a TF1
+graph with a message naming the graph-mode class; configs that tf_keras's
+loaders read there ("kfac>Kfac" is registered to this class) build the
+graph-mode class (from_config).
 """
 
 import tensorflow as tf
@@ -85,3 +93,12 @@ class Kfac(base.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pylint: di
 
   def update_step(self, gradient, variable):
     raise NotImplementedError("Kfac updates all variables at once.")
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    if keras_flavor.v1_graph_mode():
+      # A config read by tf_keras's loaders in a TF1 graph ("kfac>Kfac" is
+      # registered to this class): the optimizer of the v1 engine there.
+      from kfac.python.keras import graph_optimizer  # pylint: disable=g-import-not-at-top
+      return graph_optimizer.Kfac.from_config(config, custom_objects)
+    return super().from_config(config, custom_objects)
