@@ -41,7 +41,7 @@ BatchNorm statistics are updated once per step as usual and the seed
 states advance once per step, as without the rule. In `fit` (Keras 3, one
 replica) the loss before the update is not evaluated again: the train
 step's own `compute_loss` value is that loss (step.py,
-_kfac_training_loss). Not replayed: random
+KerasStep._training_loss). Not replayed: random
 ops called with seed=None (Keras 3's global seed generator) and tf_keras's
 default dropout (stateful ops): there the evaluations draw other masks
 than the training pass and their noise enters rho. The batch is the one `fit` passes

@@ -296,7 +296,8 @@ class KerasStep:
     if kfac_utils.in_xla_context():
       return
     step = tf.cast(iteration, tf.int64)
-    write_scalar("kfac/learning_rate", self._engine.learning_rate_tensor(), step)
+    write_scalar("kfac/learning_rate", self._engine.learning_rate_tensor(),
+                 step)
     write_scalar("kfac/skipped_steps", self._engine.core.skipped_steps, step)
     for name in ("damping", "momentum"):
       var = self._engine.hyper.get(name)
