@@ -36,6 +36,7 @@ class KfacOptimizerBase:
     return self._kfac_engine.step.apply(grads, variables, iteration,
                                         self._use_weight_decay)
 
+  # (Read by weight_decay_test; build_cost_test wraps _kfac_apply.)
   def _kfac_lr_tensor(self):
     return self._kfac_engine.learning_rate_tensor()
 
