@@ -41,7 +41,7 @@ BatchNorm statistics are updated once per step as usual and the seed
 states advance once per step, as without the rule. In `fit` (Keras 3, one
 replica) the loss before the update is not evaluated again: the train
 step's own `compute_loss` value is that loss (step.py,
-_kfac_training_loss). Not replayed: random
+KerasStep._training_loss). Not replayed: random
 ops called with seed=None (Keras 3's global seed generator) and tf_keras's
 default dropout (stateful ops): there the evaluations draw other masks
 than the training pass and their noise enters rho. The batch is the one `fit` passes
@@ -49,13 +49,18 @@ to `compute_loss`; a custom loop calls `optimizer.set_train_batch((x, y))`
 before `apply_gradients`. After each step the learning rate the model chose
 is written to `optimizer.learning_rate`.
 
-Both Keras flavours: `Kfac` subclasses the optimizer base class of the Keras
-that `tf.keras` resolves to (Keras 3, or tf_keras with
-TF_USE_LEGACY_KERAS=1).
+Both Keras flavours: `Kfac` is the class of the Keras that `tf.keras`
+resolves to (Keras 3, or tf_keras with TF_USE_LEGACY_KERAS=1), and, for
+tf_keras in a TF1 graph, kfac 0.2.x's graph-mode class of its v1 engine
+(keras/graph_optimizer.py; legacy_keras.py says why it is a class of its
+own). Each is defined in source in a module that imports its Keras.
 
-Modules: arguments (what Kfac accepts; the default recipe's values), mixin
-(KfacKerasMixin: set-up, model, hyperparameters), step (the per-trace
+Modules: arguments (what Kfac accepts; the default recipe's values), engine
+(KfacEngine, the K-FAC part a Keras Kfac holds: set-up, model,
+hyperparameter variables), step (KerasStep, the engine's per-trace
 registration and K-FAC update), losses (compiled vs given losses), config
-(get_config / from_config, saved variables), classes (the Keras 3 and
-tf_keras Kfac classes; `Kfac`).
+(get_config / from_config, saved variables), base (KfacOptimizerBase: what
+the Keras classes show, delegated to their engine), keras3 and
+legacy_keras (the Keras 3 and TF2 tf_keras Kfac classes), classes
+(kfac_class: which class; `Kfac`).
 """

@@ -1,6 +1,7 @@
 """Saving the Keras Kfac optimizer: its config (get_config / from_config,
 JSON-able) and its variables in `.keras` files (save_own_variables /
-load_own_variables: the Keras variables and every K-FAC state variable)."""
+load_own_variables: the Keras variables and every K-FAC state variable),
+read from the engine (engine.KfacEngine)."""
 
 import numpy as np
 
@@ -10,65 +11,63 @@ from kfac.python.keras import layer_registration
 STATE_PREFIX = "kfac_state:"
 
 
-class KfacConfigMixin:
-  """Config and saved variables of the Keras Kfac optimizer (a part of
-  KfacKerasMixin)."""
+def get_config(engine, name, learning_rate):
+  """The Keras Kfac optimizer's config (JSON-able; the arguments that
+  rebuild it, with the hyperparameters' current values)."""
+  config = {
+      "learning_rate": (None if engine.adaptive and not engine.fixed_rate
+                        else learning_rate),
+      "damping": float(engine.hyper["damping"].numpy()),
+      "adaptive": engine.adaptive,
+      "loss": serialize_loss(engine.loss),
+      "loss_weights": engine.loss_weights,
+      "fisher_approx": encode_layer_keys(engine.fisher_approx),
+      "seed": engine.seed,
+      "name": name,
+  }
+  kwargs = dict(engine.kwargs)
+  for hp, var in engine.hyper.items():
+    if hp != "damping":
+      kwargs[hp] = float(var.numpy())
+  if engine.options:
+    kwargs["registration_options"] = encode_layer_keys(engine.options)
+  config.update(kwargs)
+  return config
 
-  def _kfac_config(self, learning_rate):
-    config = {
-        "learning_rate": (None if self._kfac_adaptive and
-                          not self._kfac_fixed_rate else learning_rate),
-        "damping": float(self._kfac_hyper["damping"].numpy()),
-        "adaptive": self._kfac_adaptive,
-        "loss": serialize_loss(self._kfac_loss),
-        "loss_weights": self._kfac_loss_weights,
-        "fisher_approx": encode_layer_keys(self._kfac_fisher_approx),
-        "seed": self._kfac_seed,
-        "name": self.name,
-    }
-    kwargs = dict(self._kfac_kwargs)
-    for name, var in self._kfac_hyper.items():
-      if name != "damping":
-        kwargs[name] = float(var.numpy())
-    if self._kfac_options:
-      kwargs["registration_options"] = encode_layer_keys(self._kfac_options)
-    config.update(kwargs)
-    return config
 
-  # ------------------------------------------------ Keras's saving API
-  def get_config(self):
-    return self._kfac_config(float(self._kfac_lr_tensor().numpy()))
+def arguments_from_config(config):
+  """Kfac's keyword arguments from a config of get_config."""
+  config = dict(config)
+  config["loss"] = deserialize_loss(config.get("loss"))
+  return config
 
-  @classmethod
-  def from_config(cls, config, custom_objects=None):
-    del custom_objects
-    config = dict(config)
-    config["loss"] = deserialize_loss(config.get("loss"))
-    return cls(**config)
 
-  def save_own_variables(self, store):
-    """The Keras variables by index (as Keras does), and every K-FAC state
-    variable under "kfac_state:<its key>"."""
-    for i, variable in enumerate(self.variables):
-      store[str(i)] = variable.numpy()
-    for key, value in self._kfac_state.numpy_state().items():
-      store[STATE_PREFIX + encode(key)] = value
+def save_variables(variables, state, store):
+  """The Keras variables by index (as Keras does), and every K-FAC state
+  variable under "kfac_state:<its key>"."""
+  for i, variable in enumerate(variables):
+    store[str(i)] = variable.numpy()
+  for key, value in state.numpy_state().items():
+    store[STATE_PREFIX + encode(key)] = value
 
-  def load_own_variables(self, store):
-    values, rest = {}, []
-    for key in store.keys():
-      if key.startswith(STATE_PREFIX):
-        values[decode(key[len(STATE_PREFIX):])] = np.asarray(store[key])
-      else:
-        rest.append(key)
-    if len(rest) != len(self.variables):
-      raise ValueError(
-          "The saved optimizer has %d Keras variables but Kfac %r has %d: "
-          "was it saved with different Kfac arguments?" %
-          (len(rest), self.name, len(self.variables)))
-    for i, variable in enumerate(self.variables):
-      variable.assign(store[str(i)])
-    self._kfac_state.restore(values)
+
+def load_variables(variables, state, store, name):
+  """Sets what save_variables stored (`name`: the optimizer's, for the
+  error)."""
+  values, rest = {}, []
+  for key in store.keys():
+    if key.startswith(STATE_PREFIX):
+      values[decode(key[len(STATE_PREFIX):])] = np.asarray(store[key])
+    else:
+      rest.append(key)
+  if len(rest) != len(variables):
+    raise ValueError(
+        "The saved optimizer has %d Keras variables but Kfac %r has %d: "
+        "was it saved with different Kfac arguments?" %
+        (len(rest), name, len(variables)))
+  for i, variable in enumerate(variables):
+    variable.assign(store[str(i)])
+  state.restore(values)
 
 
 def encode_layer_keys(mapping):

@@ -2,7 +2,7 @@
 model's LayerCollection for this trace (registered from the layers the
 forward pass recorded, with the compiled or given losses), the batch and
 loss the damping rule evaluates, the core K-FAC update, and the TensorBoard
-scalars after it."""
+scalars after it: KerasStep, a part of the engine (engine.KfacEngine)."""
 
 import contextlib
 import warnings
@@ -20,29 +20,36 @@ from kfac.python.ops.distribute import collective
 from kfac.python.ops.tensors import utils as kfac_utils
 
 
-class KfacStepMixin:
-  """The per-trace work of the Keras Kfac optimizer (a part of
-  KfacKerasMixin)."""
+class KerasStep:
+  """The per-trace work of the Keras Kfac optimizer: `apply` builds one
+  K-FAC step in the traced train step; `loss_fn` is the damping rule's
+  loss, `decays` the weight decay's mask (both given to the core)."""
+
+  def __init__(self, engine):
+    self._engine = engine
+    self._warned = set()
+    self._step_batch = None  # (graph, batch) given by set_train_batch
+    self._decay_choice = {}  # Keras variable ref -> decays (this trace)
 
   # -------------------------------------------------------------- adaptive
   def set_train_batch(self, train_batch):
     """The batch (x, y) or (x, y, sample_weight) the damping rule evaluates
     (adaptive=True or calibrate_damping=True) in a custom tf.function loop:
     call it in the step, before apply_gradients. model.fit needs no call."""
-    self._kfac_step_batch = (current_graph(), train_batch)
+    self._step_batch = (current_graph(), train_batch)
 
-  def _kfac_batch(self):
+  def _batch(self):
     """(x, y, sample_weight) of this step for the damping rule."""
-    pending = getattr(self, "_kfac_step_batch", None)
+    pending = self._step_batch
     batch = None
     if pending is not None and pending[0] is current_graph():
       batch = pending[1]
-    elif self._kfac_train_batch is not None:
-      batch = self._kfac_train_batch
+    elif self._engine.train_batch is not None:
+      batch = self._engine.train_batch
     if callable(batch):
       batch = batch()
     if batch is None:
-      recorded = layer_recorder.recorder_for(self._kfac_model).loss_args()
+      recorded = layer_recorder.recorder_for(self._engine.model).loss_args()
       if recorded is None or recorded.get("x") is None:
         raise ValueError(
             "Kfac's damping rule (adaptive=True / calibrate_damping=True) "
@@ -57,42 +64,42 @@ class KfacStepMixin:
                        "got %d elements." % len(batch))
     return batch if len(batch) == 3 else batch + (None,)
 
-  def _kfac_training_loss(self, batch, replicas):
+  def _training_loss(self, batch, replicas):
     """The training forward pass's own loss (model.compute_loss in this
-    trace) when it is _kfac_loss_fn(batch) before the update: computed on
+    trace) when it is loss_fn(batch) before the update: computed on
     this very batch, Keras 3 (whose random layers draw from seed states,
-    which _kfac_loss_fn replays: same masks), one replica; else None, and
-    the damping rule evaluates _kfac_loss_fn(batch) before the update.
+    which loss_fn replays: same masks), one replica; else None, and
+    the damping rule evaluates loss_fn(batch) before the update.
     Saves a forward pass of the model, in the graph and on each step that
     evaluates the loss (adaptation and burn-in steps)."""
     if replicas > 1 or keras_flavor.legacy_keras_active():
       return None  # tf_keras's default dropout is not replayed
-    recorded = layer_recorder.recorder_for(self._kfac_model).loss_args()
+    recorded = layer_recorder.recorder_for(self._engine.model).loss_args()
     if not recorded or recorded.get("loss") is None:
       return None
     same = all(recorded.get(name) is value for name, value in zip(
         ("x", "y", "sample_weight"), batch))
     return recorded["loss"] if same else None
 
-  def _kfac_loss_fn(self, batch):
+  def loss_fn(self, batch):
     """The training loss on `batch` with the dropout masks of the step's
     training forward pass, leaving the model's state as it was (see the
     package docstring)."""
     x, y, sample_weight = batch
-    model = self._kfac_model
+    model = self._engine.model
 
     def loss():
       y_pred = model(x, training=True)
       return model.compute_loss(x=x, y=y, y_pred=y_pred,
                                 sample_weight=sample_weight)
-    return self._kfac_stateless(loss)
+    return self._stateless(loss)
 
-  def _kfac_stateless(self, compute):
+  def _stateless(self, compute):
     """compute() -- a training-mode call of the model, unrecorded -- run
     with the random layers' seed states of the step's training forward pass
     and the model's state restored after it; its output (a structure of
     tensors) once restored."""
-    model = self._kfac_model
+    model = self._engine.model
     recorder = layer_recorder.recorder_for(model)
     state = keras_flavor.state_variables(model)
     known = {v.ref() for v in state}
@@ -112,40 +119,40 @@ class KfacStepMixin:
     with tf.control_dependencies(restored):
       return tf.nest.map_structure(tf.identity, out)
 
-  def _kfac_qmodel_collection(self):
+  def _qmodel_collection(self):
     """A LayerCollection with the model's losses on the first
     ceil(qmodel_batch_fraction * batch) examples of the step's batch, from
     an extra training-mode forward pass of those rows (state left as it
     was): the quadratic model's exact curvature products are taken there
     (the core's qmodel_layer_collection)."""
-    x, y, _ = self._kfac_batch()
+    x, y, _ = self._batch()
     first = tf.nest.flatten(x)[0]
     rows = tf.cast(tf.math.ceil(
-        self._kfac_qmodel_fraction *
+        self._engine.qmodel_fraction *
         tf.cast(tf.shape(first)[0], tf.float64)), tf.int32)
     head = lambda t: t[:rows]  # pylint: disable=unnecessary-lambda-assignment
     x_rows = tf.nest.map_structure(head, x)
     y_rows = None if y is None else tf.nest.map_structure(head, y)
-    model = self._kfac_model
-    y_pred = self._kfac_stateless(lambda: model(x_rows, training=True))
-    loss, weights = self._kfac_losses()
+    model = self._engine.model
+    y_pred = self._stateless(lambda: model(x_rows, training=True))
+    loss, weights = self.losses()
     lc = lc_lib.LayerCollection()
     keras_utils.register_loss_pairs(
         lc, keras_utils.loss_pairs(model, loss, weights, y_pred), y_rows,
-        average_over_outputs=self._kfac_adaptive)
+        average_over_outputs=self._engine.adaptive)
     return lc
 
   # -------------------------------------------------------------- the step
-  def _kfac_warn(self, key, message):
-    if key not in self._kfac_warned:
-      self._kfac_warned.add(key)
+  def _warn(self, key, message):
+    if key not in self._warned:
+      self._warned.add(key)
       warnings.warn(message, UserWarning, stacklevel=4)
 
-  def _kfac_losses(self):
+  def losses(self):
     """(loss, loss_weights) for the registration: those given to Kfac, or
     else those of model.compile. Given both ways, they must agree."""
-    compiled, compiled_weights = losses.compiled_loss(self._kfac_model)
-    loss, weights = self._kfac_loss, self._kfac_loss_weights
+    compiled, compiled_weights = losses.compiled_loss(self._engine.model)
+    loss, weights = self._engine.loss, self._engine.loss_weights
     if loss is None:
       loss = compiled
     elif compiled is not None and not losses.same_losses(loss, compiled):
@@ -164,7 +171,7 @@ class KfacStepMixin:
           "them from there." % (weights, compiled_weights))
     return loss, weights
 
-  def _kfac_apply(self, grads, variables, iteration):
+  def apply(self, grads, variables, iteration, use_weight_decay):
     """One K-FAC step for Keras (grads, variables); returns the op."""
     if tf.executing_eagerly():
       raise RuntimeError(
@@ -172,13 +179,13 @@ class KfacStepMixin:
           "model.fit with run_eagerly=True, or an eager custom loop, is not "
           "supported. Trace the step with tf.function.")
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1 and self._kfac_adaptive:
+    if replicas > 1 and self._engine.adaptive:
       raise NotImplementedError(
           "Kfac(adaptive=True) under a tf.distribute strategy with %d "
           "replicas is not supported yet (it writes the chosen learning rate "
           "into the optimizer's mirrored hyperparameter inside the step). "
           "Use a fixed learning rate, or one replica." % replicas)
-    if self._kfac_model is None:
+    if self._engine.model is None:
       raise ValueError(
           "Kfac has no model: create it with Kfac(..., model=model), call "
           "optimizer.register_model(model), or load a saved model with "
@@ -186,10 +193,10 @@ class KfacStepMixin:
     # Keras's LossScaleOptimizer (mixed_float16) applies this optimizer in
     # a conditional branch: the statistics' sampled backward pass must be
     # built in the graph of the forward pass, which encloses the branch.
-    forward = keras_utils.forward_graph(self._kfac_model)
+    forward = keras_utils.forward_graph(self._engine.model)
     current = tf.compat.v1.get_default_graph()
     in_branch = forward is not None and forward is not current
-    core = self._kfac_core
+    core = self._engine.core
     if in_branch and (core._momentum_type.startswith("qmodel") or  # pylint: disable=protected-access
                       core._adapt_damping or core.calibrate_damping):  # pylint: disable=protected-access
       raise NotImplementedError(
@@ -201,97 +208,106 @@ class KfacStepMixin:
           "mixed_bfloat16 policy, float32, or a fixed learning rate and "
           "damping.")
     with forward.as_default() if in_branch else contextlib.nullcontext():
-      lc = self._kfac_register(variables, replicas)
-      if self._kfac_adaptive or self._kfac_core.calibrate_damping:
-        batch = self._kfac_batch()
-        self._kfac_core.set_train_batch(batch)
-        self._kfac_core.set_train_batch_loss(
-            self._kfac_training_loss(batch, replicas))
-      if self._kfac_qmodel_fraction is not None:
-        self._kfac_core.set_qmodel_layer_collection(
-            self._kfac_qmodel_collection())
+      lc = self._register(variables, replicas)
+      if self._engine.adaptive or self._engine.core.calibrate_damping:
+        batch = self._batch()
+        self._engine.core.set_train_batch(batch)
+        self._engine.core.set_train_batch_loss(
+            self._training_loss(batch, replicas))
+      if self._engine.qmodel_fraction is not None:
+        self._engine.core.set_qmodel_layer_collection(
+            self._qmodel_collection())
       if in_branch:  # the sources and their gradients, built there
-        self._kfac_core.set_layer_collection(lc)
-        self._kfac_core.estimator.instantiate_variables()
+        self._engine.core.set_layer_collection(lc)
+        self._engine.core.estimator.instantiate_variables()
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
-    if self.weight_decay is not None:
+    if self._engine.hyper.get("weight_decay") is not None:
       # Keras's exclude_from_weight_decay, read on the Keras variables.
-      # (Not a tracked attribute: Keras would track the dict.)
-      object.__setattr__(self, "_kfac_decay_choice", {
-          t.ref(): bool(self._use_weight_decay(v))
-          for v, t in zip(variables, tf_vars)})
-    op = self._kfac_core.apply_gradients(list(zip(grads, tf_vars)),
+      self._decay_choice = {t.ref(): bool(use_weight_decay(v))
+                            for v, t in zip(variables, tf_vars)}
+    op = self._engine.core.apply_gradients(list(zip(grads, tf_vars)),
                                          layer_collection=lc)
-    return self._kfac_after_apply(op, iteration)
+    return self._after_apply(op, iteration)
 
-  def _kfac_register(self, variables, replicas):
+  def decays(self, variable):
+    """Whether the core's `variable` decays: not excluded by
+    exclude_from_weight_decay (Keras's own rule, on the Keras variable)."""
+    decays = self._decay_choice.get(variable.ref())
+    if decays is None:
+      raise ValueError("Kfac's weight decay got the variable %s, which is "
+                       "not one of the step's." % variable.name)
+    return decays
+
+  def _register(self, variables, replicas):
     """The model's LayerCollection for this trace."""
     # The samples of a step are drawn from (seed, steps taken): a step the
     # non-finite guard skipped (which Keras counts in `iterations`) does
     # not shift the samples of the steps after it.
     # The seed is K-FAC state too: a checkpoint restores it.
-    seed_var = self._kfac_state.get_or_create(
-        "keras_sample_seed", [], tf.int64, initial_value=self._kfac_seed)
+    seed_var = self._engine.state.get_or_create(
+        "keras_sample_seed", [], tf.int64, initial_value=self._engine.seed)
     seed = tf.stack([tf.convert_to_tensor(seed_var),
-                     self._kfac_core.steps_taken()])
+                     self._engine.core.steps_taken()])
     if replicas > 1:  # each replica samples its own targets
       seed = seed + tf.stack([
           tf.cast(collective.replica_id(), tf.int64) * 1000003,
           tf.constant(0, tf.int64)])
-    keras_utils.name_state_by_structure(self._kfac_model)
+    keras_utils.name_state_by_structure(self._engine.model)
     lc, rows, loss_lines = keras_utils.register_model_rows(
-        self._kfac_model, *self._kfac_losses(),
-        fisher_approx=self._kfac_fisher_approx, seed=seed,
-        variables=variables, warn=self._kfac_warn,
-        registration_options=self._kfac_options,
+        self._engine.model, *self.losses(),
+        fisher_approx=self._engine.fisher_approx, seed=seed,
+        variables=variables, warn=self._warn,
+        registration_options=self._engine.options,
         default_conv_options=(recipe.conv_registration_options()
-                              if self._kfac_adaptive else None),
+                              if self._engine.adaptive else None),
         default_approx=(recipe.keras_default_approx()
-                        if self._kfac_adaptive else None),
+                        if self._engine.adaptive else None),
         # The default recipe was tuned on the Keras loss's own scale; the
         # 0.2.x-style optimizer keeps kfac 0.2.x's coefficients.
-        average_over_outputs=self._kfac_adaptive)
+        average_over_outputs=self._engine.adaptive)
     # Formatted when read (the memory column needs the factors, which the
     # core optimizer makes from the collection).
-    self._kfac_report = (rows, loss_lines, lc)
+    self._engine.report = (rows, loss_lines, lc)
     return lc
 
-  def _kfac_after_apply(self, op, iteration):
+  def _after_apply(self, op, iteration):
     """The learning rate display, warnings and summaries after the step."""
-    if self._kfac_adaptive and not self._kfac_fixed_rate:
+    if self._engine.adaptive and not self._engine.fixed_rate:
       # Show the learning rate the quadratic model chose.
       with tf.control_dependencies([op]):
-        lr = keras_flavor.unwrap_variable(self._learning_rate)
-        op = tf.group(lr.assign(tf.cast(self._kfac_core.learning_rate,
+        lr = keras_flavor.unwrap_variable(
+            self._engine.learning_rate_variable())
+        op = tf.group(lr.assign(tf.cast(self._engine.core.learning_rate,
                                         lr.dtype), read_value=False))
-    unused = self._kfac_state.unused_restored_keys
+    unused = self._engine.state.unused_restored_keys
     if unused:
-      self._kfac_warn("unused_state", (
+      self._warn("unused_state", (
           "kfac: %d restored K-FAC state values match no variable of this "
           "model (e.g. %s); they are not used. K-FAC state is keyed by "
           "variable names: give the layers explicit names when rebuilding a "
           "model in the same process." % (len(unused), unused[0])))
     with tf.control_dependencies([op]):
-      self._kfac_summaries(iteration)
+      self._summaries(iteration)
     return op
 
-  def _kfac_summaries(self, iteration):
+  def _summaries(self, iteration):
     """TensorBoard scalars when a default summary writer is active (a no-op
     otherwise, and inside XLA, which cannot compile summary writes)."""
     if kfac_utils.in_xla_context():
       return
     step = tf.cast(iteration, tf.int64)
-    write_scalar("kfac/learning_rate", self._kfac_lr_tensor(), step)
-    write_scalar("kfac/skipped_steps", self._kfac_core.skipped_steps, step)
+    write_scalar("kfac/learning_rate", self._engine.learning_rate_tensor(),
+                 step)
+    write_scalar("kfac/skipped_steps", self._engine.core.skipped_steps, step)
     for name in ("damping", "momentum"):
-      var = self._kfac_hyper.get(name)
+      var = self._engine.hyper.get(name)
       if var is not None:
         write_scalar("kfac/" + name, var, step)
-    core = self._kfac_core
-    if self._kfac_adaptive:  # (the quadratic model's momentum)
-      if "momentum" not in self._kfac_hyper:
+    core = self._engine.core
+    if self._engine.adaptive:  # (the quadratic model's momentum)
+      if "momentum" not in self._engine.hyper:
         write_scalar("kfac/momentum", core.momentum, step)
-    if self._kfac_adaptive or core.calibrate_damping:
+    if self._engine.adaptive or core.calibrate_damping:
       write_scalar("kfac/rho", core.rho, step)
       write_scalar("kfac/qmodel_change", core.qmodel_change, step)
 
