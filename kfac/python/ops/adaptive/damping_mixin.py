@@ -106,7 +106,7 @@ class AdaptiveDampingMixin:
   # ------------------------------------------------------------ losses
   def _adaptation_step(self):
     counter = tf.convert_to_tensor(self.counter)
-    now = tf.equal(counter % self._adaptation_interval, 0)
+    now = tf.equal(counter % self.config.damping.damping_adaptation_interval, 0)
     # Under several replicas a step's commit is built unconditionally and
     # says whether it applies (not during burn-in): see
     # optimizers/replicated.py.
@@ -191,7 +191,7 @@ class AdaptiveDampingMixin:
     return loss
 
   def _loss_before(self):
-    if self._use_passed_loss:
+    if self.config.damping.use_passed_loss:
       return self._passed_loss_value()
     return tf.convert_to_tensor(self._store.get_or_create(
         "adaptive/loss_before", [], tf.float64))
@@ -208,11 +208,11 @@ class AdaptiveDampingMixin:
     """The damping's floor (float64): min_damping, or with
     relative_min_damping r the larger of it and r * the curvature scale
     (the mean eigenvalue of the K-FAC curvature, recipe/scale.py)."""
-    floor = tf.constant(float(self._min_damping), tf.float64)
-    if self._relative_min_damping is None:
+    floor = tf.constant(float(self.config.damping.min_damping), tf.float64)
+    if self.config.damping.relative_min_damping is None:
       return floor
     curvature = scale.curvature_scale(self._require_estimator().blocks)
-    return tf.maximum(floor, float(self._relative_min_damping) * curvature)
+    return tf.maximum(floor, float(self.config.damping.relative_min_damping) * curvature)
 
   def _apply_rule(self, loss_before, loss_after, model_change, counter,
                   extra_ops=()):
@@ -220,13 +220,13 @@ class AdaptiveDampingMixin:
     rho = damping_adaptation.reduction_ratio(loss_before, loss_after,
                                              model_change)
     new = damping_adaptation.adapted_damping(
-        self._damping, rho, self._adaptation_decay,
-        self._adaptation_interval, self._rho_lower, self._rho_upper,
+        self._damping, rho, self.config.damping.damping_adaptation_decay,
+        self.config.damping.damping_adaptation_interval, self.config.damping.damping_increase_rho_threshold, self.config.damping.damping_decrease_rho_threshold,
         self._damping_floor())
     ops = [self._record("rho").assign(rho),
            self._damping.assign(tf.cast(new, self._damping.dtype))]
     ops.extend(extra_ops)
-    if self._print_logs:
+    if self.config.damping.print_logs:
       ops.append(tf.print("kfac step", counter, "rho", rho, "damping", new,
                           "qmodel_change", model_change, "loss before",
                           loss_before, "after", loss_after))
@@ -235,11 +235,11 @@ class AdaptiveDampingMixin:
   def _adaptation_before_update(self, update):
     """Ops to run before the variables change (see the module docstring)."""
     del update  # the ops only need to run before the variables change
-    if not (self._adapt_damping and self._is_chief):
+    if not (self.config.damping.adapt_damping and self.config.placement.is_chief):
       return []
     ops = []
     adapt_now = self._adaptation_step()
-    if not self._use_passed_loss:
+    if not self.config.damping.use_passed_loss:
       keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
       given = self._given_train_batch_loss()
       if given is not None:  # no evaluation needed
@@ -269,8 +269,8 @@ class AdaptiveDampingMixin:
   def _pre_update_ops(self):
     """[the delayed rule's op of the current graph] (made once per graph
     and replica), or [] when there is no delayed rule."""
-    if not (self._adapt_damping and self._is_chief and
-            not self._update_damping_immediately):
+    if not (self.config.damping.adapt_damping and self.config.placement.is_chief and
+            not self.config.damping.update_damping_immediately):
       return []
     self._check_graph_mode("maybe_pre_update_adapt_damping")
     if (collective.is_distributed() and
@@ -311,7 +311,7 @@ class AdaptiveDampingMixin:
 
   def _adaptation_after_update(self, update, step_op):
     """Runs after `step_op` (the variables have changed)."""
-    if not (self._adapt_damping and self._is_chief):
+    if not (self.config.damping.adapt_damping and self.config.placement.is_chief):
       return step_op
     adapt_now = self._adaptation_step()
     counter = tf.convert_to_tensor(self.counter)
@@ -319,7 +319,7 @@ class AdaptiveDampingMixin:
       # Read after step_op, which waits for the ops that store the loss
       # before the update (use_passed_loss=False).
       before = self._loss_before()
-      if self._update_damping_immediately:
+      if self.config.damping.update_damping_immediately:
         return self._cond_with_loss(
             adapt_now, self._train_batch, "train_batch",
             lambda after, before, change, counter: self._immediate_rule(
@@ -348,7 +348,7 @@ class AdaptiveDampingMixin:
   def _calibration_op(self, update):
     """One calibration step (module docstring): an op that tries `update`,
     restores the variables and moves the damping."""
-    if not self._is_chief:
+    if not self.config.placement.is_chief:
       return tf.no_op()
     before, saved, trial = self._calibration_trial(update)
     with tf.control_dependencies([trial]):
@@ -360,7 +360,7 @@ class AdaptiveDampingMixin:
     variables to w + delta after reading both)."""
     variables = [v for _, v in update.deltas]
     deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
-    if self._use_passed_loss:
+    if self.config.damping.use_passed_loss:
       before = self._passed_loss_value()
     else:
       before = self._loss_before_update()
@@ -387,13 +387,13 @@ class AdaptiveDampingMixin:
     direction = self._store.get_or_create("calibration/direction", [],
                                           tf.float64)
     new, new_step, new_direction = damping_adaptation.calibrated_damping(
-        self._damping, rho, log_step, direction, self._rho_lower,
-        self._rho_upper, self._damping_floor())
+        self._damping, rho, log_step, direction, self.config.damping.damping_increase_rho_threshold,
+        self.config.damping.damping_decrease_rho_threshold, self._damping_floor())
     with tf.control_dependencies([restored]):
       ops = [self._damping.assign(tf.cast(new, self._damping.dtype)),
              log_step.assign(new_step), direction.assign(new_direction),
              self._record("rho").assign(rho)] + records
-      if self._print_logs:
+      if self.config.damping.print_logs:
         ops.append(tf.print("kfac burn-in step", counter, "rho", rho,
                             "damping", new, "qmodel_change", change,
                             "loss before", before, "after", after))

@@ -54,8 +54,6 @@ the value set there, else False):
   backward passes) on every step.
 """
 
-import warnings
-
 import tensorflow as tf
 
 from kfac.python.ops.adaptive import damping_mixin as adaptive_damping
@@ -81,45 +79,8 @@ _RECORDS = {
 _NORM_RECORDS = ("grad_norm", "precon_grad_norm", "update_norm")
 
 
-class IgnoredArgumentWarning(UserWarning):
-  """An optimizer argument that has no effect with the other arguments
-  given (e.g. damping_adaptation_interval without adapt_damping)."""
-
-# Arguments that only matter with adapt_damping (or calibrate_damping) and
-# their defaults.
-_DAMPING_RULE_DEFAULTS = (
-    ("damping_adaptation_decay", 0.95),
-    ("damping_adaptation_interval", 5),
-    ("update_damping_immediately", True),
-)
-_DAMPING_TARGET_DEFAULTS = (
-    ("damping_decrease_rho_threshold", 0.75),
-    ("damping_increase_rho_threshold", 0.25),
-    ("min_damping", 1e-8),
-    ("relative_min_damping", None),
-    ("use_passed_loss", True),
-    ("always_use_exact_qmodel_for_damping_adjustment", False),
-)
-
-
-# The constructor arguments of KfacOptimizer that _init_adaptive reads.
-ARGUMENTS = (
-    "momentum_type", "qmodel_update_rescale", "adapt_damping",
-    "update_damping_immediately", "is_chief", "prev_train_batch", "loss",
-    "loss_fn", "min_damping", "l2_reg", "damping_adaptation_decay",
-    "damping_adaptation_interval", "damping_decrease_rho_threshold",
-    "damping_increase_rho_threshold", "precon_damping_mult",
-    "use_passed_loss", "train_batch", "print_logs", "use_weight_decay",
-    "norm_constraint", "damping_schedule",
-    "always_use_exact_qmodel_for_damping_adjustment", "relative_min_damping",
-    "include_damping_in_qmodel_change")
-
-
-class _StoredDamping:
-  """The initial value of a damping kept in the StateStore."""
-
-  def __init__(self, initial):
-    self.initial = initial
+# Defined with the damping rule's checks (kept here: kfac's old path).
+IgnoredArgumentWarning = damping_adaptation.IgnoredArgumentWarning
 
 
 class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
@@ -127,152 +88,50 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
   """Quadratic model and damping adaptation for KfacOptimizer."""
 
   # ------------------------------------------------------------ set-up
-  def _from_schedule(self, name, value, schedule):
-    """`value`, or a function of the step counter when `schedule` is a
-    callable step -> value (kfac-jax style schedules)."""
+  def _scheduled(self, value, schedule):
+    """`value`, or a function of the step counter when `schedule` (a
+    callable step -> value, kfac-jax style; checked by config.build) is
+    given."""
     if schedule is None:
       return value
-    if not callable(schedule):
-      raise ValueError("%s_schedule must be a callable of the step, got %r."
-                       % (name, schedule))
-    if value is not None:
-      raise ValueError("Pass either %s or %s_schedule, not both (got %s=%r)."
-                       % (name, name, name, value))
     return lambda: schedule(tf.convert_to_tensor(self.counter))
-
-  def _init_adaptive(self, args):
-    """Checks and keeps the adaptive arguments (a dict of ARGUMENTS)."""
-    momentum_type = args["momentum_type"]
-    qmodel_update_rescale = args["qmodel_update_rescale"]
-    adapt_damping = args["adapt_damping"]
-    l2_reg = args["l2_reg"]
-    precon_damping_mult = args["precon_damping_mult"]
-    loss_fn = args["loss_fn"]
-    qmodel = momentum_type.startswith("qmodel")
-    # Set by PeriodicInvCovUpdateKfacOpt before it calls this constructor.
-    calibrate = getattr(self, "_calibrate_damping", False)
-    if qmodel_update_rescale is not None and not qmodel:
-      raise ValueError("qmodel_update_rescale applies to the momentum types "
-                       "'qmodel' / 'qmodel_fixedmu' only (momentum_type=%r)."
-                       % momentum_type)
-    if qmodel and args["use_weight_decay"]:
-      raise ValueError(
-          "use_weight_decay cannot be combined with momentum_type=%r: the "
-          "quadratic model has no learning rate for the decay term. Add the "
-          "l2 term to the loss and pass l2_reg instead." % momentum_type)
-    if qmodel and args["norm_constraint"] is not None:
-      raise ValueError(
-          "norm_constraint cannot be combined with momentum_type=%r: the "
-          "quadratic model already chooses the size of the update."
-          % momentum_type)
-    if l2_reg < 0 or precon_damping_mult <= 0:
-      raise ValueError("l2_reg must be >= 0 and precon_damping_mult > 0, got "
-                       "%r and %r." % (l2_reg, precon_damping_mult))
-    unused = (() if adapt_damping else _DAMPING_RULE_DEFAULTS) + (
-        () if adapt_damping or calibrate else _DAMPING_TARGET_DEFAULTS)
-    for arg, default in unused:
-      if args[arg] != default:
-        # kfac 0.2.x accepted these silently (its examples pass them
-        # whatever adapt_damping is): a warning, not an error.
-        warnings.warn("%s=%r only matters with adapt_damping=True%s; it is "
-                      "ignored (pass that too, or leave %s at %r)." %
-                      (arg, args[arg], "" if arg in dict(
-                          _DAMPING_RULE_DEFAULTS) else
-                       " or calibrate_damping=True", arg, default),
-                      IgnoredArgumentWarning, stacklevel=4)
-    if adapt_damping or calibrate:
-      what = "adapt_damping=True" if adapt_damping else (
-          "calibrate_damping=True")
-      damping_adaptation.check_arguments(
-          args["damping_adaptation_decay"],
-          args["damping_adaptation_interval"],
-          args["damping_increase_rho_threshold"],
-          args["damping_decrease_rho_threshold"], args["min_damping"])
-      if args["damping_schedule"] is not None:
-        raise ValueError("damping_schedule and %s both set the damping: "
-                         "choose one." % what)
-      if loss_fn is None:
-        raise ValueError(
-            "%s needs loss_fn=..., a function of a batch that returns the "
-            "loss, to evaluate the loss after the update." % what)
-      self._damping = self._make_damping_variable(
-          self._damping, what, args["min_damping"])
-    else:
-      for arg in ("loss", "loss_fn", "train_batch", "prev_train_batch"):
-        if args[arg] is not None:  # kfac 0.2.x accepted them silently
-          warnings.warn(
-              "%s=... is used by the damping adaptation only and is ignored "
-              "here: pass adapt_damping=True (or calibrate_damping=True to "
-              "PeriodicInvCovUpdateKfacOpt), or drop it." % arg,
-              IgnoredArgumentWarning, stacklevel=4)
-    include = args["include_damping_in_qmodel_change"]
-    if include is None:
-      include = legacy_constants.optimizer_defaults()[
-          "include_damping_in_qmodel_change"]
-    if not isinstance(include, bool):
-      raise ValueError("include_damping_in_qmodel_change must be a bool or "
-                       "None, got %r." % (include,))
-    self._include_damping_in_qmodel_change = include
-    self._qmodel_update_rescale = qmodel_update_rescale
-    self._adapt_damping = bool(adapt_damping)
-    self._exact_damping_model = bool(
-        args["always_use_exact_qmodel_for_damping_adjustment"])
-    self._update_damping_immediately = args["update_damping_immediately"]
-    self._is_chief = args["is_chief"]
-    self._prev_train_batch = args["prev_train_batch"]
-    self._loss = args["loss"]
-    self._loss_fn = loss_fn
-    self._min_damping = args["min_damping"]
-    self._relative_min_damping = args["relative_min_damping"]
-    self._l2_reg = l2_reg
-    self._adaptation_decay = args["damping_adaptation_decay"]
-    self._adaptation_interval = int(args["damping_adaptation_interval"])
-    self._rho_upper = args["damping_decrease_rho_threshold"]
-    self._rho_lower = args["damping_increase_rho_threshold"]
-    self._precon_damping_mult = precon_damping_mult
-    self._use_passed_loss = args["use_passed_loss"]
-    self._train_batch = args["train_batch"]
-    self._print_logs = args["print_logs"]
-    self._passed_loss = None
-
-  def _make_damping_variable(self, damping, what, floor=0.0):
-    if isinstance(damping, tf.Variable):
-      if not damping.dtype.is_floating or damping.shape.rank != 0:
-        raise ValueError("%s with a damping variable needs a floating-point "
-                         "scalar, got %s %s." %
-                         (what, damping.dtype.name, damping.shape))
-      return damping
-    if utils.is_python_number(damping) and damping == 0 and floor > 0:
-      damping = floor  # the rule keeps the damping >= min_damping
-    if not utils.is_python_number(damping) or damping <= 0:
-      raise ValueError(
-          "%s needs the initial damping as a positive Python number (or a "
-          "scalar tf.Variable to adapt in place), got %r." % (what, damping))
-    return _StoredDamping(float(damping))
 
   # The adapted damping lives in the StateStore, created when first used
   # (in the step: under a strategy, as a replica-local variable).
   @property
   def _damping(self):
-    value = self.__dict__.get("_damping_value")
-    if isinstance(value, _StoredDamping):
+    settings = self.config.damping
+    if settings.kfac_owns_damping:
       return self._store.get_or_create("adaptive/damping", [], tf.float64,
-                                       initial_value=value.initial)
-    return value
-
-  @_damping.setter
-  def _damping(self, value):
-    self.__dict__["_damping_value"] = value
+                                       initial_value=settings.damping)
+    return self._scheduled(settings.damping, settings.damping_schedule)
 
   @property
   def _damping_is_stored(self):
     """Whether the adapted damping is K-FAC's (not the user's variable)."""
-    return isinstance(self.__dict__.get("_damping_value"), _StoredDamping)
+    return self.config.damping.kfac_owns_damping
+
+  # Settings read by code outside the optimizer (kfac/python/keras, tests,
+  # kfac 0.2.x programs): read-only views of `config`.
+  @property
+  def _momentum_type(self):
+    return self.config.update.momentum_type
 
   @property
-  def _uses_damping_model(self):
-    """Whether the steps need the predicted change of the loss."""
-    return self._adapt_damping or getattr(self, "_calibrate_damping", False)
+  def _adapt_damping(self):
+    return self.config.damping.adapt_damping
+
+  @property
+  def _calibrate_damping(self):
+    return self.config.damping.calibrate_damping
+
+  @property
+  def _l2_reg(self):
+    return self.config.damping.l2_reg
+
+  @property
+  def _include_damping_in_qmodel_change(self):
+    return self.config.update.include_damping_in_qmodel_change
 
   # ------------------------------------------------------------ records
   def _record(self, name):
@@ -287,31 +146,31 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
 
   @property
   def _damping_adaptation_interval(self):
-    return self._adaptation_interval
+    return self.config.damping.damping_adaptation_interval
 
   @property
   def damping_adaptation_interval(self):
     """How many steps apart the damping rule runs (an int)."""
-    return self._adaptation_interval
+    return self.config.damping.damping_adaptation_interval
 
   @property
   def rho(self):
     """The last reduction ratio of the damping rule (NaN before the first)."""
-    return utils.cast(self._record("rho"), self._dtype)
+    return utils.cast(self._record("rho"), self.config.dtype)
 
   @property
   def qmodel_change(self):
     """The change of the loss the quadratic model predicted for the last
     update (qmodel*: every step; regular / adam: the last step the damping
     rule used it; NaN before)."""
-    return utils.cast(self._record("qmodel_change"), self._dtype)
+    return utils.cast(self._record("qmodel_change"), self.config.dtype)
 
   @property
   def norm_stats(self):
     """{"grad_norm", "precon_grad_norm", "update_norm"}: Euclidean norms of
     the last step's gradient, preconditioned vector and update (float64);
     needs compute_norm_stats=True."""
-    if not self._compute_norm_stats:
+    if not self.config.update.compute_norm_stats:
       raise ValueError("norm_stats needs KfacOptimizer(..., "
                        "compute_norm_stats=True).")
     return {name: tf.convert_to_tensor(self._record(name))
@@ -320,7 +179,7 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
   def _record_ops(self, update):
     for name in _RECORDS:  # all readable from the first step on
       self._record(name)
-    if self._compute_norm_stats:
+    if self.config.update.compute_norm_stats:
       deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
       inner = gram64([update.grads, [p for p, _ in update.precon], deltas])
       for i, name in enumerate(("grad_norm", "precon_grad_norm",
@@ -337,13 +196,13 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
     exact curvature (the constructor's qmodel_layer_collection; None: the
     training collection's); in a tf.function set it on every trace."""
     if layer_collection is not None:
-      if not (self._momentum_type.startswith("qmodel") or
-              self._exact_damping_model):
+      if not (self.config.update.momentum_type.startswith("qmodel") or
+              self.config.damping.always_use_exact_qmodel_for_damping_adjustment):
         raise ValueError(
             "qmodel_layer_collection is used by the quadratic model only "
             "(momentum_type 'qmodel' / 'qmodel_fixedmu', or "
             "always_use_exact_qmodel_for_damping_adjustment=True); got "
-            "momentum_type=%r." % self._momentum_type)
+            "momentum_type=%r." % self.config.update.momentum_type)
       if not hasattr(layer_collection, "losses_with_coeffs"):
         raise ValueError("qmodel_layer_collection must be a LayerCollection "
                          "with the loss registered on it, got %r."
@@ -362,8 +221,8 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
                              for loss in towers[0]]), tf.float64)
 
   def _batch_size_value(self):
-    if self._batch_size is not None:
-      return utils.cast(self._batch_size, tf.float64)
+    if self.config.curvature.batch_size is not None:
+      return utils.cast(self.config.curvature.batch_size, tf.float64)
     return self._rows(self._layers, "the layer collection")
 
   def _qmodel_curvature_source(self):
@@ -431,7 +290,7 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
     inner = gram64([precon, prev, grads])
     dots = [inner[0][:2], inner[1][:2]]
     damping = utils.cast(self._read(self._damping), tf.float64)
-    l2_reg = tf.constant(float(self._l2_reg), tf.float64)
+    l2_reg = tf.constant(float(self.config.damping.l2_reg), tf.float64)
 
     def model(extra):
       return [[gram[i][j] + extra * dots[i][j] for j in range(2)]
@@ -439,18 +298,18 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
 
     solve_m = model(damping + l2_reg)
     c1, c2 = inner[2][0], inner[2][1]
-    if self._momentum_type == "qmodel":
+    if self.config.update.momentum_type == "qmodel":
       alpha, mu = quadratic_model.solve_two_by_two(
           solve_m[0][0], solve_m[0][1], solve_m[1][1], c1, c2)
     else:
       mu = utils.cast(self._read(self._momentum), tf.float64)
       alpha = quadratic_model.solve_fixed_second(solve_m[0][0], solve_m[0][1],
                                                  c1, mu)
-    if self._qmodel_update_rescale is not None:
-      scale = utils.cast(self._read(self._qmodel_update_rescale), tf.float64)
+    if self.config.update.qmodel_update_rescale is not None:
+      scale = utils.cast(self._read(self.config.update.qmodel_update_rescale), tf.float64)
       alpha, mu = alpha * scale, mu * scale
     # The predicted change: without the damping term unless asked for.
-    model_m = (solve_m if self._include_damping_in_qmodel_change else
+    model_m = (solve_m if self.config.update.include_damping_in_qmodel_change else
                model(l2_reg))
     update.model_change = quadratic_model.model_value(
         alpha, mu, model_m[0][0], model_m[0][1], model_m[1][1], c1, c2)
@@ -472,17 +331,17 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
   def _set_model_change(self, grads_and_vars, update):
     """The predicted change of a regular / adam update (module docstring):
     exact now, or the K-FAC model built where it is used."""
-    if not self._uses_damping_model:
+    if not self.config.damping.uses_model:
       return
     grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
-    if self._exact_damping_model:
+    if self.config.damping.always_use_exact_qmodel_for_damping_adjustment:
       variables = [v for _, v in grads_and_vars]
       deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
       curvature = self._curvature_gram(variables, [deltas])[0][0]
       inner = gram64([deltas, grads])
       sq = inner[0][0]
-      diagonal = tf.constant(float(self._l2_reg), tf.float64)
-      if self._include_damping_in_qmodel_change:
+      diagonal = tf.constant(float(self.config.damping.l2_reg), tf.float64)
+      if self.config.update.include_damping_in_qmodel_change:
         diagonal += utils.cast(self._read(self._damping), tf.float64)
       update.model_change = (0.5 * (curvature + diagonal * sq) +
                              inner[1][0])
@@ -497,7 +356,7 @@ class AdaptiveMixin(adaptive_damping.AdaptiveDampingMixin,
             "%s\nThe damping rule of momentum_type=%r predicts the change of "
             "the loss with the K-FAC matrix (B delta); pass "
             "always_use_exact_qmodel_for_damping_adjustment=True to use the "
-            "exact curvature instead." % (e, self._momentum_type)) from e
+            "exact curvature instead." % (e, self.config.update.momentum_type)) from e
       values = [d for d, _ in deltas]
       return (0.5 * sum_inner64(values, [p for p, _ in products]) +
               sum_inner64(grads, values))

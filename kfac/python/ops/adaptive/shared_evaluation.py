@@ -40,8 +40,8 @@ class SharedEvaluationMixin:
   def _shares_evaluation(self, trial):
     """Whether a step with the calibration condition `trial` (None: no
     calibration) takes the shared evaluation."""
-    return (trial is not None and self._adapt_damping and self._is_chief and
-            self._update_damping_immediately and
+    return (trial is not None and self.config.damping.adapt_damping and self.config.placement.is_chief and
+            self.config.damping.update_damping_immediately and
             not collective.is_distributed())
 
   def _commit_sharing_evaluation(self, update, trial, active):

@@ -1,3 +1,3 @@
 """The K-FAC optimizers: KfacOptimizer (kfac_optimizer.py, with its parts in
-this package: hyperparameters, update_rule, update, sparse, commit,
+this package: config, update_rule, update, sparse, commit,
 guarded_step, replicated) and the periodic-update optimizer (periodic.py)."""

@@ -44,7 +44,7 @@ class GuardedStepMixin:
     (reliability/nonfinite.py); None without the guard. Under several
     replicas only the summed gradients decide (the same on every
     replica)."""
-    if not self._skip_non_finite:
+    if not self.config.guard.skip_non_finite_steps:
       return None
     checks = nonfinite.Checks()
     loss = self._passed_loss

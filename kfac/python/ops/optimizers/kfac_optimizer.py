@@ -10,8 +10,9 @@ again on every retrace (see docs/tf2.md).
 
 This module holds the class, its set-up and its public interface; its
 parts, one responsibility each, are in this package:
-* hyperparameters.py: the constructor's argument checks, schedules and
-  defaults;
+* config.py: the typed configuration (`KfacConfig`, kept as
+  `optimizer.config`) that the constructor builds from its arguments, with
+  every argument check;
 * update_rule.py: the momentum types "regular" and "adam" (with the norm
   constraint, kfac 0.2.x's weight decay and velocities; the update rule is described
   there), sparse gradients (sparse.py); "qmodel" / "qmodel_fixedmu" and the
@@ -28,9 +29,7 @@ parts, one responsibility each, are in this package:
 
 import tensorflow as tf
 
-from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.compat_utils import introspection
-from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.adaptive import mixin as adaptive
 from kfac.python.ops.distribute import collective
@@ -38,14 +37,20 @@ from kfac.python.ops.distribute import replicas
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.optimizers import commit
 from kfac.python.ops.optimizers import guarded_step
-from kfac.python.ops.optimizers import hyperparameters
+from kfac.python.ops.optimizers import config as config_lib
 from kfac.python.ops.optimizers import replicated
 from kfac.python.ops.optimizers import sparse
 from kfac.python.ops.optimizers import update_rule
 from kfac.python.ops.optimizers import weight_decay
+from kfac.python.ops.reliability import arguments
 from kfac.python.ops.reliability import nonfinite
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
+
+
+# The private keyword argument through which PeriodicInvCovUpdateKfacOpt
+# gives its config.PeriodicArguments (the signature stays kfac 0.2.x's).
+PERIODIC_ARGUMENTS = "_kfac_periodic_arguments"
 
 
 @utils.exclude_from_autograph
@@ -183,54 +188,74 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     only (adaptive/mixin.py; `set_qmodel_layer_collection` sets it per
     trace).
     """
-    hyperparameters.reject_tf_replicator(tf_replicator)
+    config_lib.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
-    args = hyperparameters.resolve(locals(), self._from_schedule)
-    self._checked_hyperparameters = hyperparameters.check(
-        type(self).__name__, args)
-    hyperparameters.check_placement(placement_strategy, placement_kwargs)
-    weight_decay.check_arguments(type(self).__name__, decoupled_weight_decay,
-                                 decoupled_weight_decay_mask,
-                                 use_weight_decay)
-    self._keep_hyperparameters(args)
+    # PeriodicInvCovUpdateKfacOpt's periods and calibration (a
+    # config.PeriodicArguments) come as a private keyword argument.
+    periodic = placement_kwargs.pop(PERIODIC_ARGUMENTS, None)
+    self._config = config_lib.build(
+        type(self).__name__, learning_rate=learning_rate, damping=damping,
+        cov_ema_decay=cov_ema_decay, momentum=momentum,
+        momentum_type=momentum_type, use_weight_decay=use_weight_decay,
+        weight_decay_coeff=weight_decay_coeff,
+        qmodel_update_rescale=qmodel_update_rescale,
+        norm_constraint=norm_constraint, name=name,
+        estimation_mode=estimation_mode,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+        batch_size=batch_size, placement_strategy=placement_strategy,
+        compute_params_stats=compute_params_stats,
+        adapt_damping=adapt_damping,
+        update_damping_immediately=update_damping_immediately,
+        is_chief=is_chief, min_damping=min_damping, l2_reg=l2_reg,
+        damping_adaptation_decay=damping_adaptation_decay,
+        damping_adaptation_interval=damping_adaptation_interval,
+        damping_decrease_rho_threshold=damping_decrease_rho_threshold,
+        damping_increase_rho_threshold=damping_increase_rho_threshold,
+        precon_damping_mult=precon_damping_mult,
+        use_passed_loss=use_passed_loss, print_logs=print_logs, dtype=dtype,
+        learning_rate_schedule=learning_rate_schedule,
+        momentum_schedule=momentum_schedule,
+        damping_schedule=damping_schedule,
+        compute_norm_stats=compute_norm_stats,
+        always_use_exact_qmodel_for_damping_adjustment=(
+            always_use_exact_qmodel_for_damping_adjustment),
+        lazy_statistics_sync=lazy_statistics_sync,
+        skip_non_finite_steps=skip_non_finite_steps,
+        max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+        relative_min_damping=relative_min_damping,
+        include_damping_in_qmodel_change=include_damping_in_qmodel_change,
+        decoupled_weight_decay=decoupled_weight_decay,
+        decoupled_weight_decay_mask=decoupled_weight_decay_mask,
+        memory_budget=memory_budget, over_budget=over_budget,
+        placement_kwargs=placement_kwargs, periodic=periodic, loss=loss,
+        loss_fn=loss_fn, train_batch=train_batch,
+        prev_train_batch=prev_train_batch, stacklevel=3)
+    update = self._config.update
+    self._learning_rate = self._scheduled(update.learning_rate,
+                                          update.learning_rate_schedule)
+    self._momentum = self._scheduled(update.momentum,
+                                     update.momentum_schedule)
+    self._layers = None
+    self._var_list = None if var_list is None else list(var_list)
+    self._default_var_list = config_lib.default_var_list(var_list)
     self._make_state(name, max_consecutive_skipped_steps)
-    self._init_adaptive({arg: args[arg] for arg in adaptive.ARGUMENTS})
+    # The objects the damping rule evaluates (not settings: set_* replace
+    # them per trace).
+    self._loss = loss
+    self._loss_fn = loss_fn
+    self._train_batch = train_batch
+    self._prev_train_batch = prev_train_batch
+    self._passed_loss = None
     self._qmodel_layers = None
     if qmodel_layer_collection is not None:
       self.set_qmodel_layer_collection(qmodel_layer_collection)
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
 
-  def _keep_hyperparameters(self, args):
-    """Keeps the (checked, resolved) arguments the optimizer reads later."""
-    self._learning_rate = args["learning_rate"]
-    self._damping = args["damping"]
-    self._layers = None
-    self._cov_ema_decay = args["cov_ema_decay"]
-    var_list = args["var_list"]
-    self._var_list = None if var_list is None else list(var_list)
-    self._default_var_list = hyperparameters.default_var_list(var_list)
-    self._momentum = args["momentum"]
-    self._momentum_type = args["momentum_type"]
-    self._use_weight_decay = args["use_weight_decay"]
-    self._weight_decay_coeff = args["weight_decay_coeff"]
-    self._decoupled_weight_decay = args["decoupled_weight_decay"]
-    self._decoupled_weight_decay_mask = args["decoupled_weight_decay_mask"]
-    self._norm_constraint = args["norm_constraint"]
-    self._estimation_mode = args["estimation_mode"]
-    self._colocate_gradients_with_ops = args["colocate_gradients_with_ops"]
-    self._batch_size = args["batch_size"]
-    self._placement_strategy = args["placement_strategy"]
-    self._placement_kwargs = args["placement_kwargs"]
-    self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
-                                                    args["memory_budget"])
-    self._over_budget = memory_fallback.check_over_budget(
-        type(self).__name__, args["over_budget"])
-    self._lazy_statistics_sync = args["lazy_statistics_sync"]
-    self._skip_non_finite = bool(args["skip_non_finite_steps"])
-    self._compute_params_stats = args["compute_params_stats"]
-    self._compute_norm_stats = args["compute_norm_stats"]
-    self._dtype = tf.as_dtype(args["dtype"])
+  @property
+  def config(self):
+    """The optimizer's settings (a frozen config.KfacConfig)."""
+    return self._config
 
   def _make_state(self, name, max_consecutive_skipped_steps):
     """The StateStore of every K-FAC variable, and the non-finite guard."""
@@ -247,10 +272,14 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     """Assertions of the hyperparameters given as tensors, variables or
     callables (the optimizer's own adapted values excepted)."""
     owned = {"damping"} if self._damping_is_stored else set()
-    if self._momentum_type.startswith("qmodel"):
+    if self.config.update.qmodel:
       owned.update(("learning_rate", "momentum"))
-    return hyperparameters.runtime_checks(
-        type(self).__name__, self._checked_hyperparameters, owned)
+    checked = self.config.step_hyperparameters(
+        self._learning_rate,
+        None if self._damping_is_stored else self._damping, self._momentum)
+    return arguments.runtime_checks(
+        type(self).__name__, [(n, v, r) for n, v, r in checked
+                              if n not in owned])
 
   # ------------------------------------------------------------ set-up
   def set_layer_collection(self, layer_collection):
@@ -268,32 +297,33 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
           self._var_list or self._default_var_list or
           layer_collection.registered_variables)
     self._estimator = est_lib.make_fisher_estimator(
-        placement_strategy=self._placement_strategy,
+        placement_strategy=self.config.placement.placement_strategy,
         variables=var_list,
-        cov_ema_decay=self._cov_ema_decay,
+        cov_ema_decay=self.config.curvature.cov_ema_decay,
         damping=damping_lib.DampingFunc(self._precon_damping,
                                         ("optimizer", self.get_name())),
         layer_collection=layer_collection,
         exps=self._exps,
-        estimation_mode=self._estimation_mode,
-        colocate_gradients_with_ops=self._colocate_gradients_with_ops,
+        estimation_mode=self.config.curvature.estimation_mode,
+        colocate_gradients_with_ops=(
+            self.config.curvature.colocate_gradients_with_ops),
         name=self.get_name(),
-        compute_params_stats=self._compute_params_stats,
-        batch_size=self._batch_size,
-        lazy_statistics_sync=self._lazy_statistics_sync,
-        skip_non_finite=self._skip_non_finite,
+        compute_params_stats=self.config.curvature.compute_params_stats,
+        batch_size=self.config.curvature.batch_size,
+        lazy_statistics_sync=self.config.placement.lazy_statistics_sync,
+        skip_non_finite=self.config.guard.skip_non_finite_steps,
         sample_step=self.steps_taken,
         state_store=self._store,
-        memory_budget=self._memory_budget,
-        over_budget=self._over_budget,
-        **self._placement_kwargs)
+        memory_budget=self.config.placement.memory_budget,
+        over_budget=self.config.placement.over_budget,
+        **self.config.placement.placement_kwargs)
 
   def _precon_damping(self):
     damping = self._read(self._damping)
-    if self._precon_damping_mult != 1.0:
-      damping = damping * self._precon_damping_mult
-    if self._l2_reg:
-      damping = damping + self._l2_reg
+    if self.config.damping.precon_damping_mult != 1.0:
+      damping = damping * self.config.damping.precon_damping_mult
+    if self.config.damping.l2_reg:
+      damping = damping + self.config.damping.l2_reg
     return damping
 
   @staticmethod
@@ -337,7 +367,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
   @property
   def memory_budget(self):
     """The memory budget in bytes (None: no check; collection/memory.py)."""
-    return self._memory_budget
+    return self.config.placement.memory_budget
 
   @property
   def factors(self):
@@ -354,23 +384,23 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
   @property
   def damping(self):
     """The damping (the adapted value with adapt_damping=True)."""
-    return utils.cast(self._read(self._damping), self._dtype)
+    return utils.cast(self._read(self._damping), self.config.dtype)
 
   @property
   def learning_rate(self):
     """The learning rate; with momentum_type 'qmodel' / 'qmodel_fixedmu'
     the one the quadratic model chose at the last step (0 before it)."""
-    if self._momentum_type.startswith("qmodel"):
-      return utils.cast(self._record("learning_rate"), self._dtype)
-    return utils.cast(self._read(self._learning_rate), self._dtype)
+    if self.config.update.momentum_type.startswith("qmodel"):
+      return utils.cast(self._record("learning_rate"), self.config.dtype)
+    return utils.cast(self._read(self._learning_rate), self.config.dtype)
 
   @property
   def momentum(self):
     """The momentum; with momentum_type 'qmodel' the one the quadratic
     model chose at the last step (0 before it)."""
-    if self._momentum_type == "qmodel":
-      return utils.cast(self._record("momentum"), self._dtype)
-    return utils.cast(self._read(self._momentum), self._dtype)
+    if self.config.update.momentum_type == "qmodel":
+      return utils.cast(self._record("momentum"), self.config.dtype)
+    return utils.cast(self._read(self._momentum), self.config.dtype)
 
   @property
   def counter(self):
@@ -503,7 +533,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
                                     check_uses=False)
     _check_reference_variables([v for _, v in grads_and_vars])
     grads_and_vars = self._reduce_gradients(grads_and_vars)
-    if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
+    if self.config.update.momentum_type.startswith("qmodel") or self.config.damping.uses_model:
       # The quadratic model takes inner products with the gradient.
       return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if sparse.is_slices(g) else tf.convert_to_tensor(g), v)

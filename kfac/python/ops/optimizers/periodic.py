@@ -28,7 +28,7 @@ import tensorflow as tf
 from kfac.python.ops.optimizers import kfac_optimizer
 from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
-from kfac.python.ops.reliability import arguments
+from kfac.python.ops.optimizers import config as config_lib
 
 
 @utils.exclude_from_autograph
@@ -46,61 +46,42 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
       recomputing every inverse; the ones before only gather statistics,
       so that the first call returns without inverting anything. None: all
       of them."""
-    for arg, value, low in (("invert_every", invert_every, 1),
-                            ("cov_update_every", cov_update_every, 1),
-                            ("num_burnin_steps", num_burnin_steps, 0)):
-      if int(value) != value or value < low:
-        raise ValueError("%s must be an integer >= %d, got %r." %
-                         (arg, low, value))
-    self._invert_every = int(invert_every)
-    self._cov_update_every = int(cov_update_every)
-    self._num_burnin_steps = int(num_burnin_steps)
-    if calibrate_damping and not self._num_burnin_steps:
-      raise ValueError(
-          "calibrate_damping=True calibrates the damping during the burn-in "
-          "steps: pass num_burnin_steps > 0 (e.g. 10).")
-    self._calibrate_damping = bool(calibrate_damping)
-    if not calibrate_damping:
-      if num_calibration_steps is not None:
-        raise ValueError("num_calibration_steps=%r is for calibrate_damping="
-                         "True." % (num_calibration_steps,))
-      num_calibration_steps = 0
-    elif num_calibration_steps is None:
-      num_calibration_steps = self._num_burnin_steps
-    elif (int(num_calibration_steps) != num_calibration_steps or
-          not 1 <= num_calibration_steps <= self._num_burnin_steps):
-      raise ValueError(
-          "num_calibration_steps must be an integer from 1 to "
-          "num_burnin_steps (%d), got %r." % (self._num_burnin_steps,
-                                              num_calibration_steps))
-    self._num_calibration_steps = int(num_calibration_steps)
+    periodic = config_lib.periods(invert_every, cov_update_every,
+                                  num_burnin_steps, calibrate_damping,
+                                  num_calibration_steps)
     if kfac_kwargs.get("cov_ema_decay") is not None:
-      decay = arguments.check(type(self).__name__, "cov_ema_decay",
-                              kfac_kwargs["cov_ema_decay"],
-                              arguments.UNIT_INTERVAL)
-      kfac_kwargs["cov_ema_decay"] = decay**self._cov_update_every
+      kfac_kwargs["cov_ema_decay"] = config_lib.periodic_cov_ema_decay(
+          type(self).__name__, kfac_kwargs["cov_ema_decay"],
+          periodic.periods.cov_update_every)
+    kfac_kwargs[kfac_optimizer.PERIODIC_ARGUMENTS] = periodic
     super().__init__(**kfac_kwargs)
 
   @property
   def invert_every(self):
-    return self._invert_every
+    return self.config.curvature.periods.invert_every
 
   @property
   def cov_update_every(self):
-    return self._cov_update_every
+    return self.config.curvature.periods.cov_update_every
 
   @property
   def num_burnin_steps(self):
-    return self._num_burnin_steps
+    return self.config.curvature.periods.num_burnin_steps
 
   @property
   def calibrate_damping(self):
-    return self._calibrate_damping
+    return self.config.damping.calibrate_damping
 
   @property
   def num_calibration_steps(self):
     """The burn-in steps that calibrate the damping (0 without it)."""
-    return self._num_calibration_steps
+    return self.config.damping.num_calibration_steps
+
+  # kfac 0.2.x's private names of the periods.
+  _invert_every = invert_every
+  _cov_update_every = cov_update_every
+  _num_burnin_steps = num_burnin_steps
+  _num_calibration_steps = num_calibration_steps
 
   @property
   def burnin_counter(self):
@@ -135,9 +116,9 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
         burnin_counter = tf.convert_to_tensor(self.burnin_counter)
         in_burnin = burnin_counter < tf.constant(self._num_burnin_steps,
                                                  tf.int64)
-        if self._calibrate_damping:
+        if self.config.damping.calibrate_damping:
           calibrating = in_burnin
-          first = self._num_burnin_steps - self._num_calibration_steps
+          first = self._num_burnin_steps - self.config.damping.num_calibration_steps
           if first > 0:
             calibrating = tf.logical_and(
                 in_burnin, burnin_counter >= tf.constant(first, tf.int64))
@@ -169,7 +150,7 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
         do_inv = tf.logical_and(
             tf.logical_not(in_burnin),
             tf.equal(counter % self._invert_every, 0))
-        if self._calibrate_damping:
+        if self.config.damping.calibrate_damping:
           do_inv = tf.logical_or(calibrating, do_inv)
         if ok is not None:
           do_inv = tf.logical_and(do_inv, ok)
@@ -189,7 +170,7 @@ class PeriodicInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
           ok = self._update_checks(checks, update)
         active = _both(None if self._num_burnin_steps == 0 else
                        tf.logical_not(in_burnin), ok)
-        trial = (_both(calibrating, ok) if self._calibrate_damping
+        trial = (_both(calibrating, ok) if self.config.damping.calibrate_damping
                  else None)
         if self._shares_evaluation(trial):
           # The calibration's trial and the damping rule evaluate the loss

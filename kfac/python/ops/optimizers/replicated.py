@@ -24,19 +24,19 @@ class ReplicatedMixin:
     """Raises NotImplementedError for what does not run on several
     replicas yet."""
     unsupported = []
-    if getattr(self, "_calibrate_damping", False):
+    if self.config.damping.calibrate_damping:
       unsupported.append(
           "calibrate_damping=True (the calibration tries the update on the "
           "model's variables inside a conditional, where mirrored variables "
           "cannot change; use adapt_damping=True or choose the initial "
           "damping)")
-    if self._adapt_damping and not self._damping_is_stored:
+    if self.config.damping.adapt_damping and not self._damping_is_stored:
       unsupported.append(
           "adapt_damping=True with the damping in your variable %s (the "
           "replicas would each adapt it; pass the initial damping as a "
           "number, and K-FAC keeps the adapted one per replica)" %
           utils.variable_name(self._damping))
-    if self._placement_strategy == "round_robin":
+    if self.config.placement.placement_strategy == "round_robin":
       unsupported.append(
           "placement_strategy='round_robin' (in-graph device placement; "
           "under a strategy each replica places its own ops on its device)")

@@ -46,7 +46,7 @@ class UpdateRuleMixin:
     values to record, and the predicted change of the loss."""
     update = update_lib.Update()
     update.checks = self._runtime_checks()
-    if self._momentum_type.startswith("qmodel"):
+    if self.config.update.momentum_type.startswith("qmodel"):
       self._qmodel_update(grads_and_vars, update)
     else:
       self._momentum_update(grads_and_vars, update)
@@ -58,11 +58,11 @@ class UpdateRuleMixin:
     """Fills `update` with the step of momentum "regular" / "adam"."""
     est = self._require_estimator()
     update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
-    if self._momentum_type == "regular":
+    if self.config.update.momentum_type == "regular":
       with factored_grads.gradients_read_only_here(
           self._gradients_read_once()):
         precon = est.multiply_inverse(grads_and_vars)
-      if self._norm_constraint is not None:
+      if self.config.update.norm_constraint is not None:
         precon = self._clip_updates(grads_and_vars, precon)
       steps = self._new_velocities(precon, self._momentum, update)
       update.precon = precon
@@ -70,11 +70,11 @@ class UpdateRuleMixin:
       velocities = self._new_velocities(grads_and_vars, self._momentum,
                                         update)
       steps = est.multiply_inverse(velocities)
-      if self._norm_constraint is not None:
+      if self.config.update.norm_constraint is not None:
         steps = self._clip_updates(velocities, steps)
       update.precon = steps
-    if self._use_weight_decay:
-      coeff = self._read(self._weight_decay_coeff)
+    if self.config.update.use_weight_decay:
+      coeff = self._read(self.config.update.weight_decay_coeff)
       steps = [(sparse.dense(s) + utils.cast(coeff, v.dtype) * v, v)
                for s, v in steps]
     lr = self._read(self._learning_rate)
@@ -88,10 +88,10 @@ class UpdateRuleMixin:
     statistics, damping model or cross-replica sums): then the dense
     blocks need not compute a weight gradient that they can precondition
     through the operands of its product (factored_grads/match.py)."""
-    return (self._momentum_type == "regular" and
-            self._norm_constraint is None and
-            not self._compute_norm_stats and
-            not self._uses_damping_model and
+    return (self.config.update.momentum_type == "regular" and
+            self.config.update.norm_constraint is None and
+            not self.config.update.compute_norm_stats and
+            not self.config.damping.uses_model and
             not collective.is_distributed())
 
   # ------------------------------------------------------------ velocities
@@ -157,7 +157,7 @@ class UpdateRuleMixin:
     0), the factor that puts the update on the norm constraint C."""
     lr = utils.cast(self._read(self._learning_rate), tf.float64)
     sq_norm = self._squared_fisher_norm(vecs_and_vars, precon_and_vars)
-    bound = utils.cast(self._read(self._norm_constraint), tf.float64)
+    bound = utils.cast(self._read(self.config.update.norm_constraint), tf.float64)
     sq_update = lr * lr * sq_norm
     one = tf.ones_like(sq_update)
     positive = sq_update > 0

@@ -50,42 +50,24 @@ from kfac.python.ops.optimizers import commit
 from kfac.python.ops.tensors import utils
 
 
-def check_arguments(owner, decoupled_weight_decay, mask, use_weight_decay):
-  """Raises ValueError for a combination that cannot work (the value's
-  range is checked with the other hyperparameters)."""
-  if decoupled_weight_decay is None:
-    if mask is not None:
-      raise ValueError("%s: decoupled_weight_decay_mask needs "
-                       "decoupled_weight_decay." % owner)
-    return
-  if use_weight_decay:
-    raise ValueError(
-        "%s: decoupled_weight_decay (AdamW's weight decay) and "
-        "use_weight_decay=True (kfac 0.2.x's, weight_decay_coeff) both decay "
-        "the weights: choose one." % owner)
-  if mask is not None and not callable(mask):
-    raise ValueError("%s: decoupled_weight_decay_mask must be a callable "
-                     "variable -> bool, got %r." % (owner, mask))
-
-
 class WeightDecayMixin:
   """The decoupled weight decay of KfacOptimizer (module docstring)."""
 
   def _decays(self, var):
-    mask = self._decoupled_weight_decay_mask
+    mask = self.config.update.decoupled_weight_decay_mask
     return True if mask is None else bool(mask(var))
 
   def _add_decoupled_decay(self, update, variables):
     """Fills update.decay_deltas: -lr * wd * w for each decayed variable,
     with this step's learning rate (module docstring)."""
-    if self._decoupled_weight_decay is None:
+    if self.config.update.decoupled_weight_decay is None:
       return
-    if self._momentum_type.startswith("qmodel"):
+    if self.config.update.momentum_type.startswith("qmodel"):
       lr = tf.maximum(update.records["learning_rate"],
                       tf.constant(0.0, tf.float64))
     else:
       lr = self._read(self._learning_rate)
-    wd = self._read(self._decoupled_weight_decay)
+    wd = self._read(self.config.update.decoupled_weight_decay)
     for var in variables:
       if not self._decays(var):
         continue
