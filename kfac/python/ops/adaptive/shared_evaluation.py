@@ -88,7 +88,7 @@ class SharedEvaluationMixin:
     ops = [stepped, calibrated, ruled]
     if update.decay_deltas:
       with tf.control_dependencies([ruled]):
-        ops.append(self._commit_decay(update, tf.no_op()) if active is None
-                   else utils.cond_op(active, lambda: self._commit_decay(
+        ops.append(self._weight_decay.commit(update, tf.no_op()) if active is None
+                   else utils.cond_op(active, lambda: self._weight_decay.commit(
                        update, tf.no_op())))
     return tf.group(*ops)

@@ -23,7 +23,7 @@ def assign_add(var, delta):
 
 
 class CommitMixin:
-  """`_commit` and `_finish` of KfacOptimizer."""
+  """`_commit` of KfacOptimizer."""
 
   def _commit(self, update, active=None):
     """The op that carries out `update` (plus the damping rule); with a
@@ -34,8 +34,8 @@ class CommitMixin:
       return utils.cond_op(active, lambda: self._commit(update))
     step_op = self._step_op(update)
     # The decoupled weight decay after the damping rule (weight_decay.py).
-    return self._commit_decay(update,
-                              self._adaptation_after_update(update, step_op))
+    return self._weight_decay.commit(
+        update, self._adaptation_after_update(update, step_op))
 
   def _step_op(self, update):
     """One replica: the damping rule's ops before the update, then the
@@ -57,13 +57,31 @@ class CommitMixin:
       ops.extend(self._record_ops(update))
       return tf.group(*ops)
 
-  def _finish(self, step_op, global_step, active=None, checks=None,
-              ok=None):
+
+class Counters:
+  """The step counters (part of the step, optimizers/step.py): `counter`
+  (steps taken), `burnin_counter` (burn-in steps of the periodic
+  optimizer) and `finish`, which advances them after a step."""
+
+  def __init__(self, store, guard):
+    """store: the optimizer's StateStore; guard: its guarded_step.StepGuard
+    (which counts skipped steps)."""
+    self._store = store
+    self._guard = guard
+
+  @property
+  def counter(self):
+    return self._store.get_or_create("counter", [], tf.int64)
+
+  @property
+  def burnin_counter(self):
+    return self._store.get_or_create("burnin_counter", [], tf.int64)
+
+  def finish(self, step_op, global_step, active=None, checks=None, ok=None):
     """After `step_op`: counter += 1 and global_step += 1 (with a boolean
     tensor `active`, only when it holds: burn-in steps and skipped steps
     count neither); with the guard's `checks`, the step is counted as
     skipped unless `ok` (nonfinite.NonFiniteGuard.record)."""
-    self._passed_loss = None
     if checks is not None:
       with tf.control_dependencies([step_op]):
         step_op = self._guard.record(ok, checks, self.counter)

@@ -40,10 +40,11 @@ from kfac.python.ops.optimizers import guarded_step
 from kfac.python.ops.optimizers import config as config_lib
 from kfac.python.ops.optimizers import replicated
 from kfac.python.ops.optimizers import sparse
+from kfac.python.ops.optimizers import step as step_lib
+from kfac.python.ops.optimizers import update as update_lib
 from kfac.python.ops.optimizers import update_rule
 from kfac.python.ops.optimizers import weight_decay
 from kfac.python.ops.reliability import arguments
-from kfac.python.ops.reliability import nonfinite
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
 
@@ -55,9 +56,7 @@ PERIODIC_ARGUMENTS = "_kfac_periodic_arguments"
 
 @utils.exclude_from_autograph
 class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
-                    weight_decay.WeightDecayMixin,
-                    guarded_step.GuardedStepMixin, commit.CommitMixin,
-                    replicated.ReplicatedMixin,
+                    commit.CommitMixin, replicated.ReplicatedMixin,
                     tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
 
@@ -238,7 +237,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._layers = None
     self._var_list = None if var_list is None else list(var_list)
     self._default_var_list = config_lib.default_var_list(var_list)
-    self._make_state(name, max_consecutive_skipped_steps)
+    self._make_parts()
     # The objects the damping rule evaluates (not settings: set_* replace
     # them per trace).
     self._loss = loss
@@ -257,13 +256,18 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     """The optimizer's settings (a frozen config.KfacConfig)."""
     return self._config
 
-  def _make_state(self, name, max_consecutive_skipped_steps):
-    """The StateStore of every K-FAC variable, and the non-finite guard."""
+  def _make_parts(self):
+    """The StateStore of every K-FAC variable, and the parts of the step
+    that hold no per-trace state (optimizers/step.py)."""
+    name = self.config.name
     self._store = state.StateStore(name)
     # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
     self._track_trackable(self._store, name="kfac_state")
-    self._guard = nonfinite.NonFiniteGuard(
-        self._store, max_consecutive_skipped_steps, name)
+    self._step_guard = guarded_step.StepGuard(self.config.guard, self._store,
+                                              name)
+    self._counters = commit.Counters(self._store, self._step_guard)
+    self._weight_decay = weight_decay.WeightDecay(self.config.update,
+                                                  self._learning_rate)
     self._var_keys = {}
     self._estimator = None
     self._exps = (-1,)
@@ -326,10 +330,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
       damping = damping + self.config.damping.l2_reg
     return damping
 
-  @staticmethod
-  def _read(value):
-    return value() if callable(value) and not isinstance(
-        value, tf.Variable) else value
+  _read = staticmethod(update_lib.read)
 
   def _require_estimator(self):
     if self._estimator is None:
@@ -404,7 +405,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
 
   @property
   def counter(self):
-    return self._store.get_or_create("counter", [], tf.int64)
+    return self._counters.counter
 
   def steps_taken(self):
     """An int64 tensor: the training steps this optimizer has taken
@@ -412,17 +413,21 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     steps skipped by the non-finite guard are not counted. A stateless
     sampling seed made from it repeats after a checkpoint restore and is
     not shifted by a skipped step."""
-    return tf.convert_to_tensor(self.counter)
+    taken = tf.convert_to_tensor(self.counter)
+    periods = self.config.curvature.periods
+    if periods is not None and periods.num_burnin_steps > 0:
+      taken += tf.convert_to_tensor(self._counters.burnin_counter)
+    return taken
 
   @property
   def skipped_steps(self):
     """How many steps the non-finite guard skipped (an int64 variable)."""
-    return self._guard.skipped_steps
+    return self._step_guard.skipped_steps
 
   @property
   def consecutive_skipped_steps(self):
     """Steps skipped since the last step that was taken."""
-    return self._guard.consecutive_skipped_steps
+    return self._step_guard.consecutive_skipped_steps
 
   @property
   def state_store(self):
@@ -514,8 +519,43 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     """Applies one K-FAC step with the current factors/inverses (after the
     delayed damping rule, maybe_pre_update_adapt_damping, if any)."""
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
+    return self._step(grads_and_vars, global_step, name)
+
+  def _step(self, grads_and_vars, global_step, name):
+    """The training op (optimizers/step.py), after the delayed damping rule
+    (maybe_pre_update_adapt_damping) if any: the inverses of this step use
+    the damping it sets, as in kfac 0.2.x."""
     with tf.control_dependencies(self._pre_update_ops()):
-      return self._checked_step(grads_and_vars, global_step, name)
+      op = step_lib.build_step(self._step_parts(), grads_and_vars,
+                               global_step, name or self.get_name())
+    self._passed_loss = None  # the next step's is set by its own trace
+    return op
+
+  def _step_parts(self):
+    """The parts build_step composes, for this trace."""
+    return step_lib.Parts(
+        estimator=self._require_estimator(),
+        periods=self.config.curvature.periods,
+        num_calibration_steps=self.config.damping.num_calibration_steps,
+        scope=self.get_name(),
+        guard=self._step_guard,
+        passed_loss=self._passed_loss,
+        gradient_operands=self._gradient_operands,
+        compute_update=self._compute_update,
+        damping=step_lib.DampingSteps(
+            shares_evaluation=self._shares_evaluation,
+            commit_sharing_evaluation=self._commit_sharing_evaluation,
+            calibration_op=self._calibration_op),
+        commit=self._commit,
+        counters=self._counters)
+
+  def _gradient_operands(self, grads_and_vars):
+    """{var ref: (x, d)} of the dense weight gradients the preconditioning
+    reads through the operands of their product (when nothing else reads
+    the gradients: factored_grads/match.py)."""
+    if not self._gradients_read_once():
+      return {}
+    return self._require_estimator().gradient_operands(grads_and_vars)
 
   def _prepare(self, grads_and_vars, layer_collection=None):
     """Checks the graph mode and the variables; densifies the gradients

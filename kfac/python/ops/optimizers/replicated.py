@@ -87,7 +87,7 @@ class ReplicatedMixin:
         updates.append((commit.assign_add, var, (delta,)))
     with tf.name_scope("apply_to_replicas"):
       step_op = collective.apply_updates(updates)
-    result = self._commit_decay(
+    result = self._weight_decay.commit(
         update, self._adaptation_after_update(update, step_op), active)
     self._commit_active = None
     return result

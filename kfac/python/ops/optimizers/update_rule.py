@@ -51,7 +51,7 @@ class UpdateRuleMixin:
     else:
       self._momentum_update(grads_and_vars, update)
     # AdamW's decay, apart from the step (optimizers/weight_decay.py).
-    self._add_decoupled_decay(update, [v for _, v in grads_and_vars])
+    self._weight_decay.add(update, [v for _, v in grads_and_vars])
     return update
 
   def _momentum_update(self, grads_and_vars, update):
