@@ -32,6 +32,7 @@ import tensorflow as tf
 from kfac.python.ops.compat_utils import introspection
 from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.adaptive import mixin as adaptive
+from kfac.python.ops.adaptive import quadratic_model
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
 from kfac.python.ops.layers.base import damping as damping_lib
@@ -55,8 +56,8 @@ PERIODIC_ARGUMENTS = "_kfac_periodic_arguments"
 
 
 @utils.exclude_from_autograph
-class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
-                    commit.CommitMixin, replicated.ReplicatedMixin,
+class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
+                    replicated.ReplicatedMixin,
                     tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
 
@@ -268,7 +269,12 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._counters = commit.Counters(self._store, self._step_guard)
     self._weight_decay = weight_decay.WeightDecay(self.config.update,
                                                   self._learning_rate)
-    self._var_keys = {}
+    self._velocities = update_rule.Velocities(self._store)
+    self._update_rule = update_rule.UpdateRule(
+        self.config.update, self._velocities, self._learning_rate,
+        self._momentum)
+    self._quadratic_model = quadratic_model.QuadraticModel(
+        self.config, self._velocities, self._momentum)
     self._estimator = None
     self._exps = (-1,)
 
@@ -548,6 +554,49 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
             calibration_op=self._calibration_op),
         commit=self._commit,
         counters=self._counters)
+
+  def _compute_update(self, grads_and_vars):
+    """Builds (without changing any state) what this step will do: an
+    `Update` with the change of each variable, the new velocities, the
+    values to record, and the predicted change of the loss (the update
+    rule, or the quadratic model; AdamW's decay apart from the step)."""
+    update = update_lib.Update()
+    update.checks = self._runtime_checks()
+    source = quadratic_model.CurvatureSource(
+        self._layers, self._qmodel_layers, self._require_estimator())
+    damping = lambda: self._read(self._damping)
+    if self.config.update.qmodel:
+      self._quadratic_model.compute(grads_and_vars, update, source, damping)
+    else:
+      self._update_rule.compute(grads_and_vars, source.estimator, update,
+                                read_once=self._gradients_read_once())
+      self._quadratic_model.set_model_change(grads_and_vars, update, source,
+                                             damping)
+    # AdamW's decay, apart from the step (optimizers/weight_decay.py).
+    self._weight_decay.add(update, [v for _, v in grads_and_vars])
+    return update
+
+  def _gradients_read_once(self):
+    """Whether nothing in the step but the preconditioning reads the
+    gradients (momentum "regular" without the norm constraint, norm
+    statistics, damping model or cross-replica sums): then the dense
+    blocks need not compute a weight gradient that they can precondition
+    through the operands of its product (factored_grads/match.py)."""
+    settings = self.config
+    return (settings.update.momentum_type == "regular" and
+            settings.update.norm_constraint is None and
+            not settings.update.compute_norm_stats and
+            not settings.damping.uses_model and
+            not collective.is_distributed())
+
+  # kfac 0.2.x's helpers of the update rule.
+  def _update_velocities(self, vecs_and_vars, decay, vec_coeff=1.0):
+    return self._update_rule.update_velocities(vecs_and_vars, decay,
+                                               vec_coeff)
+
+  def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
+    return self._update_rule.squared_fisher_norm(vecs_and_vars,
+                                                 precon_and_vars)
 
   def _gradient_operands(self, grads_and_vars):
     """{var ref: (x, d)} of the dense weight gradients the preconditioning
