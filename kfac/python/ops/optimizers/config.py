@@ -102,7 +102,7 @@ class UpdateRuleConfig:
 @dataclasses.dataclass(frozen=True)
 class DampingConfig:
   """The damping, its Levenberg-Marquardt rule and its calibration
-  (adaptive/damping_mixin.py, adaptive/damping_rule.py)."""
+  (adaptive/damping_controller.py, adaptive/damping_rule.py)."""
 
   damping: Any = None
   """The damping: a number, tensor, variable or callable; with the rule or

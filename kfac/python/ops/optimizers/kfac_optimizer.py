@@ -8,22 +8,28 @@ built during the trace, to `minimize(..., layer_collection=lc)` inside a
 `tf.function`; all state lives in the optimizer's `StateStore` and is found
 again on every retrace (see docs/tf2.md).
 
-This module holds the class, its set-up and its public interface; its
-parts, one responsibility each, are in this package:
+This module holds the class: a facade that builds its configuration and
+its parts, and composes them into a step. The step is one function,
+`step.build_step` (optimizers/step.py), over parts that each take what they
+need explicitly:
 * config.py: the typed configuration (`KfacConfig`, kept as
   `optimizer.config`) that the constructor builds from its arguments, with
   every argument check;
-* update_rule.py: the momentum types "regular" and "adam" (with the norm
-  constraint, kfac 0.2.x's weight decay and velocities; the update rule is described
-  there), sparse gradients (sparse.py); "qmodel" / "qmodel_fixedmu" and the
-  damping rule (`adapt_damping`): adaptive/mixin.py;
-* weight_decay.py: AdamW's decoupled weight decay
+* guarded_step.StepGuard: the non-finite guard's checks;
+* update_rule.UpdateRule (and Velocities): the momentum types "regular"
+  and "adam" (with the norm constraint, kfac 0.2.x's weight decay; the
+  update rule is described there), sparse gradients (sparse.py);
+* adaptive/quadratic_model.QuadraticModel: "qmodel" / "qmodel_fixedmu"
+  and the damping rule's predicted change;
+* weight_decay.WeightDecay: AdamW's decoupled weight decay
   (`decoupled_weight_decay`);
+* adaptive/damping_controller.DampingController: the damping, its rule
+  (`adapt_damping`) and its calibration (`calibrate_damping`);
+* adaptive/records.Records: the values readable after a step;
 * update.py and commit.py: a step is built in two halves:
   `_compute_update` makes an `Update`, the change of every variable,
-  without touching any state, and `_commit` applies it (after the damping
-  rule's "before" ops, if any);
-* guarded_step.py: the non-finite guard around the step;
+  without touching any state, and `commit.Commit` applies it (after the
+  damping rule's "before" ops, if any); `commit.Counters` counts steps;
 * replicated.py: several replicas (tf.distribute, docs/distributed.md).
 """
 
@@ -31,8 +37,9 @@ import tensorflow as tf
 
 from kfac.python.ops.compat_utils import introspection
 from kfac.python.ops.estimation import strategies as est_lib
-from kfac.python.ops.adaptive import mixin as adaptive
+from kfac.python.ops.adaptive import damping_controller
 from kfac.python.ops.adaptive import quadratic_model
+from kfac.python.ops.adaptive import records
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
 from kfac.python.ops.layers.base import damping as damping_lib
@@ -56,21 +63,13 @@ PERIODIC_ARGUMENTS = "_kfac_periodic_arguments"
 
 
 @utils.exclude_from_autograph
-class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
-                    replicated.ReplicatedMixin,
-                    tf.compat.v1.train.Optimizer):
+class KfacOptimizer(tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
 
   # Set while building a step; under MirroredStrategy each replica thread
   # builds its own (see distribute/replicas.py).
   _layers = replicas.PerReplicaAttribute()
   _estimator = replicas.PerReplicaAttribute()
-  _passed_loss = replicas.PerReplicaAttribute()
-  _loss = replicas.PerReplicaAttribute()
-  _train_batch = replicas.PerReplicaAttribute()
-  _prev_train_batch = replicas.PerReplicaAttribute()
-  _commit_active = replicas.PerReplicaAttribute()
-  _pre_update_op = replicas.PerReplicaAttribute()
   _qmodel_layers = replicas.PerReplicaAttribute()
 
   def __init__(self,
@@ -238,14 +237,10 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
     self._layers = None
     self._var_list = None if var_list is None else list(var_list)
     self._default_var_list = config_lib.default_var_list(var_list)
-    self._make_parts()
-    # The objects the damping rule evaluates (not settings: set_* replace
-    # them per trace).
-    self._loss = loss
-    self._loss_fn = loss_fn
-    self._train_batch = train_batch
-    self._prev_train_batch = prev_train_batch
-    self._passed_loss = None
+    # The objects the damping rule evaluates are not settings: the damping
+    # controller keeps them (set_* replace them per trace).
+    self._make_parts(loss_fn=loss_fn, loss=loss, train_batch=train_batch,
+                     prev_train_batch=prev_train_batch)
     self._qmodel_layers = None
     if qmodel_layer_collection is not None:
       self.set_qmodel_layer_collection(qmodel_layer_collection)
@@ -257,9 +252,9 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
     """The optimizer's settings (a frozen config.KfacConfig)."""
     return self._config
 
-  def _make_parts(self):
+  def _make_parts(self, **damping_inputs):
     """The StateStore of every K-FAC variable, and the parts of the step
-    that hold no per-trace state (optimizers/step.py)."""
+    (optimizers/step.py)."""
     name = self.config.name
     self._store = state.StateStore(name)
     # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
@@ -275,6 +270,14 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
         self._momentum)
     self._quadratic_model = quadratic_model.QuadraticModel(
         self.config, self._velocities, self._momentum)
+    self._records = records.Records(self._store,
+                                    self.config.update.compute_norm_stats)
+    self._damping_controller = damping_controller.DampingController(
+        self.config, self._store, self._records, self._require_estimator,
+        lambda: self.counter, name, self._check_graph_mode,
+        **damping_inputs)
+    self._commit_part = commit.Commit(self._damping_controller,
+                                      self._weight_decay, self._records)
     self._estimator = None
     self._exps = (-1,)
 
@@ -290,6 +293,158 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
     return arguments.runtime_checks(
         type(self).__name__, [(n, v, r) for n, v, r in checked
                               if n not in owned])
+
+  # ------------------------------------------------------------ damping
+  def _scheduled(self, value, schedule):
+    """`value`, or a function of the step counter when `schedule` (a
+    callable step -> value, kfac-jax style; checked by config.build) is
+    given."""
+    if schedule is None:
+      return value
+    return lambda: schedule(tf.convert_to_tensor(self.counter))
+
+  @property
+  def _damping(self):
+    """The damping now (the damping controller's)."""
+    return self._damping_controller.damping
+
+  @property
+  def _damping_is_stored(self):
+    """Whether the adapted damping is K-FAC's (not the user's variable)."""
+    return self._damping_controller.owns_damping
+
+  def set_loss(self, loss):
+    """The loss before the update for the damping rule (use_passed_loss);
+    in a tf.function call it on every trace. `minimize` sets it too."""
+    self._damping_controller.loss = loss
+
+  def set_train_batch(self, train_batch):
+    """The batch loss_fn evaluates (a structure of tensors or a callable
+    returning one); in a tf.function call it on every trace."""
+    self._damping_controller.train_batch = train_batch
+
+  def set_prev_train_batch(self, prev_train_batch):
+    """The previous step's batch (update_damping_immediately=False)."""
+    self._damping_controller.prev_train_batch = prev_train_batch
+
+  def set_train_batch_loss(self, loss):
+    """See DampingController.set_train_batch_loss
+    (adaptive/damping_controller.py)."""
+    self._damping_controller.set_train_batch_loss(loss)
+
+  def maybe_pre_update_adapt_damping(self):
+    """kfac 0.2.x's op that adapts the damping at the start of a step
+    (DampingController.maybe_pre_update_adapt_damping)."""
+    return self._damping_controller.maybe_pre_update_adapt_damping()
+
+  def _pre_update_ops(self):
+    return self._damping_controller.pre_update_ops()
+
+  def set_qmodel_layer_collection(self, layer_collection):
+    """The LayerCollection whose losses define the quadratic model's
+    exact curvature (the constructor's qmodel_layer_collection; None: the
+    training collection's); in a tf.function set it on every trace."""
+    if layer_collection is not None:
+      if not (self.config.update.qmodel or self.config.damping.
+              always_use_exact_qmodel_for_damping_adjustment):
+        raise ValueError(
+            "qmodel_layer_collection is used by the quadratic model only "
+            "(momentum_type 'qmodel' / 'qmodel_fixedmu', or "
+            "always_use_exact_qmodel_for_damping_adjustment=True); got "
+            "momentum_type=%r." % self.config.update.momentum_type)
+      if not hasattr(layer_collection, "losses_with_coeffs"):
+        raise ValueError("qmodel_layer_collection must be a LayerCollection "
+                         "with the loss registered on it, got %r."
+                         % (layer_collection,))
+    self._qmodel_layers = layer_collection
+
+  # Private names that code outside the optimizer reads (kfac/python/keras,
+  # tests, kfac 0.2.x programs): read-only views of the config and parts.
+  @property
+  def _momentum_type(self):
+    return self.config.update.momentum_type
+
+  @property
+  def _adapt_damping(self):
+    return self.config.damping.adapt_damping
+
+  @property
+  def _calibrate_damping(self):
+    return self.config.damping.calibrate_damping
+
+  @property
+  def _l2_reg(self):
+    return self.config.damping.l2_reg
+
+  @property
+  def _include_damping_in_qmodel_change(self):
+    return self.config.update.include_damping_in_qmodel_change
+
+  @property
+  def _damping_adaptation_interval(self):
+    return self.config.damping.damping_adaptation_interval
+
+  @property
+  def _loss(self):
+    """The `loss` given to the constructor or set_loss."""
+    return self._damping_controller.loss
+
+  # kfac 0.2.x's private name of it, read by code written for it.
+  _loss_tensor = _loss
+
+  @property
+  def _passed_loss(self):
+    """The loss of this step's compute_gradients."""
+    return self._damping_controller.passed_loss
+
+  @_passed_loss.setter
+  def _passed_loss(self, value):
+    self._damping_controller.passed_loss = value
+
+  @property
+  def _train_batch(self):
+    return self._damping_controller.train_batch
+
+  @property
+  def _prev_train_batch(self):
+    return self._damping_controller.prev_train_batch
+
+  def _record(self, name):
+    return self._records.get(name)
+
+  @property
+  def damping_adaptation_interval(self):
+    """How many steps apart the damping rule runs (an int)."""
+    return self.config.damping.damping_adaptation_interval
+
+  @property
+  def rho(self):
+    """The last reduction ratio of the damping rule (NaN before the first)."""
+    return utils.cast(self._records.get("rho"), self.config.dtype)
+
+  @property
+  def qmodel_change(self):
+    """The change of the loss the quadratic model predicted for the last
+    update (qmodel*: every step; regular / adam: the last step the damping
+    rule used it; NaN before)."""
+    return utils.cast(self._records.get("qmodel_change"), self.config.dtype)
+
+  @property
+  def norm_stats(self):
+    """{"grad_norm", "precon_grad_norm", "update_norm"}: Euclidean norms of
+    the last step's gradient, preconditioned vector and update (float64);
+    needs compute_norm_stats=True."""
+    if not self.config.update.compute_norm_stats:
+      raise ValueError("norm_stats needs KfacOptimizer(..., "
+                       "compute_norm_stats=True).")
+    return self._records.norm_stats()
+
+  def _check_distributable(self):
+    """Raises NotImplementedError for what does not run on several
+    replicas yet (optimizers/replicated.py)."""
+    replicated.check_distributable(
+        type(self).__name__, self.config,
+        None if self._damping_is_stored else self._damping)
 
   # ------------------------------------------------------------ set-up
   def set_layer_collection(self, layer_collection):
@@ -534,7 +689,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
     with tf.control_dependencies(self._pre_update_ops()):
       op = step_lib.build_step(self._step_parts(), grads_and_vars,
                                global_step, name or self.get_name())
-    self._passed_loss = None  # the next step's is set by its own trace
+    # The next step's loss is set by its own trace.
+    self._damping_controller.passed_loss = None
     return op
 
   def _step_parts(self):
@@ -545,14 +701,11 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
         num_calibration_steps=self.config.damping.num_calibration_steps,
         scope=self.get_name(),
         guard=self._step_guard,
-        passed_loss=self._passed_loss,
+        passed_loss=self._damping_controller.passed_loss,
         gradient_operands=self._gradient_operands,
         compute_update=self._compute_update,
-        damping=step_lib.DampingSteps(
-            shares_evaluation=self._shares_evaluation,
-            commit_sharing_evaluation=self._commit_sharing_evaluation,
-            calibration_op=self._calibration_op),
-        commit=self._commit,
+        damping=self._damping_controller,
+        commit=self._commit_part,
         counters=self._counters)
 
   def _compute_update(self, grads_and_vars):
@@ -621,8 +774,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, commit.CommitMixin,
     self._layers.check_registration([v for _, v in grads_and_vars],
                                     check_uses=False)
     _check_reference_variables([v for _, v in grads_and_vars])
-    grads_and_vars = self._reduce_gradients(grads_and_vars)
-    if self.config.update.momentum_type.startswith("qmodel") or self.config.damping.uses_model:
+    grads_and_vars = replicated.reduce_gradients(grads_and_vars)
+    if self.config.update.qmodel or self.config.damping.uses_model:
       # The quadratic model takes inner products with the gradient.
       return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if sparse.is_slices(g) else tf.convert_to_tensor(g), v)

@@ -7,7 +7,7 @@ configuration has periods (`config.Periods`), so that its step
    it only adds the mini-batch statistics to an arithmetic mean (no
    parameter update, no inverses; with `calibrate_damping=True`, also the
    inverses and a trial of the update that calibrates the damping, see
-   adaptive/damping_mixin.py, on the last `num_calibration_steps` of them:
+   adaptive/damping_controller.py, on the last `num_calibration_steps` of them:
    by default all). These calls do not advance the optimizer's `counter`
    nor `global_step`;
 2. afterwards, at step t (the `counter`, which starts at 0 after burn-in),

@@ -22,10 +22,11 @@ given in `Parts`; each is an object with a small interface:
 * `guard` (optimizers/guarded_step.StepGuard): the checks of the loss,
   the gradients, the statistics and the update;
 * `compute_update`: grads_and_vars -> `Update` (optimizers/update.py);
-* `damping`: the damping controller (`shares_evaluation`,
-  `commit_sharing_evaluation`, `calibration_op`);
-* `commit`: Update, active -> the op that carries it out (with the damping
-  rule);
+* `damping` (adaptive/damping_controller.DampingController): the damping,
+  its rule and its calibration (`shares_evaluation`, `calibration_op`);
+* `commit` (optimizers/commit.Commit): the op that carries out an Update,
+  with the damping rule's ops around it (`commit`,
+  `commit_sharing_evaluation`);
 * `counters` (optimizers/commit.Counters): the step counters.
 """
 
@@ -36,16 +37,6 @@ import tensorflow as tf
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.optimizers import config as config_lib
 from kfac.python.ops.tensors import utils
-
-
-class DampingSteps(NamedTuple):
-  """The damping controller's ops around the commit."""
-  shares_evaluation: Callable[[Any], bool]
-  """trial -> whether the calibration and the rule share one evaluation."""
-  commit_sharing_evaluation: Callable[..., Any]
-  """(update, trial, active) -> the commit with that shared evaluation."""
-  calibration_op: Callable[[Any], Any]
-  """update -> one calibration step (a trial of the update)."""
 
 
 class Parts(NamedTuple):
@@ -67,9 +58,11 @@ class Parts(NamedTuple):
   compute_update: Callable[[Any], Any]
   """grads_and_vars -> Update, without changing any state."""
   damping: Any
-  """The damping controller (rule, calibration, shared evaluation)."""
-  commit: Callable[..., Any]
-  """(update, active=None) -> the op that carries out the update."""
+  """The damping controller (adaptive/damping_controller.py: the rule and
+  the calibration)."""
+  commit: Any
+  """The commit (optimizers/commit.Commit: the op that carries out an
+  update, with the damping rule around it)."""
   counters: Any
   """The step counters (commit.Counters)."""
 
@@ -88,7 +81,7 @@ def build_step(parts, grads_and_vars, global_step, name):
     with tf.name_scope(name):
       update = parts.compute_update(grads_and_vars)
       ok = parts.guard.update_checks(checks, update)
-      return parts.counters.finish(parts.commit(update, active=ok),
+      return parts.counters.finish(parts.commit.commit(update, active=ok),
                                    global_step, active=ok, checks=checks,
                                    ok=ok)
   gate = None if checks is None else checks.ok()
@@ -193,13 +186,13 @@ def _commit(parts, update, trial, active):
   if parts.damping.shares_evaluation(trial):
     # The calibration's trial and the damping rule evaluate the loss in
     # one conditional (adaptive/shared_evaluation.py).
-    return parts.damping.commit_sharing_evaluation(update, trial, active)
+    return parts.commit.commit_sharing_evaluation(update, trial, active)
   calibrated = []
   if trial is not None:
     calibrated = [utils.cond_op(
         trial, lambda: parts.damping.calibration_op(update))]
   with tf.control_dependencies(calibrated):
-    return parts.commit(update, active=active)
+    return parts.commit.commit(update, active=active)
 
 
 def _both(a, b):

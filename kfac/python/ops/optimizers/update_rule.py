@@ -10,10 +10,11 @@ learning rate and v the velocity:
 
 then step += weight_decay_coeff * w with use_weight_decay (kfac 0.2.x's
 weight decay) and the change of w is -eta * step. (AdamW's
-decoupled_weight_decay is added apart from the step: weight_decay.py.) The norm constraint scales p by
+decoupled_weight_decay is added apart from the step: weight_decay.py.)
+The norm constraint scales p by
 min(1, sqrt(C / (eta^2 <g', p>))) where g' is the vector p came from, so the
 approximate squared Fisher norm of the update is at most C. ("qmodel" /
-"qmodel_fixedmu": adaptive/mixin.py.)
+"qmodel_fixedmu": adaptive/quadratic_model.py.)
 
 Sparse gradients (`tf.IndexedSlices`, optimizers/sparse.py): with a Python
 momentum of 0 the step stays sparse (it is applied to the touched rows
