@@ -3,12 +3,13 @@ the ops that change the velocities and the variables (with the damping
 rule's ops before and after, adaptive/), then the step counters.
 
 A step is built in two halves: `_compute_update` makes the change of every
-variable without touching any state, and `_commit` applies it, only when a
-boolean `active` holds if one is given (the non-finite guard's verdict,
-optimizers/guarded_step.py). A sparse change (`tf.IndexedSlices`) is
-applied with `scatter_add` to the touched rows only. Under several
+variable without touching any state, and `Commit.commit` applies it, only
+when a boolean `active` holds if one is given (the non-finite guard's
+verdict, optimizers/guarded_step.py). A sparse change (`tf.IndexedSlices`)
+is applied with `scatter_add` to the touched rows only. Under several
 replicas the model's variables change through a merge_call
-(optimizers/replicated.py).
+(`Commit.commit_replicated`; optimizers/replicated.py). `Counters` counts
+the steps.
 """
 
 import tensorflow as tf

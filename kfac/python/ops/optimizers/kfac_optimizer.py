@@ -154,7 +154,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     `include_damping_in_qmodel_change` (kfac 0.2.x's
     optimizer.set_global_constants option; None: the value set there, else
     False): whether qmodel_change, the predicted change the damping rule
-    compares with the actual one, includes the damping term (adaptive/mixin.py).
+    compares with the actual one, includes the damping term
+    (adaptive/quadratic_model.py).
 
     `decoupled_weight_decay` (not in kfac 0.2.x; default None: none):
     AdamW's weight decay, w <- w - lr * wd * w once per step with this
@@ -184,7 +185,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     `layer_collection`'s losses: register the loss on the model's outputs
     for a part of the batch (its first rows, say) and the curvature
     products, the largest cost of an adaptive step, are paid on that part
-    only (adaptive/mixin.py; `set_qmodel_layer_collection` sets it per
+    only (adaptive/quadratic_model.py; `set_qmodel_layer_collection` sets it per
     trace).
     """
     config_lib.reject_tf_replicator(tf_replicator)
@@ -252,9 +253,10 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     """The optimizer's settings (a frozen config.KfacConfig)."""
     return self._config
 
-  def _make_parts(self, **damping_inputs):
+  def _make_parts(self, loss_fn, loss, train_batch, prev_train_batch):
     """The StateStore of every K-FAC variable, and the parts of the step
-    (optimizers/step.py)."""
+    (optimizers/step.py); the damping controller keeps what the damping
+    rule evaluates."""
     name = self.config.name
     self._store = state.StateStore(name)
     # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
@@ -274,8 +276,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
                                     self.config.update.compute_norm_stats)
     self._damping_controller = damping_controller.DampingController(
         self.config, self._store, self._records, self._require_estimator,
-        lambda: self.counter, name, self._check_graph_mode,
-        **damping_inputs)
+        lambda: self.counter, name, self._check_graph_mode, loss_fn=loss_fn,
+        loss=loss, train_batch=train_batch, prev_train_batch=prev_train_batch)
     self._commit_part = commit.Commit(self._damping_controller,
                                       self._weight_decay, self._records)
     self._estimator = None

@@ -1,8 +1,8 @@
 """`Update`: what one K-FAC step does, built before any state changes.
 
 `KfacOptimizer._compute_update` (optimizers/update_rule.py, or the
-quadratic model in adaptive/mixin.py) fills one in without touching any
-state; `_commit` (optimizers/commit.py) then carries it out.
+quadratic model in adaptive/quadratic_model.py) fills one in without
+touching any state; `commit.Commit` (optimizers/commit.py) then carries it out.
 """
 
 import tensorflow as tf
