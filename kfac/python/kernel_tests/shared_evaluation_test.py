@@ -11,7 +11,7 @@ import pytest
 
 from kfac.python.kernel_tests import adaptive_test as at
 from kfac.python.kernel_tests import kfac_test_util as util
-from kfac.python.ops.adaptive import shared_evaluation
+from kfac.python.ops.adaptive import damping_controller
 
 BURNIN = 3
 STEPS = 8
@@ -24,13 +24,13 @@ def _separate_evaluations(separate):
   if not separate:
     yield
     return
-  cls = shared_evaluation.SharedEvaluationMixin
-  saved = cls._shares_evaluation
-  cls._shares_evaluation = lambda self, trial: False
+  cls = damping_controller.DampingController
+  saved = cls.shares_evaluation
+  cls.shares_evaluation = lambda self, trial: False
   try:
     yield
   finally:
-    cls._shares_evaluation = saved
+    cls.shares_evaluation = saved
 
 
 @contextlib.contextmanager

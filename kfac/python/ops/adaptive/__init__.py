@@ -1,2 +1,3 @@
-"""Adaptive K-FAC: the quadratic model, the learning rate and momentum it
-chooses, the Levenberg-Marquardt damping rule, and the default recipe."""
+"""Adaptive K-FAC: the quadratic model and the learning rate and momentum
+it chooses, the Levenberg-Marquardt damping rule and its controller, the
+readable records, and the default recipe."""

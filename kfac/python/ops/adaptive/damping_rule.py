@@ -32,6 +32,11 @@ import tensorflow as tf
 from kfac.python.ops.tensors import utils
 
 
+class IgnoredArgumentWarning(UserWarning):
+  """An optimizer argument that has no effect with the other arguments
+  given (e.g. damping_adaptation_interval without adapt_damping)."""
+
+
 def check_arguments(decay, interval, lower, upper, min_damping):
   """ValueErrors for rule parameters that make no sense."""
   if not 0.0 < decay <= 1.0:

@@ -11,7 +11,7 @@ each was a conditional of its own with its own copy of the model's forward
 pass in the graph: on a keras.applications model some 3k ops traced,
 optimized and placed for nothing on every first call.
 
-`_commit_sharing_evaluation` builds the step's tail with one evaluation,
+`commit_sharing_evaluation` builds the step's tail with one evaluation,
 for one replica (the calibration is not supported under several):
 
 1. on a calibration step, the trial: the variables' values kept (as the
@@ -30,65 +30,59 @@ variable and the damping in float64, in TF1 Sessions and tf.functions).
 
 import tensorflow as tf
 
-from kfac.python.ops.distribute import collective
 from kfac.python.ops.tensors import utils
 
 
-class SharedEvaluationMixin:
-  """`_commit_sharing_evaluation` (module docstring) of KfacOptimizer."""
+def commit_sharing_evaluation(damping, step_op, commit_decay, update, trial,
+                              active):
+  """The op of steps 1-4 of the module docstring. `damping`: the step's
+  adaptive/damping_controller.DampingController; `step_op(update)`: the
+  update's op on one replica without the rule; `commit_decay(update,
+  after_op)`: the decoupled weight decay after `after_op`. `trial` and
+  `active` are boolean tensors (never both true); `active` may be None
+  (always)."""
+  variables = [v for _, v in update.deltas]
+  nan = tf.constant(float("nan"), tf.float64)
 
-  def _shares_evaluation(self, trial):
-    """Whether a step with the calibration condition `trial` (None: no
-    calibration) takes the shared evaluation."""
-    return (trial is not None and self._adapt_damping and self._is_chief and
-            self._update_damping_immediately and
-            not collective.is_distributed())
+  def try_update():
+    before, saved, tried = damping.calibration_trial(update)
+    with tf.control_dependencies([tried]):
+      return [tf.identity(before)] + [tf.identity(s) for s in saved]
 
-  def _commit_sharing_evaluation(self, update, trial, active):
-    """The op of steps 1-4 of the module docstring. `trial` and `active`
-    are boolean tensors (never both true); `active` may be None (always)."""
-    variables = [v for _, v in update.deltas]
-    nan = tf.constant(float("nan"), tf.float64)
+  def no_trial():  # nothing kept (the outputs may differ in shape)
+    return [nan] + [tf.zeros([0], v.dtype) for v in variables]
 
-    def try_update():
-      before, saved, tried = self._calibration_trial(update)
-      with tf.control_dependencies([tried]):
-        return [tf.identity(before)] + [tf.identity(s) for s in saved]
-
-    def no_trial():  # nothing kept (the outputs may differ in shape)
-      return [nan] + [tf.zeros([0], v.dtype) for v in variables]
-
-    kept = tf.cond(trial, try_update, no_trial)
-    trial_before, saved = kept[0], kept[1:]
-    with tf.control_dependencies(kept):
-      if active is None:
-        stepped = self._step_op(update)
-      else:
-        stepped = utils.cond_op(active, lambda: self._step_op(update))
-    adapt = self._adaptation_step()
-    if active is not None:
-      adapt = tf.logical_and(active, adapt)
-    counter = tf.convert_to_tensor(self.counter)
-    with tf.control_dependencies([stepped]):
-      batch = self._checked_batch(self._train_batch, "train_batch")
-      after = tf.cond(tf.logical_or(trial, adapt),
-                      lambda: self._loss_value(batch), lambda: nan)
-      # Read after the step, which waits for the ops that store the loss
-      # before the update (use_passed_loss=False).
-      before = self._loss_before()
-      change = update.predicted_change()
-    # Explicit control edges: in a TF1 graph an untaken branch of a
-    # control flow v1 conditional waits for none of the branch's inputs.
-    with tf.control_dependencies([stepped, after]):
-      calibrated = utils.cond_op(trial, lambda: self._calibration_finish(
-          update, trial_before, after, saved))
-    with tf.control_dependencies([calibrated]):
-      ruled = utils.cond_op(adapt, lambda: self._immediate_rule(
-          update, after, before, change, counter))
-    ops = [stepped, calibrated, ruled]
-    if update.decay_deltas:
-      with tf.control_dependencies([ruled]):
-        ops.append(self._commit_decay(update, tf.no_op()) if active is None
-                   else utils.cond_op(active, lambda: self._commit_decay(
-                       update, tf.no_op())))
-    return tf.group(*ops)
+  kept = tf.cond(trial, try_update, no_trial)
+  trial_before, saved = kept[0], kept[1:]
+  with tf.control_dependencies(kept):
+    if active is None:
+      stepped = step_op(update)
+    else:
+      stepped = utils.cond_op(active, lambda: step_op(update))
+  adapt = damping.adaptation_step()
+  if active is not None:
+    adapt = tf.logical_and(active, adapt)
+  counter = tf.convert_to_tensor(damping.counter())
+  with tf.control_dependencies([stepped]):
+    batch = damping.checked_batch(damping.train_batch, "train_batch")
+    after = tf.cond(tf.logical_or(trial, adapt),
+                    lambda: damping.loss_value(batch), lambda: nan)
+    # Read after the step, which waits for the ops that store the loss
+    # before the update (use_passed_loss=False).
+    before = damping.loss_before()
+    change = update.predicted_change()
+  # Explicit control edges: in a TF1 graph an untaken branch of a
+  # control flow v1 conditional waits for none of the branch's inputs.
+  with tf.control_dependencies([stepped, after]):
+    calibrated = utils.cond_op(trial, lambda: damping.calibration_finish(
+        update, trial_before, after, saved))
+  with tf.control_dependencies([calibrated]):
+    ruled = utils.cond_op(adapt, lambda: damping.immediate_rule(
+        update, after, before, change, counter))
+  ops = [stepped, calibrated, ruled]
+  if update.decay_deltas:
+    with tf.control_dependencies([ruled]):
+      ops.append(commit_decay(update, tf.no_op()) if active is None
+                 else utils.cond_op(active, lambda: commit_decay(
+                     update, tf.no_op())))
+  return tf.group(*ops)

@@ -112,8 +112,7 @@ class AsyncInvCovUpdateKfacOpt(kfac_optimizer.KfacOptimizer):
           scope=self.get_name())
       with tf.name_scope(self.get_name() + "_async"):
         self._cov_inv_ops = [thunk() for thunk in cov_thunks + inv_thunks]
-    with tf.control_dependencies(self._pre_update_ops()):
-      return self._checked_step(grads_and_vars, global_step, name)
+    return self._step(grads_and_vars, global_step, name)
 
   def _check_distributable(self):
     raise NotImplementedError(

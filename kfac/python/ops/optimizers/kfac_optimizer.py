@@ -8,64 +8,68 @@ built during the trace, to `minimize(..., layer_collection=lc)` inside a
 `tf.function`; all state lives in the optimizer's `StateStore` and is found
 again on every retrace (see docs/tf2.md).
 
-This module holds the class, its set-up and its public interface; its
-parts, one responsibility each, are in this package:
-* hyperparameters.py: the constructor's argument checks, schedules and
-  defaults;
-* update_rule.py: the momentum types "regular" and "adam" (with the norm
-  constraint, kfac 0.2.x's weight decay and velocities; the update rule is described
-  there), sparse gradients (sparse.py); "qmodel" / "qmodel_fixedmu" and the
-  damping rule (`adapt_damping`): adaptive/mixin.py;
-* weight_decay.py: AdamW's decoupled weight decay
+This module holds the class: a facade that builds its configuration and
+its parts, and composes them into a step. The step is one function,
+`step.build_step` (optimizers/step.py), over parts that each take what they
+need explicitly:
+* config.py: the typed configuration (`KfacConfig`, kept as
+  `optimizer.config`) that the constructor builds from its arguments, with
+  every argument check;
+* guarded_step.StepGuard: the non-finite guard's checks;
+* update_rule.UpdateRule (and Velocities): the momentum types "regular"
+  and "adam" (with the norm constraint, kfac 0.2.x's weight decay; the
+  update rule is described there), sparse gradients (sparse.py);
+* adaptive/quadratic_model.QuadraticModel: "qmodel" / "qmodel_fixedmu"
+  and the damping rule's predicted change;
+* weight_decay.WeightDecay: AdamW's decoupled weight decay
   (`decoupled_weight_decay`);
+* adaptive/damping_controller.DampingController: the damping, its rule
+  (`adapt_damping`) and its calibration (`calibrate_damping`);
+* adaptive/records.Records: the values readable after a step;
 * update.py and commit.py: a step is built in two halves:
   `_compute_update` makes an `Update`, the change of every variable,
-  without touching any state, and `_commit` applies it (after the damping
-  rule's "before" ops, if any);
-* guarded_step.py: the non-finite guard around the step;
+  without touching any state, and `commit.Commit` applies it (after the
+  damping rule's "before" ops, if any); `commit.Counters` counts steps;
 * replicated.py: several replicas (tf.distribute, docs/distributed.md).
 """
 
 import tensorflow as tf
 
-from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.compat_utils import introspection
-from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.estimation import strategies as est_lib
-from kfac.python.ops.adaptive import mixin as adaptive
+from kfac.python.ops.adaptive import damping_controller
+from kfac.python.ops.adaptive import quadratic_model
+from kfac.python.ops.adaptive import records
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.optimizers import commit
 from kfac.python.ops.optimizers import guarded_step
-from kfac.python.ops.optimizers import hyperparameters
+from kfac.python.ops.optimizers import config as config_lib
 from kfac.python.ops.optimizers import replicated
 from kfac.python.ops.optimizers import sparse
+from kfac.python.ops.optimizers import step as step_lib
+from kfac.python.ops.optimizers import update as update_lib
 from kfac.python.ops.optimizers import update_rule
 from kfac.python.ops.optimizers import weight_decay
-from kfac.python.ops.reliability import nonfinite
+from kfac.python.ops.reliability import arguments
 from kfac.python.ops.tensors import state
 from kfac.python.ops.tensors import utils
 
 
+# The private keyword argument through which PeriodicInvCovUpdateKfacOpt
+# gives its config.PeriodicArguments (the signature stays kfac 0.2.x's).
+PERIODIC_ARGUMENTS = "_kfac_periodic_arguments"
+
+
 @utils.exclude_from_autograph
-class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
-                    weight_decay.WeightDecayMixin,
-                    guarded_step.GuardedStepMixin, commit.CommitMixin,
-                    replicated.ReplicatedMixin,
-                    tf.compat.v1.train.Optimizer):
+class KfacOptimizer(tf.compat.v1.train.Optimizer):
   """The K-FAC optimizer."""
 
   # Set while building a step; under MirroredStrategy each replica thread
   # builds its own (see distribute/replicas.py).
   _layers = replicas.PerReplicaAttribute()
   _estimator = replicas.PerReplicaAttribute()
-  _passed_loss = replicas.PerReplicaAttribute()
-  _loss = replicas.PerReplicaAttribute()
-  _train_batch = replicas.PerReplicaAttribute()
-  _prev_train_batch = replicas.PerReplicaAttribute()
-  _commit_active = replicas.PerReplicaAttribute()
-  _pre_update_op = replicas.PerReplicaAttribute()
   _qmodel_layers = replicas.PerReplicaAttribute()
 
   def __init__(self,
@@ -150,7 +154,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     `include_damping_in_qmodel_change` (kfac 0.2.x's
     optimizer.set_global_constants option; None: the value set there, else
     False): whether qmodel_change, the predicted change the damping rule
-    compares with the actual one, includes the damping term (adaptive/mixin.py).
+    compares with the actual one, includes the damping term
+    (adaptive/quadratic_model.py).
 
     `decoupled_weight_decay` (not in kfac 0.2.x; default None: none):
     AdamW's weight decay, w <- w - lr * wd * w once per step with this
@@ -180,66 +185,101 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     `layer_collection`'s losses: register the loss on the model's outputs
     for a part of the batch (its first rows, say) and the curvature
     products, the largest cost of an adaptive step, are paid on that part
-    only (adaptive/mixin.py; `set_qmodel_layer_collection` sets it per
+    only (adaptive/quadratic_model.py; `set_qmodel_layer_collection` sets it per
     trace).
     """
-    hyperparameters.reject_tf_replicator(tf_replicator)
+    config_lib.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
-    args = hyperparameters.resolve(locals(), self._from_schedule)
-    self._checked_hyperparameters = hyperparameters.check(
-        type(self).__name__, args)
-    hyperparameters.check_placement(placement_strategy, placement_kwargs)
-    weight_decay.check_arguments(type(self).__name__, decoupled_weight_decay,
-                                 decoupled_weight_decay_mask,
-                                 use_weight_decay)
-    self._keep_hyperparameters(args)
-    self._make_state(name, max_consecutive_skipped_steps)
-    self._init_adaptive({arg: args[arg] for arg in adaptive.ARGUMENTS})
+    # PeriodicInvCovUpdateKfacOpt's periods and calibration (a
+    # config.PeriodicArguments) come as a private keyword argument.
+    periodic = placement_kwargs.pop(PERIODIC_ARGUMENTS, None)
+    self._config = config_lib.build(
+        type(self).__name__, learning_rate=learning_rate, damping=damping,
+        cov_ema_decay=cov_ema_decay, momentum=momentum,
+        momentum_type=momentum_type, use_weight_decay=use_weight_decay,
+        weight_decay_coeff=weight_decay_coeff,
+        qmodel_update_rescale=qmodel_update_rescale,
+        norm_constraint=norm_constraint, name=name,
+        estimation_mode=estimation_mode,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+        batch_size=batch_size, placement_strategy=placement_strategy,
+        compute_params_stats=compute_params_stats,
+        adapt_damping=adapt_damping,
+        update_damping_immediately=update_damping_immediately,
+        is_chief=is_chief, min_damping=min_damping, l2_reg=l2_reg,
+        damping_adaptation_decay=damping_adaptation_decay,
+        damping_adaptation_interval=damping_adaptation_interval,
+        damping_decrease_rho_threshold=damping_decrease_rho_threshold,
+        damping_increase_rho_threshold=damping_increase_rho_threshold,
+        precon_damping_mult=precon_damping_mult,
+        use_passed_loss=use_passed_loss, print_logs=print_logs, dtype=dtype,
+        learning_rate_schedule=learning_rate_schedule,
+        momentum_schedule=momentum_schedule,
+        damping_schedule=damping_schedule,
+        compute_norm_stats=compute_norm_stats,
+        always_use_exact_qmodel_for_damping_adjustment=(
+            always_use_exact_qmodel_for_damping_adjustment),
+        lazy_statistics_sync=lazy_statistics_sync,
+        skip_non_finite_steps=skip_non_finite_steps,
+        max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+        relative_min_damping=relative_min_damping,
+        include_damping_in_qmodel_change=include_damping_in_qmodel_change,
+        decoupled_weight_decay=decoupled_weight_decay,
+        decoupled_weight_decay_mask=decoupled_weight_decay_mask,
+        memory_budget=memory_budget, over_budget=over_budget,
+        placement_kwargs=placement_kwargs, periodic=periodic, loss=loss,
+        loss_fn=loss_fn, train_batch=train_batch,
+        prev_train_batch=prev_train_batch, stacklevel=3)
+    update = self._config.update
+    self._learning_rate = self._scheduled(update.learning_rate,
+                                          update.learning_rate_schedule)
+    self._momentum = self._scheduled(update.momentum,
+                                     update.momentum_schedule)
+    self._layers = None
+    self._var_list = None if var_list is None else list(var_list)
+    self._default_var_list = config_lib.default_var_list(var_list)
+    # The objects the damping rule evaluates are not settings: the damping
+    # controller keeps them (set_* replace them per trace).
+    self._make_parts(loss_fn=loss_fn, loss=loss, train_batch=train_batch,
+                     prev_train_batch=prev_train_batch)
     self._qmodel_layers = None
     if qmodel_layer_collection is not None:
       self.set_qmodel_layer_collection(qmodel_layer_collection)
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
 
-  def _keep_hyperparameters(self, args):
-    """Keeps the (checked, resolved) arguments the optimizer reads later."""
-    self._learning_rate = args["learning_rate"]
-    self._damping = args["damping"]
-    self._layers = None
-    self._cov_ema_decay = args["cov_ema_decay"]
-    var_list = args["var_list"]
-    self._var_list = None if var_list is None else list(var_list)
-    self._default_var_list = hyperparameters.default_var_list(var_list)
-    self._momentum = args["momentum"]
-    self._momentum_type = args["momentum_type"]
-    self._use_weight_decay = args["use_weight_decay"]
-    self._weight_decay_coeff = args["weight_decay_coeff"]
-    self._decoupled_weight_decay = args["decoupled_weight_decay"]
-    self._decoupled_weight_decay_mask = args["decoupled_weight_decay_mask"]
-    self._norm_constraint = args["norm_constraint"]
-    self._estimation_mode = args["estimation_mode"]
-    self._colocate_gradients_with_ops = args["colocate_gradients_with_ops"]
-    self._batch_size = args["batch_size"]
-    self._placement_strategy = args["placement_strategy"]
-    self._placement_kwargs = args["placement_kwargs"]
-    self._memory_budget = memory_lib.resolve_budget(type(self).__name__,
-                                                    args["memory_budget"])
-    self._over_budget = memory_fallback.check_over_budget(
-        type(self).__name__, args["over_budget"])
-    self._lazy_statistics_sync = args["lazy_statistics_sync"]
-    self._skip_non_finite = bool(args["skip_non_finite_steps"])
-    self._compute_params_stats = args["compute_params_stats"]
-    self._compute_norm_stats = args["compute_norm_stats"]
-    self._dtype = tf.as_dtype(args["dtype"])
+  @property
+  def config(self):
+    """The optimizer's settings (a frozen config.KfacConfig)."""
+    return self._config
 
-  def _make_state(self, name, max_consecutive_skipped_steps):
-    """The StateStore of every K-FAC variable, and the non-finite guard."""
+  def _make_parts(self, loss_fn, loss, train_batch, prev_train_batch):
+    """The StateStore of every K-FAC variable, and the parts of the step
+    (optimizers/step.py); the damping controller keeps what the damping
+    rule evaluates."""
+    name = self.config.name
     self._store = state.StateStore(name)
     # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
     self._track_trackable(self._store, name="kfac_state")
-    self._guard = nonfinite.NonFiniteGuard(
-        self._store, max_consecutive_skipped_steps, name)
-    self._var_keys = {}
+    self._step_guard = guarded_step.StepGuard(self.config.guard, self._store,
+                                              name)
+    self._counters = commit.Counters(self._store, self._step_guard)
+    self._weight_decay = weight_decay.WeightDecay(self.config.update,
+                                                  self._learning_rate)
+    self._velocities = update_rule.Velocities(self._store)
+    self._update_rule = update_rule.UpdateRule(
+        self.config.update, self._velocities, self._learning_rate,
+        self._momentum)
+    self._quadratic_model = quadratic_model.QuadraticModel(
+        self.config, self._velocities, self._momentum)
+    self._records = records.Records(self._store,
+                                    self.config.update.compute_norm_stats)
+    self._damping_controller = damping_controller.DampingController(
+        self.config, self._store, self._records, self._require_estimator,
+        lambda: self.counter, name, self._check_graph_mode, loss_fn=loss_fn,
+        loss=loss, train_batch=train_batch, prev_train_batch=prev_train_batch)
+    self._commit_part = commit.Commit(self._damping_controller,
+                                      self._weight_decay, self._records)
     self._estimator = None
     self._exps = (-1,)
 
@@ -247,10 +287,166 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     """Assertions of the hyperparameters given as tensors, variables or
     callables (the optimizer's own adapted values excepted)."""
     owned = {"damping"} if self._damping_is_stored else set()
-    if self._momentum_type.startswith("qmodel"):
+    if self.config.update.qmodel:
       owned.update(("learning_rate", "momentum"))
-    return hyperparameters.runtime_checks(
-        type(self).__name__, self._checked_hyperparameters, owned)
+    checked = self.config.step_hyperparameters(
+        self._learning_rate,
+        None if self._damping_is_stored else self._damping, self._momentum)
+    return arguments.runtime_checks(
+        type(self).__name__, [(n, v, r) for n, v, r in checked
+                              if n not in owned])
+
+  # ------------------------------------------------------------ damping
+  def _scheduled(self, value, schedule):
+    """`value`, or a function of the step counter when `schedule` (a
+    callable step -> value, kfac-jax style; checked by config.build) is
+    given."""
+    if schedule is None:
+      return value
+    return lambda: schedule(tf.convert_to_tensor(self.counter))
+
+  @property
+  def _damping(self):
+    """The damping now (the damping controller's)."""
+    return self._damping_controller.damping
+
+  @property
+  def _damping_is_stored(self):
+    """Whether the adapted damping is K-FAC's (not the user's variable)."""
+    return self._damping_controller.owns_damping
+
+  def set_loss(self, loss):
+    """The loss before the update for the damping rule (use_passed_loss);
+    in a tf.function call it on every trace. `minimize` sets it too."""
+    self._damping_controller.loss = loss
+
+  def set_train_batch(self, train_batch):
+    """The batch loss_fn evaluates (a structure of tensors or a callable
+    returning one); in a tf.function call it on every trace."""
+    self._damping_controller.train_batch = train_batch
+
+  def set_prev_train_batch(self, prev_train_batch):
+    """The previous step's batch (update_damping_immediately=False)."""
+    self._damping_controller.prev_train_batch = prev_train_batch
+
+  def set_train_batch_loss(self, loss):
+    """See DampingController.set_train_batch_loss
+    (adaptive/damping_controller.py)."""
+    self._damping_controller.set_train_batch_loss(loss)
+
+  def maybe_pre_update_adapt_damping(self):
+    """kfac 0.2.x's op that adapts the damping at the start of a step
+    (DampingController.maybe_pre_update_adapt_damping)."""
+    return self._damping_controller.maybe_pre_update_adapt_damping()
+
+  def _pre_update_ops(self):
+    return self._damping_controller.pre_update_ops()
+
+  def set_qmodel_layer_collection(self, layer_collection):
+    """The LayerCollection whose losses define the quadratic model's
+    exact curvature (the constructor's qmodel_layer_collection; None: the
+    training collection's); in a tf.function set it on every trace."""
+    if layer_collection is not None:
+      if not (self.config.update.qmodel or self.config.damping.
+              always_use_exact_qmodel_for_damping_adjustment):
+        raise ValueError(
+            "qmodel_layer_collection is used by the quadratic model only "
+            "(momentum_type 'qmodel' / 'qmodel_fixedmu', or "
+            "always_use_exact_qmodel_for_damping_adjustment=True); got "
+            "momentum_type=%r." % self.config.update.momentum_type)
+      if not hasattr(layer_collection, "losses_with_coeffs"):
+        raise ValueError("qmodel_layer_collection must be a LayerCollection "
+                         "with the loss registered on it, got %r."
+                         % (layer_collection,))
+    self._qmodel_layers = layer_collection
+
+  # Private names that code outside the optimizer reads (kfac/python/keras,
+  # tests, kfac 0.2.x programs): read-only views of the config and parts.
+  @property
+  def _momentum_type(self):
+    return self.config.update.momentum_type
+
+  @property
+  def _adapt_damping(self):
+    return self.config.damping.adapt_damping
+
+  @property
+  def _calibrate_damping(self):
+    return self.config.damping.calibrate_damping
+
+  @property
+  def _l2_reg(self):
+    return self.config.damping.l2_reg
+
+  @property
+  def _include_damping_in_qmodel_change(self):
+    return self.config.update.include_damping_in_qmodel_change
+
+  @property
+  def _damping_adaptation_interval(self):
+    return self.config.damping.damping_adaptation_interval
+
+  @property
+  def _loss(self):
+    """The `loss` given to the constructor or set_loss."""
+    return self._damping_controller.loss
+
+  # kfac 0.2.x's private name of it, read by code written for it.
+  _loss_tensor = _loss
+
+  @property
+  def _passed_loss(self):
+    """The loss of this step's compute_gradients."""
+    return self._damping_controller.passed_loss
+
+  @_passed_loss.setter
+  def _passed_loss(self, value):
+    self._damping_controller.passed_loss = value
+
+  @property
+  def _train_batch(self):
+    return self._damping_controller.train_batch
+
+  @property
+  def _prev_train_batch(self):
+    return self._damping_controller.prev_train_batch
+
+  def _record(self, name):
+    return self._records.get(name)
+
+  @property
+  def damping_adaptation_interval(self):
+    """How many steps apart the damping rule runs (an int)."""
+    return self.config.damping.damping_adaptation_interval
+
+  @property
+  def rho(self):
+    """The last reduction ratio of the damping rule (NaN before the first)."""
+    return utils.cast(self._records.get("rho"), self.config.dtype)
+
+  @property
+  def qmodel_change(self):
+    """The change of the loss the quadratic model predicted for the last
+    update (qmodel*: every step; regular / adam: the last step the damping
+    rule used it; NaN before)."""
+    return utils.cast(self._records.get("qmodel_change"), self.config.dtype)
+
+  @property
+  def norm_stats(self):
+    """{"grad_norm", "precon_grad_norm", "update_norm"}: Euclidean norms of
+    the last step's gradient, preconditioned vector and update (float64);
+    needs compute_norm_stats=True."""
+    if not self.config.update.compute_norm_stats:
+      raise ValueError("norm_stats needs KfacOptimizer(..., "
+                       "compute_norm_stats=True).")
+    return self._records.norm_stats()
+
+  def _check_distributable(self):
+    """Raises NotImplementedError for what does not run on several
+    replicas yet (optimizers/replicated.py)."""
+    replicated.check_distributable(
+        type(self).__name__, self.config,
+        None if self._damping_is_stored else self._damping)
 
   # ------------------------------------------------------------ set-up
   def set_layer_collection(self, layer_collection):
@@ -268,38 +464,36 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
           self._var_list or self._default_var_list or
           layer_collection.registered_variables)
     self._estimator = est_lib.make_fisher_estimator(
-        placement_strategy=self._placement_strategy,
+        placement_strategy=self.config.placement.placement_strategy,
         variables=var_list,
-        cov_ema_decay=self._cov_ema_decay,
+        cov_ema_decay=self.config.curvature.cov_ema_decay,
         damping=damping_lib.DampingFunc(self._precon_damping,
                                         ("optimizer", self.get_name())),
         layer_collection=layer_collection,
         exps=self._exps,
-        estimation_mode=self._estimation_mode,
-        colocate_gradients_with_ops=self._colocate_gradients_with_ops,
+        estimation_mode=self.config.curvature.estimation_mode,
+        colocate_gradients_with_ops=(
+            self.config.curvature.colocate_gradients_with_ops),
         name=self.get_name(),
-        compute_params_stats=self._compute_params_stats,
-        batch_size=self._batch_size,
-        lazy_statistics_sync=self._lazy_statistics_sync,
-        skip_non_finite=self._skip_non_finite,
+        compute_params_stats=self.config.curvature.compute_params_stats,
+        batch_size=self.config.curvature.batch_size,
+        lazy_statistics_sync=self.config.placement.lazy_statistics_sync,
+        skip_non_finite=self.config.guard.skip_non_finite_steps,
         sample_step=self.steps_taken,
         state_store=self._store,
-        memory_budget=self._memory_budget,
-        over_budget=self._over_budget,
-        **self._placement_kwargs)
+        memory_budget=self.config.placement.memory_budget,
+        over_budget=self.config.placement.over_budget,
+        **self.config.placement.placement_kwargs)
 
   def _precon_damping(self):
     damping = self._read(self._damping)
-    if self._precon_damping_mult != 1.0:
-      damping = damping * self._precon_damping_mult
-    if self._l2_reg:
-      damping = damping + self._l2_reg
+    if self.config.damping.precon_damping_mult != 1.0:
+      damping = damping * self.config.damping.precon_damping_mult
+    if self.config.damping.l2_reg:
+      damping = damping + self.config.damping.l2_reg
     return damping
 
-  @staticmethod
-  def _read(value):
-    return value() if callable(value) and not isinstance(
-        value, tf.Variable) else value
+  _read = staticmethod(update_lib.read)
 
   def _require_estimator(self):
     if self._estimator is None:
@@ -337,7 +531,7 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
   @property
   def memory_budget(self):
     """The memory budget in bytes (None: no check; collection/memory.py)."""
-    return self._memory_budget
+    return self.config.placement.memory_budget
 
   @property
   def factors(self):
@@ -354,27 +548,27 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
   @property
   def damping(self):
     """The damping (the adapted value with adapt_damping=True)."""
-    return utils.cast(self._read(self._damping), self._dtype)
+    return utils.cast(self._read(self._damping), self.config.dtype)
 
   @property
   def learning_rate(self):
     """The learning rate; with momentum_type 'qmodel' / 'qmodel_fixedmu'
     the one the quadratic model chose at the last step (0 before it)."""
-    if self._momentum_type.startswith("qmodel"):
-      return utils.cast(self._record("learning_rate"), self._dtype)
-    return utils.cast(self._read(self._learning_rate), self._dtype)
+    if self.config.update.momentum_type.startswith("qmodel"):
+      return utils.cast(self._record("learning_rate"), self.config.dtype)
+    return utils.cast(self._read(self._learning_rate), self.config.dtype)
 
   @property
   def momentum(self):
     """The momentum; with momentum_type 'qmodel' the one the quadratic
     model chose at the last step (0 before it)."""
-    if self._momentum_type == "qmodel":
-      return utils.cast(self._record("momentum"), self._dtype)
-    return utils.cast(self._read(self._momentum), self._dtype)
+    if self.config.update.momentum_type == "qmodel":
+      return utils.cast(self._record("momentum"), self.config.dtype)
+    return utils.cast(self._read(self._momentum), self.config.dtype)
 
   @property
   def counter(self):
-    return self._store.get_or_create("counter", [], tf.int64)
+    return self._counters.counter
 
   def steps_taken(self):
     """An int64 tensor: the training steps this optimizer has taken
@@ -382,17 +576,21 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     steps skipped by the non-finite guard are not counted. A stateless
     sampling seed made from it repeats after a checkpoint restore and is
     not shifted by a skipped step."""
-    return tf.convert_to_tensor(self.counter)
+    taken = tf.convert_to_tensor(self.counter)
+    periods = self.config.curvature.periods
+    if periods is not None and periods.num_burnin_steps > 0:
+      taken += tf.convert_to_tensor(self._counters.burnin_counter)
+    return taken
 
   @property
   def skipped_steps(self):
     """How many steps the non-finite guard skipped (an int64 variable)."""
-    return self._guard.skipped_steps
+    return self._step_guard.skipped_steps
 
   @property
   def consecutive_skipped_steps(self):
     """Steps skipped since the last step that was taken."""
-    return self._guard.consecutive_skipped_steps
+    return self._step_guard.consecutive_skipped_steps
 
   @property
   def state_store(self):
@@ -484,8 +682,84 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     """Applies one K-FAC step with the current factors/inverses (after the
     delayed damping rule, maybe_pre_update_adapt_damping, if any)."""
     grads_and_vars = self._prepare(grads_and_vars, layer_collection)
+    return self._step(grads_and_vars, global_step, name)
+
+  def _step(self, grads_and_vars, global_step, name):
+    """The training op (optimizers/step.py), after the delayed damping rule
+    (maybe_pre_update_adapt_damping) if any: the inverses of this step use
+    the damping it sets, as in kfac 0.2.x."""
     with tf.control_dependencies(self._pre_update_ops()):
-      return self._checked_step(grads_and_vars, global_step, name)
+      op = step_lib.build_step(self._step_parts(), grads_and_vars,
+                               global_step, name or self.get_name())
+    # The next step's loss is set by its own trace.
+    self._damping_controller.passed_loss = None
+    return op
+
+  def _step_parts(self):
+    """The parts build_step composes, for this trace."""
+    return step_lib.Parts(
+        estimator=self._require_estimator(),
+        periods=self.config.curvature.periods,
+        num_calibration_steps=self.config.damping.num_calibration_steps,
+        scope=self.get_name(),
+        guard=self._step_guard,
+        passed_loss=self._damping_controller.passed_loss,
+        gradient_operands=self._gradient_operands,
+        compute_update=self._compute_update,
+        damping=self._damping_controller,
+        commit=self._commit_part,
+        counters=self._counters)
+
+  def _compute_update(self, grads_and_vars):
+    """Builds (without changing any state) what this step will do: an
+    `Update` with the change of each variable, the new velocities, the
+    values to record, and the predicted change of the loss (the update
+    rule, or the quadratic model; AdamW's decay apart from the step)."""
+    update = update_lib.Update()
+    update.checks = self._runtime_checks()
+    source = quadratic_model.CurvatureSource(
+        self._layers, self._qmodel_layers, self._require_estimator())
+    damping = lambda: self._read(self._damping)
+    if self.config.update.qmodel:
+      self._quadratic_model.compute(grads_and_vars, update, source, damping)
+    else:
+      self._update_rule.compute(grads_and_vars, source.estimator, update,
+                                read_once=self._gradients_read_once())
+      self._quadratic_model.set_model_change(grads_and_vars, update, source,
+                                             damping)
+    # AdamW's decay, apart from the step (optimizers/weight_decay.py).
+    self._weight_decay.add(update, [v for _, v in grads_and_vars])
+    return update
+
+  def _gradients_read_once(self):
+    """Whether nothing in the step but the preconditioning reads the
+    gradients (momentum "regular" without the norm constraint, norm
+    statistics, damping model or cross-replica sums): then the dense
+    blocks need not compute a weight gradient that they can precondition
+    through the operands of its product (factored_grads/match.py)."""
+    settings = self.config
+    return (settings.update.momentum_type == "regular" and
+            settings.update.norm_constraint is None and
+            not settings.update.compute_norm_stats and
+            not settings.damping.uses_model and
+            not collective.is_distributed())
+
+  # kfac 0.2.x's helpers of the update rule.
+  def _update_velocities(self, vecs_and_vars, decay, vec_coeff=1.0):
+    return self._update_rule.update_velocities(vecs_and_vars, decay,
+                                               vec_coeff)
+
+  def _squared_fisher_norm(self, vecs_and_vars, precon_and_vars):
+    return self._update_rule.squared_fisher_norm(vecs_and_vars,
+                                                 precon_and_vars)
+
+  def _gradient_operands(self, grads_and_vars):
+    """{var ref: (x, d)} of the dense weight gradients the preconditioning
+    reads through the operands of their product (when nothing else reads
+    the gradients: factored_grads/match.py)."""
+    if not self._gradients_read_once():
+      return {}
+    return self._require_estimator().gradient_operands(grads_and_vars)
 
   def _prepare(self, grads_and_vars, layer_collection=None):
     """Checks the graph mode and the variables; densifies the gradients
@@ -502,8 +776,8 @@ class KfacOptimizer(adaptive.AdaptiveMixin, update_rule.UpdateRuleMixin,
     self._layers.check_registration([v for _, v in grads_and_vars],
                                     check_uses=False)
     _check_reference_variables([v for _, v in grads_and_vars])
-    grads_and_vars = self._reduce_gradients(grads_and_vars)
-    if self._momentum_type.startswith("qmodel") or self._uses_damping_model:
+    grads_and_vars = replicated.reduce_gradients(grads_and_vars)
+    if self.config.update.qmodel or self.config.damping.uses_model:
       # The quadratic model takes inner products with the gradient.
       return [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
     return [(g if sparse.is_slices(g) else tf.convert_to_tensor(g), v)

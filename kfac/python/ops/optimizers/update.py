@@ -1,11 +1,20 @@
 """`Update`: what one K-FAC step does, built before any state changes.
 
 `KfacOptimizer._compute_update` (optimizers/update_rule.py, or the
-quadratic model in adaptive/mixin.py) fills one in without touching any
-state; `_commit` (optimizers/commit.py) then carries it out.
+quadratic model in adaptive/quadratic_model.py) fills one in without
+touching any state; `commit.Commit` (optimizers/commit.py) then carries it out.
 """
 
+import tensorflow as tf
+
 from kfac.python.ops.optimizers import sparse
+
+
+def read(value):
+  """A hyperparameter's value now: a callable (not a variable) is called
+  (a schedule, or a function the user gave)."""
+  return value() if callable(value) and not isinstance(
+      value, tf.Variable) else value
 
 
 class Update:

@@ -47,57 +47,54 @@ import tensorflow as tf
 
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.optimizers import commit
+from kfac.python.ops.optimizers import update as update_lib
 from kfac.python.ops.tensors import utils
 
 
-def check_arguments(owner, decoupled_weight_decay, mask, use_weight_decay):
-  """Raises ValueError for a combination that cannot work (the value's
-  range is checked with the other hyperparameters)."""
-  if decoupled_weight_decay is None:
-    if mask is not None:
-      raise ValueError("%s: decoupled_weight_decay_mask needs "
-                       "decoupled_weight_decay." % owner)
-    return
-  if use_weight_decay:
-    raise ValueError(
-        "%s: decoupled_weight_decay (AdamW's weight decay) and "
-        "use_weight_decay=True (kfac 0.2.x's, weight_decay_coeff) both decay "
-        "the weights: choose one." % owner)
-  if mask is not None and not callable(mask):
-    raise ValueError("%s: decoupled_weight_decay_mask must be a callable "
-                     "variable -> bool, got %r." % (owner, mask))
+class WeightDecay:
+  """The decoupled weight decay of a step (module docstring): `add` fills
+  an Update's decay_deltas, `commit` applies them."""
 
+  def __init__(self, settings, learning_rate):
+    """settings: a config.UpdateRuleConfig; learning_rate: the optimizer's
+    learning rate (a number, tensor, variable or callable; with "qmodel*"
+    the step's chosen one is read from the Update instead)."""
+    self._settings = settings
+    self._learning_rate = learning_rate
 
-class WeightDecayMixin:
-  """The decoupled weight decay of KfacOptimizer (module docstring)."""
+  @property
+  def enabled(self):
+    return self._settings.decoupled_weight_decay is not None
 
-  def _decays(self, var):
-    mask = self._decoupled_weight_decay_mask
+  def decays(self, var):
+    """Whether `var` decays (decoupled_weight_decay_mask)."""
+    mask = self._settings.decoupled_weight_decay_mask
     return True if mask is None else bool(mask(var))
 
-  def _add_decoupled_decay(self, update, variables):
+  def add(self, update, variables):
     """Fills update.decay_deltas: -lr * wd * w for each decayed variable,
     with this step's learning rate (module docstring)."""
-    if self._decoupled_weight_decay is None:
+    if not self.enabled:
       return
-    if self._momentum_type.startswith("qmodel"):
+    if self._settings.qmodel:
       lr = tf.maximum(update.records["learning_rate"],
                       tf.constant(0.0, tf.float64))
     else:
-      lr = self._read(self._learning_rate)
-    wd = self._read(self._decoupled_weight_decay)
+      lr = update_lib.read(self._learning_rate)
+    wd = update_lib.read(self._settings.decoupled_weight_decay)
     for var in variables:
-      if not self._decays(var):
+      if not self.decays(var):
         continue
       dtype = var.dtype.base_dtype
       scale = utils.cast(lr, dtype) * utils.cast(wd, dtype)
       update.decay_deltas.append((-scale * tf.convert_to_tensor(var), var))
 
-  def _commit_decay(self, update, after_op, active=None):
+  @staticmethod
+  def commit(update, after_op, active=None):
     """The op that applies update.decay_deltas after `after_op` (the step
     and the damping rule); with a boolean tensor `active` under several
-    replicas, a zero change where it is false (single replica: _commit is
-    already inside the condition)."""
+    replicas, a zero change where it is false (single replica: the commit
+    is already inside the condition)."""
     if not update.decay_deltas:
       return after_op
     with tf.control_dependencies([after_op]):

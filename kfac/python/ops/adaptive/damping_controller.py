@@ -1,10 +1,13 @@
-"""The ops of K-FAC's damping rule and of its calibration during burn-in.
+"""The damping controller: K-FAC's damping, its rule and its calibration.
 
-`AdaptiveDampingMixin` is the part of `KfacOptimizer` (through
-`adaptive.AdaptiveMixin`) that builds the Levenberg-Marquardt damping rule
-(`adaptive/damping_rule.py` has its math) into a training step, and the
-calibration of the initial damping that `PeriodicInvCovUpdateKfacOpt` runs
-during its burn-in steps with `calibrate_damping=True`.
+`DampingController` is the part of a K-FAC step (optimizers/step.py) that
+holds the damping (a float64 state variable, or the user's scalar
+variable, or the damping given), builds the Levenberg-Marquardt damping
+rule (`adaptive/damping_rule.py` has its math) into a training step, and
+the calibration of the initial damping that `PeriodicInvCovUpdateKfacOpt`
+runs during its burn-in steps with `calibrate_damping=True`. It also keeps
+what the rule evaluates in a step (the loss, the batches: the optimizer's
+`set_*` methods set them per trace).
 
 Damping rule: rho = (loss after - loss before) / qmodel_change on the same
 mini-batch, every damping_adaptation_interval steps (the steps where the
@@ -64,24 +67,85 @@ from kfac.python.ops.tensors import utils
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.adaptive.recipe import scale
 from kfac.python.ops.compat_utils import introspection
+from kfac.python.ops.distribute import replicas
 
 
-class AdaptiveDampingMixin:
-  """The damping rule and the damping calibration (module docstring)."""
+class DampingController:
+  """The damping, the damping rule and the damping calibration (module
+  docstring)."""
 
-  def set_loss(self, loss):
-    """The loss before the update for the damping rule (use_passed_loss);
-    in a tf.function call it on every trace. `minimize` sets it too."""
-    self._loss = loss
+  # Set per trace; under MirroredStrategy each replica thread builds its
+  # own step (see distribute/replicas.py).
+  loss = replicas.PerReplicaAttribute()
+  passed_loss = replicas.PerReplicaAttribute()
+  train_batch = replicas.PerReplicaAttribute()
+  prev_train_batch = replicas.PerReplicaAttribute()
+  commit_active = replicas.PerReplicaAttribute()
+  _pre_update_op = replicas.PerReplicaAttribute()
 
-  def set_train_batch(self, train_batch):
-    """The batch loss_fn evaluates (a structure of tensors or a callable
-    returning one); in a tf.function call it on every trace."""
-    self._train_batch = train_batch
+  def __init__(self, config, store, records, estimator, counter, name,
+               check_graph_mode, loss_fn=None, loss=None, train_batch=None,
+               prev_train_batch=None):
+    """config: the optimizer's config.KfacConfig (its damping group, and
+    is_chief); store: its StateStore; records: its adaptive/records.Records;
+    estimator: a callable returning the estimator of this trace; counter:
+    a callable returning the step counter variable; name: the optimizer's
+    name; check_graph_mode: a callable (what) that raises outside a graph;
+    loss_fn, loss, train_batch, prev_train_batch: what the rule evaluates
+    (module docstring)."""
+    self._settings = config.damping
+    self._is_chief = config.placement.is_chief
+    self._store = store
+    self._records = records
+    self._estimator = estimator
+    self._counter = counter
+    self._name = name
+    self._check_graph_mode = check_graph_mode
+    self._loss_fn = loss_fn
+    self.loss = loss
+    self.passed_loss = None
+    self.train_batch = train_batch
+    self.prev_train_batch = prev_train_batch
+    self.commit_active = None
+    self._pre_update_op = None
+    self.train_batch_loss = None
 
-  def set_prev_train_batch(self, prev_train_batch):
-    """The previous step's batch (update_damping_immediately=False)."""
-    self._prev_train_batch = prev_train_batch
+  # ------------------------------------------------------------ the damping
+  @property
+  def damping(self):
+    """The damping now: K-FAC's adapted one (created in the StateStore
+    when first used: in the step, under a strategy, a replica-local
+    variable), or the value given (a schedule's reader: a callable)."""
+    settings = self._settings
+    if settings.kfac_owns_damping:
+      return self._store.get_or_create("adaptive/damping", [], tf.float64,
+                                       initial_value=settings.damping)
+    if settings.damping_schedule is None:
+      return settings.damping
+    schedule = settings.damping_schedule
+    return lambda: schedule(tf.convert_to_tensor(self._counter()))
+
+  def counter(self):
+    """The step counter variable."""
+    return self._counter()
+
+  @property
+  def owns_damping(self):
+    """Whether the adapted damping is K-FAC's (not the user's variable)."""
+    return self._settings.kfac_owns_damping
+
+  @property
+  def adapts(self):
+    """Whether this worker runs the damping rule."""
+    return self._settings.adapt_damping and self._is_chief
+
+  def shares_evaluation(self, trial):
+    """Whether a step with the calibration condition `trial` (None: no
+    calibration) evaluates the loss once for the calibration and the rule
+    (adaptive/shared_evaluation.py)."""
+    return (trial is not None and self._settings.adapt_damping and
+            self._is_chief and self._settings.update_damping_immediately and
+            not collective.is_distributed())
 
   def set_train_batch_loss(self, loss):
     """loss_fn(train_batch) at the current parameters, already computed in
@@ -99,25 +163,25 @@ class AdaptiveDampingMixin:
       raise ValueError(
           "set_train_batch_loss is for one replica: under several replicas "
           "loss_fn(train_batch) is evaluated and averaged across them.")
-    self._train_batch_loss = (
+    self.train_batch_loss = (
         None if loss is None else
         (tf.compat.v1.get_default_graph(), loss))
 
   # ------------------------------------------------------------ losses
-  def _adaptation_step(self):
-    counter = tf.convert_to_tensor(self.counter)
-    now = tf.equal(counter % self._adaptation_interval, 0)
+  def adaptation_step(self):
+    counter = tf.convert_to_tensor(self._counter())
+    now = tf.equal(counter % self._settings.damping_adaptation_interval, 0)
     # Under several replicas a step's commit is built unconditionally and
     # says whether it applies (not during burn-in): see
     # optimizers/replicated.py.
-    active = getattr(self, "_commit_active", None)
+    active = self.commit_active
     return now if active is None else tf.logical_and(now, active)
 
   @staticmethod
   def _batch(batch):
     return batch() if callable(batch) else batch
 
-  def _checked_batch(self, batch, what):
+  def checked_batch(self, batch, what):
     batch = self._batch(batch)
     if batch is None:
       raise ValueError(
@@ -126,7 +190,7 @@ class AdaptiveDampingMixin:
           "every trace)." % (what, what, what))
     return batch
 
-  def _loss_value(self, batch, examples=None):
+  def loss_value(self, batch, examples=None):
     """loss_fn(batch) in float64; under several replicas averaged across
     them with the replicas' batch sizes `examples` as weights."""
     value = tf.cast(self._loss_fn(batch), tf.float64)
@@ -137,12 +201,12 @@ class AdaptiveDampingMixin:
 
   def _evaluate_loss_fn(self, batch, what):
     """loss_fn(batch) now (one replica: the calibration)."""
-    return self._loss_value(self._checked_batch(batch, what))
+    return self.loss_value(self.checked_batch(batch, what))
 
   def _given_train_batch_loss(self):
     """The float64 loss set by set_train_batch_loss in this trace (in the
     current graph or one enclosing it), or None."""
-    given = getattr(self, "_train_batch_loss", None)
+    given = self.train_batch_loss
     if given is None:
       return None
     graph, loss = given
@@ -159,7 +223,7 @@ class AdaptiveDampingMixin:
     given = self._given_train_batch_loss()
     if given is not None:
       return given
-    return self._evaluate_loss_fn(self._train_batch, "train_batch")
+    return self._evaluate_loss_fn(self.train_batch, "train_batch")
 
   def _cond_with_loss(self, pred, batch, what, make_op, args=()):
     """An op that, when `pred` holds, evaluates loss_fn(batch) and runs
@@ -167,19 +231,19 @@ class AdaptiveDampingMixin:
     needs the conditional taken for all replicas at once
     (collective.cross_replica_cond), so everything per-replica that
     make_op uses comes in `args`."""
-    batch = self._checked_batch(batch, what)
+    batch = self.checked_batch(batch, what)
     if not collective.is_distributed():
       return utils.cond_op(
-          pred, lambda: make_op(self._loss_value(batch), *args))
-    examples = self._require_estimator().replica_examples()
+          pred, lambda: make_op(self.loss_value(batch), *args))
+    examples = self._estimator().replica_examples()
 
     def branch(batch, examples, *args):
-      return make_op(self._loss_value(batch, examples), *args)
+      return make_op(self.loss_value(batch, examples), *args)
     return collective.cross_replica_cond(pred, branch,
                                          (batch, examples) + tuple(args))
 
   def _passed_loss_value(self):
-    loss = self._loss if self._loss is not None else self._passed_loss
+    loss = self.loss if self.loss is not None else self.passed_loss
     if loss is None:
       raise ValueError(
           "The damping rule needs the loss before the update: use "
@@ -190,8 +254,8 @@ class AdaptiveDampingMixin:
       loss = collective.all_reduce_one(loss, collective.SUM)
     return loss
 
-  def _loss_before(self):
-    if self._use_passed_loss:
+  def loss_before(self):
+    if self._settings.use_passed_loss:
       return self._passed_loss_value()
     return tf.convert_to_tensor(self._store.get_or_create(
         "adaptive/loss_before", [], tf.float64))
@@ -201,18 +265,19 @@ class AdaptiveDampingMixin:
     change = update.predicted_change()
     if update.model_change is not None:  # recorded with the step
       return change, []
-    return change, [self._record("qmodel_change").assign(change)]
+    return change, [self._records.get("qmodel_change").assign(change)]
 
   # ------------------------------------------------------------ the rule
   def _damping_floor(self):
     """The damping's floor (float64): min_damping, or with
     relative_min_damping r the larger of it and r * the curvature scale
     (the mean eigenvalue of the K-FAC curvature, recipe/scale.py)."""
-    floor = tf.constant(float(self._min_damping), tf.float64)
-    if self._relative_min_damping is None:
+    floor = tf.constant(float(self._settings.min_damping), tf.float64)
+    if self._settings.relative_min_damping is None:
       return floor
-    curvature = scale.curvature_scale(self._require_estimator().blocks)
-    return tf.maximum(floor, float(self._relative_min_damping) * curvature)
+    curvature = scale.curvature_scale(self._estimator().blocks)
+    return tf.maximum(
+        floor, float(self._settings.relative_min_damping) * curvature)
 
   def _apply_rule(self, loss_before, loss_after, model_change, counter,
                   extra_ops=()):
@@ -220,32 +285,34 @@ class AdaptiveDampingMixin:
     rho = damping_adaptation.reduction_ratio(loss_before, loss_after,
                                              model_change)
     new = damping_adaptation.adapted_damping(
-        self._damping, rho, self._adaptation_decay,
-        self._adaptation_interval, self._rho_lower, self._rho_upper,
+        self.damping, rho, self._settings.damping_adaptation_decay,
+        self._settings.damping_adaptation_interval,
+        self._settings.damping_increase_rho_threshold,
+        self._settings.damping_decrease_rho_threshold,
         self._damping_floor())
-    ops = [self._record("rho").assign(rho),
-           self._damping.assign(tf.cast(new, self._damping.dtype))]
+    ops = [self._records.get("rho").assign(rho),
+           self.damping.assign(tf.cast(new, self.damping.dtype))]
     ops.extend(extra_ops)
-    if self._print_logs:
+    if self._settings.print_logs:
       ops.append(tf.print("kfac step", counter, "rho", rho, "damping", new,
                           "qmodel_change", model_change, "loss before",
                           loss_before, "after", loss_after))
     return tf.group(*ops)
 
-  def _adaptation_before_update(self, update):
+  def before_update(self, update):
     """Ops to run before the variables change (see the module docstring)."""
     del update  # the ops only need to run before the variables change
-    if not (self._adapt_damping and self._is_chief):
+    if not (self._settings.adapt_damping and self._is_chief):
       return []
     ops = []
-    adapt_now = self._adaptation_step()
-    if not self._use_passed_loss:
+    adapt_now = self.adaptation_step()
+    if not self._settings.use_passed_loss:
       keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
       given = self._given_train_batch_loss()
       if given is not None:  # no evaluation needed
         ops.append(utils.cond_op(adapt_now, lambda: keep.assign(given)))
       else:
-        ops.append(self._cond_with_loss(adapt_now, self._train_batch,
+        ops.append(self._cond_with_loss(adapt_now, self.train_batch,
                                         "train_batch", keep.assign))
     return ops
 
@@ -263,14 +330,14 @@ class AdaptiveDampingMixin:
     on workers that are not the chief) it returns tf.no_op(), as kfac
     0.2.x did. In a TF1 graph or inside a tf.function (one op per graph).
     """
-    ops = self._pre_update_ops()
+    ops = self.pre_update_ops()
     return ops[0] if ops else tf.no_op()
 
-  def _pre_update_ops(self):
+  def pre_update_ops(self):
     """[the delayed rule's op of the current graph] (made once per graph
     and replica), or [] when there is no delayed rule."""
-    if not (self._adapt_damping and self._is_chief and
-            not self._update_damping_immediately):
+    if not (self._settings.adapt_damping and self._is_chief and
+            not self._settings.update_damping_immediately):
       return []
     self._check_graph_mode("maybe_pre_update_adapt_damping")
     if (collective.is_distributed() and
@@ -283,7 +350,7 @@ class AdaptiveDampingMixin:
     cached = self._pre_update_op
     if cached is not None and cached.graph is graph:
       return [cached]
-    with tf.name_scope(self.get_name() + "_pre_update_adapt_damping"):
+    with tf.name_scope(self._name + "_pre_update_adapt_damping"):
       op = tf.group(self._delayed_rule_op())
     self._pre_update_op = op
     return [op]
@@ -296,7 +363,7 @@ class AdaptiveDampingMixin:
                                           tf.float64)
     prev_change = self._store.get_or_create("adaptive/prev_change", [],
                                             tf.float64)
-    counter = tf.convert_to_tensor(self.counter)
+    counter = tf.convert_to_tensor(self._counter())
 
     def evaluate_previous(after, counter):
       with tf.control_dependencies([self._apply_rule(
@@ -306,23 +373,23 @@ class AdaptiveDampingMixin:
 
     return self._cond_with_loss(
         tf.greater(tf.convert_to_tensor(pending), 0),
-        self._prev_train_batch, "prev_train_batch", evaluate_previous,
+        self.prev_train_batch, "prev_train_batch", evaluate_previous,
         (counter,))
 
-  def _adaptation_after_update(self, update, step_op):
+  def after_update(self, update, step_op):
     """Runs after `step_op` (the variables have changed)."""
-    if not (self._adapt_damping and self._is_chief):
+    if not (self._settings.adapt_damping and self._is_chief):
       return step_op
-    adapt_now = self._adaptation_step()
-    counter = tf.convert_to_tensor(self.counter)
+    adapt_now = self.adaptation_step()
+    counter = tf.convert_to_tensor(self._counter())
     with tf.control_dependencies([step_op]):
       # Read after step_op, which waits for the ops that store the loss
       # before the update (use_passed_loss=False).
-      before = self._loss_before()
-      if self._update_damping_immediately:
+      before = self.loss_before()
+      if self._settings.update_damping_immediately:
         return self._cond_with_loss(
-            adapt_now, self._train_batch, "train_batch",
-            lambda after, before, change, counter: self._immediate_rule(
+            adapt_now, self.train_batch, "train_batch",
+            lambda after, before, change, counter: self.immediate_rule(
                 update, after, before, change, counter),
             (before, update.predicted_change(), counter))
 
@@ -335,32 +402,32 @@ class AdaptiveDampingMixin:
             store.get("adaptive/pending").assign(1), *records)
       return utils.cond_op(adapt_now, keep)
 
-  def _immediate_rule(self, update, after, before, change, counter):
+  def immediate_rule(self, update, after, before, change, counter):
     """The rule's ops of an adaptation step (update_damping_immediately),
     given the loss after the update; `change` is update.predicted_change()
     (passed in: under several replicas it comes into the branch as an
     argument)."""
-    records = ([self._record("qmodel_change").assign(change)]
+    records = ([self._records.get("qmodel_change").assign(change)]
                if update.model_change is None else [])  # else recorded
     return self._apply_rule(before, after, change, counter, records)
 
   # ------------------------------------------------------------ calibration
-  def _calibration_op(self, update):
+  def calibration_op(self, update):
     """One calibration step (module docstring): an op that tries `update`,
     restores the variables and moves the damping."""
     if not self._is_chief:
       return tf.no_op()
-    before, saved, trial = self._calibration_trial(update)
+    before, saved, trial = self.calibration_trial(update)
     with tf.control_dependencies([trial]):
-      after = self._evaluate_loss_fn(self._train_batch, "train_batch")
-    return self._calibration_finish(update, before, after, saved)
+      after = self._evaluate_loss_fn(self.train_batch, "train_batch")
+    return self.calibration_finish(update, before, after, saved)
 
-  def _calibration_trial(self, update):
+  def calibration_trial(self, update):
     """(loss before, the variables' values before, the op that sets the
     variables to w + delta after reading both)."""
     variables = [v for _, v in update.deltas]
     deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
-    if self._use_passed_loss:
+    if self._settings.use_passed_loss:
       before = self._passed_loss_value()
     else:
       before = self._loss_before_update()
@@ -371,15 +438,15 @@ class AdaptiveDampingMixin:
       trial = tf.group(*[v.assign_add(d) for d, v in zip(deltas, variables)])
     return before, saved, trial
 
-  def _calibration_finish(self, update, before, after, saved):
+  def calibration_finish(self, update, before, after, saved):
     """After the trial's loss `after`: the variables restored to `saved`
     and the damping moved (an op)."""
-    counter = tf.convert_to_tensor(self.counter)
+    counter = tf.convert_to_tensor(self._counter())
     variables = [v for _, v in update.deltas]
     with tf.control_dependencies([after]):
       restored = tf.group(*[v.assign(s) for v, s in zip(variables, saved)])
     change = update.predicted_change()  # no commit records it now
-    records = [self._record("qmodel_change").assign(change)]
+    records = [self._records.get("qmodel_change").assign(change)]
     rho = damping_adaptation.reduction_ratio(before, after, change)
     log_step = self._store.get_or_create(
         "calibration/log_step", [], tf.float64,
@@ -387,13 +454,14 @@ class AdaptiveDampingMixin:
     direction = self._store.get_or_create("calibration/direction", [],
                                           tf.float64)
     new, new_step, new_direction = damping_adaptation.calibrated_damping(
-        self._damping, rho, log_step, direction, self._rho_lower,
-        self._rho_upper, self._damping_floor())
+        self.damping, rho, log_step, direction,
+        self._settings.damping_increase_rho_threshold,
+        self._settings.damping_decrease_rho_threshold, self._damping_floor())
     with tf.control_dependencies([restored]):
-      ops = [self._damping.assign(tf.cast(new, self._damping.dtype)),
+      ops = [self.damping.assign(tf.cast(new, self.damping.dtype)),
              log_step.assign(new_step), direction.assign(new_direction),
-             self._record("rho").assign(rho)] + records
-      if self._print_logs:
+             self._records.get("rho").assign(rho)] + records
+      if self._settings.print_logs:
         ops.append(tf.print("kfac burn-in step", counter, "rho", rho,
                             "damping", new, "qmodel_change", change,
                             "loss before", before, "after", after))
