@@ -12,9 +12,6 @@ from kfac.python.keras.optimizer.classes import kfac_class
 # (weight_decay, AdamW's decoupled decay, is new: in MUTABLE_HYPERPARAMETERS).
 _MUTABLE_HYPER_PARAMS = frozenset(MUTABLE_HYPERPARAMETERS) - {"weight_decay"}
 
-# The earlier name of the classes' common base (an alias, no class).
-KfacKerasMixin = KfacOptimizerBase
-
 
 def __getattr__(name):
   # `Kfac`, looked up where it is used: the class of the engine in use.

@@ -63,7 +63,11 @@ class Kfac(base.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pylint: di
           "This is the TF2 tf_keras Kfac; in a TF1 graph (v2 behaviour "
           "disabled or inside a tf.compat.v1.Graph) tf_keras's v1 engine "
           "takes kfac 0.2.x's graph-mode Kfac: use kfac.keras.optimizers."
-          "Kfac looked up there (or kfac.keras.optimizers.kfac_class()).")
+          "Kfac looked up there (or kfac.keras.optimizers.kfac_class()). A "
+          "name bound before v2 behaviour was disabled (`from "
+          "kfac.keras.optimizers import Kfac` above "
+          "tf.compat.v1.disable_v2_behavior()) still names this class: "
+          "disable v2 behaviour before that import, or look Kfac up after.")
     arguments.check_before_base(learning_rate, adaptive, kfac_kwargs)
     super().__init__(name=name, jit_compile=False)
     self._learning_rate = self._build_learning_rate(

@@ -278,7 +278,7 @@ class QuadraticModel:
     return update
 
   def set_model_change(self, grads_and_vars, update, source, damping):
-    """The predicted change of a regular / adam update (adaptive/mixin.py's
+    """The predicted change of a regular / adam update (this module's
     docstring): exact now, or the K-FAC model built where it is used.
     `damping`: a callable returning the damping now."""
     if not self._damping.uses_model:

@@ -6,7 +6,7 @@ each strategy's keyword arguments (`estimator_class`; kfac 0.2.x's
 
 A strategy's keyword arguments are those of its policy's constructor;
 the class of a strategy takes them, with the FisherEstimator's, and only
-sets the policy (optimizers/hyperparameters.check_placement reads its
+sets the policy (optimizers/config.check_placement reads its
 `__init__` to reject the arguments a strategy does not take).
 """
 

@@ -1,6 +1,6 @@
 """Inner products of lists of tensors in float64 (layer 1).
 
-The quadratic model's coefficients (adaptive/mixin.py) come from inner
+The quadratic model's coefficients (adaptive/quadratic_model.py) come from inner
 products of the gradient g, the preconditioned gradient p and the previous
 update d, one list of tensors per vector (a tensor per variable). They are
 taken in float64: a float32 input's products are then exact and the sums
