@@ -491,3 +491,33 @@ def test_public_methods_are_not_converted_by_autograph(cls):
   unmarked = [n for n in names
               if not hasattr(getattr(cls, n), "autograph_info__")]
   assert not unmarked, unmarked
+
+
+def test_kfac_02x_update_rule_helpers():
+  """kfac 0.2.x's private helpers of the update rule, which its own tests
+  and some users' subclasses call, keep their meaning: with g = the
+  gradients and p = the preconditioned gradients, <g, p> = 174 here, so at
+  learning rate 0.1 the update's squared Fisher norm is 1.74; the clip
+  coefficient is 1 under a norm constraint of 10 and sqrt(0.5 / 1.74)
+  under 0.5, and _clip_updates scales p by it."""
+  g = [np.array([[1., 2.], [3., 4.]]), np.array([[2., 3.], [4., 5.]])]
+  p = [np.array([[3., 4.], [5., 6.]]), np.array([[7., 8.], [9., 10.]])]
+  with tf.Graph().as_default():
+    gv = [(tf.constant(x, tf.float32), None) for x in g]
+    pv = [(tf.constant(x, tf.float32), None) for x in p]
+    values = {}
+    for bound in (10.0, 0.5):
+      opt = kfac.KfacOptimizer(0.1, 0.2, kfac.LayerCollection(),
+                               norm_constraint=bound,
+                               name="clip_%d" % int(bound * 10))
+      values[bound] = (opt._squared_fisher_norm(gv, pv),  # pylint: disable=protected-access
+                       opt._update_clip_coeff(gv, pv),  # pylint: disable=protected-access
+                       [c for c, _ in opt._clip_updates(gv, pv)])  # pylint: disable=protected-access
+    with tf.compat.v1.Session() as sess:
+      got = sess.run(values)
+  for bound, coeff in ((10.0, 1.0), (0.5, np.sqrt(0.5 / 1.74))):
+    sq_norm, got_coeff, clipped = got[bound]
+    assert sq_norm == pytest.approx(174.0, rel=1e-12)
+    assert got_coeff == pytest.approx(coeff, rel=1e-6)
+    for c, x in zip(clipped, p):
+      np.testing.assert_allclose(c, coeff * x, rtol=1e-6)

@@ -753,6 +753,12 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     return self._update_rule.squared_fisher_norm(vecs_and_vars,
                                                  precon_and_vars)
 
+  def _update_clip_coeff(self, vecs_and_vars, precon_and_vars):
+    return self._update_rule.clip_coeff(vecs_and_vars, precon_and_vars)
+
+  def _clip_updates(self, vecs_and_vars, precon_and_vars):
+    return self._update_rule.clip(vecs_and_vars, precon_and_vars)
+
   def _gradient_operands(self, grads_and_vars):
     """{var ref: (x, d)} of the dense weight gradients the preconditioning
     reads through the operands of their product (when nothing else reads
