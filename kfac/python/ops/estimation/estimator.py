@@ -400,19 +400,9 @@ class FisherEstimator:
   def checked_cov_update(self, pred, gate=None, should_decay=True,
                          scope=None, conditional_reduction=False):
     """The statistics update of a training step, guarded against
-    non-finite values (reliability/nonfinite.py).
-
-    When `pred` (a Python bool or a boolean tensor) and `gate` (a boolean
-    tensor: the step's loss and gradients are finite; None: no guard) hold,
-    computes every factor's statistics and, with a gate, folds them in only
-    if all of them are finite. Returns a boolean tensor: False when the
-    statistics were computed and are not all finite (the step must then be
-    skipped), True otherwise. Under several replicas the statistics are
-    reduced before the check, so the flag is the same on every replica.
-    With lazy_statistics_sync, or `conditional_reduction` (reduce only when
-    `pred` holds: conditional_cov_update), each factor is guarded on its
-    own and the flag is True.
-    """
+    non-finite values: `statistics.Statistics.checked_update`, which says
+    what `pred`, `gate`, `should_decay` and `conditional_reduction` do and
+    what the returned flag means."""
     self._finalize()
     return self._statistics.checked_update(pred, gate, should_decay, scope,
                                            conditional_reduction)
