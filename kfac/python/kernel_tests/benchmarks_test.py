@@ -646,6 +646,7 @@ def test_tree_step_time_tiny(tmp_path):
     assert len(row[side]["cpu_all"]) == 1 and row[side]["cpu_ms"] > 0
   assert math.isclose(row["ratio_cpu"],
                       row["tree"]["cpu_ms"] / row["base"]["cpu_ms"])
+  assert math.isclose(row["paired_ratio_cpu"], row["ratio_cpu"])  # 1 round
   assert "| autoencoder_session |" in (tmp_path / "tree_step_time.md"
                                        ).read_text()
 
