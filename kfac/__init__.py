@@ -33,12 +33,12 @@ from kfac.python.ops import linear_operator
 from kfac.python.ops import loss_functions
 from kfac.python.ops import op_queue
 from kfac.python.ops import optimizer
-from kfac.python.ops.optimizers import periodic as periodic_inv_cov_update_kfac_opt
 from kfac.python.ops import placement
 from kfac.python.ops.schedules import hyperparameters as schedules
 from kfac.python.ops.tensors import state
 from kfac.python.ops import utils
 from kfac.python.ops.kfac_utils import async_inv_cov_update_kfac_opt
+from kfac.python.ops.kfac_utils import periodic_inv_cov_update_kfac_opt
 from kfac.python.ops.tensormatch import graph_matcher
 from kfac.python.ops.tensormatch import graph_search
 

@@ -43,7 +43,6 @@ from tf_keras.src.backend import track_variable
 from kfac.python.keras import utils as keras_utils
 from kfac.python.ops.reliability import arguments
 from kfac.python.ops.optimizers import kfac_optimizer as optimizer_lib
-from kfac.python.ops.optimizers import periodic as periodic_lib
 
 _DOC = __doc__
 # The hyperparameters Keras keeps (kfac 0.2.x: _MUTABLE_HYPER_PARAMS).
@@ -66,7 +65,7 @@ def _core_defaults():
   """Default values of the core optimizer's arguments (JSON-able ones)."""
   out = {}
   for fn in (optimizer_lib.KfacOptimizer.__init__,
-             periodic_lib.PeriodicInvCovUpdateKfacOpt.__init__):
+             optimizer_lib.PeriodicInvCovUpdateKfacOpt.__init__):
     for name, param in inspect.signature(fn).parameters.items():
       if name in _NOT_IN_CONFIG or param.default is inspect.Parameter.empty:
         continue
@@ -280,7 +279,7 @@ class Kfac(tf_keras.optimizers.legacy.Optimizer):  # pylint: disable=missing-doc
         _ = self.iterations
         self._create_hypers()
     kwargs.update(self._hyper)
-    self._optimizer = periodic_lib.PeriodicInvCovUpdateKfacOpt(
+    self._optimizer = optimizer_lib.PeriodicInvCovUpdateKfacOpt(
         layer_collection=self._layer_collection, **kwargs)
 
   def _track_new_variables(self):

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac.python.keras import probabilities
-from kfac.python.keras.layer_registration import RegistrationError
+from kfac.python.keras.registration_keys import RegistrationError
 
 _ALIASES = {
     "mse": "mean_squared_error",

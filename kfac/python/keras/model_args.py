@@ -9,8 +9,8 @@ that name the argument.
 """
 
 from kfac.python.keras import keras_flavor
-from kfac.python.keras import layer_registration
-from kfac.python.keras.layer_registration import RegistrationError
+from kfac.python.keras import registration_keys
+from kfac.python.keras.registration_keys import RegistrationError
 
 
 def layers_depth_first(model):
@@ -45,7 +45,7 @@ def verified_dict(container, what, names):
     return {}
   if isinstance(container, dict):
     unknown = [k for k in container if isinstance(k, str) and
-               layer_registration.class_key_name(k) is None and
+               registration_keys.class_key_name(k) is None and
                k not in names]
     if unknown:
       raise RegistrationError(

@@ -4,8 +4,8 @@ as a Keras optimizer, defined in the package kfac/python/keras/optimizer/
 looked up: optimizer/classes.py)."""
 
 # pylint: disable=unused-import
-from kfac.python.keras.optimizer.arguments import MUTABLE_HYPERPARAMETERS
-from kfac.python.keras.optimizer.base import KfacOptimizerBase
+from kfac.python.keras.optimizer.engine import KfacOptimizerBase
+from kfac.python.keras.optimizer.engine import MUTABLE_HYPERPARAMETERS
 from kfac.python.keras.optimizer.classes import kfac_class
 
 # kfac 0.2.x's name of the hyperparameters kept in variables, as it had them

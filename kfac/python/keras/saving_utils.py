@@ -22,7 +22,7 @@ import logging
 
 from kfac.python.keras import keras_flavor
 from kfac.python.keras.optimizer import classes as kfac_classes
-from kfac.python.keras.optimizer import base as kfac_base
+from kfac.python.keras.optimizer import engine as kfac_engine
 
 
 def load_model(filepath, custom_objects=None, optimizer_name=None,
@@ -56,7 +56,7 @@ def load_model(filepath, custom_objects=None, optimizer_name=None,
   model = keras.saving.load_model(filepath, custom_objects=objects,
                                   compile=compile, **kwargs)
   optimizer = getattr(model, "optimizer", None)
-  if isinstance(optimizer, kfac_base.KfacOptimizerBase):
+  if isinstance(optimizer, kfac_engine.KfacOptimizerBase):
     if optimizer.model is None:
       optimizer.register_model(model)
   if optimizer_name and optimizer is not None:

@@ -200,7 +200,7 @@ def test_damping_rule_reuses_the_training_loss_in_fit():
   loss before the update is fit's own training loss (the same value: the
   rule replays the training pass's dropout masks), and the calibration's
   trial and the rule's loss after the update share one evaluation
-  (adaptive/shared_evaluation.py): the traced step calls the model twice
+  (optimizers/step.py): the traced step calls the model twice
   (training pass, the loss after a trial or an update), was 5, then 3. In
   a custom loop whose loss is not model.compute_loss, loss_fn evaluates it
   (in the calibration and before the rule): 4 calls. The value kept as the

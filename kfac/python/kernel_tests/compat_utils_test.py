@@ -595,7 +595,7 @@ def test_op_queue():
 def test_old_import_paths():
   # pylint: disable=g-import-not-at-top
   from kfac.python.ops.data import data_reader_alt
-  from kfac.python.ops.optimizers import periodic
+  from kfac.python.ops.optimizers import kfac_optimizer
   from kfac.python.ops.kfac_utils import data_reader as old_reader
   from kfac.python.ops.kfac_utils import data_reader_alt as old_alt
   from kfac.python.ops.kfac_utils import periodic_inv_cov_update_kfac_opt
@@ -603,7 +603,7 @@ def test_old_import_paths():
   assert old_reader.VariableBatchReader is data_reader.VariableBatchReader
   assert old_alt.CachedDataReader is data_reader_alt.CachedDataReader
   assert (periodic_inv_cov_update_kfac_opt.PeriodicInvCovUpdateKfacOpt is
-          periodic.PeriodicInvCovUpdateKfacOpt)
+          kfac_optimizer.PeriodicInvCovUpdateKfacOpt)
 
 
 # ------------------------------------------- readers of per-step batches

@@ -25,7 +25,6 @@ import kfac.keras
 from kfac.python.keras import keras_flavor
 from kfac.python.ops.optimizers import config as config_lib
 from kfac.python.ops.optimizers import kfac_optimizer
-from kfac.python.ops.optimizers import periodic
 
 keras = keras_flavor.keras_module()
 
@@ -65,7 +64,7 @@ def _leaf_fields():
 def test_every_setting_is_one_field():
   args = set()
   for fn in (kfac_optimizer.KfacOptimizer.__init__,
-             periodic.PeriodicInvCovUpdateKfacOpt.__init__):
+             kfac_optimizer.PeriodicInvCovUpdateKfacOpt.__init__):
     args |= set(inspect.signature(fn).parameters)
   settings = args - NOT_SETTINGS
   fields = _leaf_fields()

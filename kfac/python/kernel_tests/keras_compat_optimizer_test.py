@@ -25,7 +25,7 @@ import kfac
 from kfac.python.keras import callbacks
 from kfac.python.keras import optimizers
 from kfac.python.keras.optimizer import classes as kfac_classes
-from kfac.python.ops.optimizers import periodic as periodic_lib
+from kfac.python.ops.optimizers import kfac_optimizer
 
 # tf_keras is required (make venv installs it): missing, collection fails.
 import tf_keras  # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -101,7 +101,7 @@ def test_graph_fit_equals_core_optimizer_steps():
     lc = kfac.LayerCollection()
     lc.register_fully_connected((ref.kernel, ref.bias), x_in, ref_out)
     lc.register_squared_error_loss(ref_out)
-    core = periodic_lib.PeriodicInvCovUpdateKfacOpt(
+    core = kfac_optimizer.PeriodicInvCovUpdateKfacOpt(
         learning_rate=0.2, damping=0.05, layer_collection=lc,
         estimation_mode="exact", invert_every=1, name="reference")
     ref_loss = tf.reduce_mean(tf.square(ref_out - y_in))
@@ -123,7 +123,7 @@ def test_graph_fit_equals_core_optimizer_steps():
     assert tf_keras.backend.get_value(opt.iterations) == STEPS
     # The K-FAC state is in the optimizer's weights after the first step.
     assert len(opt.weights) > 1 + len(opt.mutable_hyperparameters)
-    assert isinstance(opt.optimizer, periodic_lib.PeriodicInvCovUpdateKfacOpt)
+    assert isinstance(opt.optimizer, kfac_optimizer.PeriodicInvCovUpdateKfacOpt)
     assert opt.layers is opt.optimizer.layers
 
 
@@ -351,7 +351,7 @@ def test_tf2_old_names_and_errors(legacy):
   cls = kfac_classes.kfac_class(legacy=legacy)
   model = _tf2_model(keras)
   opt = cls(learning_rate=0.1, damping=0.01)
-  assert isinstance(opt.optimizer, periodic_lib.PeriodicInvCovUpdateKfacOpt)
+  assert isinstance(opt.optimizer, kfac_optimizer.PeriodicInvCovUpdateKfacOpt)
   assert opt.optimizer is opt.kfac_optimizer
   assert opt.mutable_hyperparameters == {
       "learning_rate", "damping", "momentum", "weight_decay_coeff"}

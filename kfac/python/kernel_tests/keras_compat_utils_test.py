@@ -31,7 +31,7 @@ import kfac
 from kfac.python.keras import utils
 from kfac.python.ops import fisher_blocks
 from kfac.python.ops import losses as loss_functions
-from kfac.python.ops.optimizers import periodic as periodic_lib
+from kfac.python.ops.optimizers import kfac_optimizer
 
 # keras and tf_keras are required (make venv installs tf_keras): missing,
 # collection fails.
@@ -139,7 +139,7 @@ def test_graph_kfac_step_equals_hand_registration():
     by_hand.register_squared_error_loss(out, coeff=1.0)
     train_ops = []
     for lc in (by_utils, by_hand):
-      opt = periodic_lib.PeriodicInvCovUpdateKfacOpt(
+      opt = kfac_optimizer.PeriodicInvCovUpdateKfacOpt(
           learning_rate=0.1, damping=0.01, layer_collection=lc,
           estimation_mode="exact", invert_every=1, cov_update_every=1,
           momentum=0.0)

@@ -35,8 +35,8 @@ import tensorflow as tf
 
 import kfac
 from kfac.python.keras import keras_flavor
-from kfac.python.keras import layer_recorder
 from kfac.python.keras import recurrent
+from kfac.python.keras import layer_registration
 from kfac.python.keras import utils as keras_utils
 from kfac.python.kernel_tests import keras_optimizer_test as base
 from kfac.python.kernel_tests import kfac_test_util
@@ -131,7 +131,7 @@ def test_recorded_forward_equals_the_layer(name, initial_state):
   inputs += [rng.randn(N, units) for units in _states(model)]
   if len(inputs) == 1:
     inputs = inputs[0]
-  recorder = layer_recorder.recorder_for(model)
+  recorder = layer_registration.recorder_for(model)
   cells = _cells(model)
   kinds = []
 
@@ -172,7 +172,7 @@ def test_forward_mode_products_reach_the_recurrent_weights(name):
   weights = [keras_flavor.unwrap_variable(v)
              for v in _cells(model)[0].trainable_weights]
   tangents = [tf.constant(rng.randn(*v.shape)) for v in weights]
-  layer_recorder.recorder_for(model)
+  layer_registration.recorder_for(model)
 
   @tf.function
   def recorded():
@@ -275,7 +275,7 @@ def test_mixed_float16_registers_the_kronecker_blocks_and_steps():
     for make in (lambda: keras.layers.GRU(4),):
       model = keras.Sequential([keras.Input((T, D)), make(),
                                 keras.layers.Dense(2, dtype="float32")])
-      layer_recorder.recorder_for(model)  # the traced call is recorded
+      layer_registration.recorder_for(model)  # the traced call is recorded
       got = tf.function(lambda v: model(v, training=True))(x)
       want = model(x, training=True)
       np.testing.assert_allclose(np.asarray(got), np.asarray(want),
@@ -352,7 +352,7 @@ def test_initial_state_of_the_wrong_length_is_an_error_naming_the_layer():
   """(Keras's own loop fails with an IndexError there.)"""
   model = _model(CONFIGS["lstm"])
   layer = model.layers[-1]
-  layer_recorder.recorder_for(model)
+  layer_registration.recorder_for(model)
 
   @tf.function
   def call(x, h):

@@ -1,4 +1,4 @@
-"""The tables of layer kinds (collection/layer_kinds.py, keras/layer_kinds.py)
+"""The tables of layer kinds (collection/layer_kinds.py, keras/layer_registration.py)
 agree with the LayerCollection: one thin method per registration function
 of a family, with the function's signature and docstring, and a settable
 default for each settable kind."""
@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from kfac.python.keras import layer_kinds as keras_layer_kinds
+from kfac.python.keras import layer_registration as keras_layer_kinds
 from kfac.python.ops.collection import layer_kinds
 from kfac.python.ops.collection.layer_collection import LayerCollection
 

@@ -1,5 +1,5 @@
 """The calibration's trial and the immediate damping rule share one
-evaluation of loss_fn in the step's graph (adaptive/shared_evaluation.py):
+evaluation of loss_fn in the step's graph (optimizers/step.py):
 every variable, the damping and the rule's records equal those of the two
 separate evaluations, step by step, in float64 (TF1 Sessions with control
 flow v1 and v2, tf.function), and the graph evaluates loss_fn once."""
@@ -11,7 +11,7 @@ import pytest
 
 from kfac.python.kernel_tests import adaptive_test as at
 from kfac.python.kernel_tests import kfac_test_util as util
-from kfac.python.ops.adaptive import damping_controller
+from kfac.python.ops.adaptive import quadratic_model
 
 BURNIN = 3
 STEPS = 8
@@ -24,7 +24,7 @@ def _separate_evaluations(separate):
   if not separate:
     yield
     return
-  cls = damping_controller.DampingController
+  cls = quadratic_model.DampingController
   saved = cls.shares_evaluation
   cls.shares_evaluation = lambda self, trial: False
   try:

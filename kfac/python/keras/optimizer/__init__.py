@@ -7,7 +7,7 @@ kfac/python/keras/optimizers.py is the thin kfac 0.2.4 path users import).
     model.fit(...)
 
 How it works. Creating the optimizer with `model=` installs a recorder on the
-model's layers (layer_recorder). Keras traces `fit`'s train step into one
+model's layers (layer_registration). Keras traces `fit`'s train step into one
 graph: the forward pass records each layer's inputs and pre-activations, and
 the optimizer's update, which runs in the same graph, registers the layers
 and the loss on a fresh LayerCollection (kfac.keras.utils.
@@ -55,12 +55,11 @@ tf_keras in a TF1 graph, kfac 0.2.x's graph-mode class of its v1 engine
 (keras/graph_optimizer.py; legacy_keras.py says why it is a class of its
 own). Each is defined in source in a module that imports its Keras.
 
-Modules: arguments (what Kfac accepts; the default recipe's values), engine
-(KfacEngine, the K-FAC part a Keras Kfac holds: set-up, model,
-hyperparameter variables), step (KerasStep, the engine's per-trace
-registration and K-FAC update), losses (compiled vs given losses), config
-(get_config / from_config, saved variables), base (KfacOptimizerBase: what
-the Keras classes show, delegated to their engine), keras3 and
-legacy_keras (the Keras 3 and TF2 tf_keras Kfac classes), classes
-(kfac_class: which class; `Kfac`).
+Modules: engine (KfacEngine, the K-FAC part a Keras Kfac holds: what Kfac
+accepts and the default recipe's values, set-up, model, hyperparameter
+variables; KfacOptimizerBase, what the Keras classes show, delegated to
+their engine; KerasStep, the engine's per-trace registration and K-FAC
+update), losses (compiled vs given losses), config (get_config /
+from_config, saved variables), keras3 and legacy_keras (the Keras 3 and
+TF2 tf_keras Kfac classes), classes (kfac_class: which class; `Kfac`).
 """

@@ -4,15 +4,13 @@ is Keras 3). Imported only where that flavour is used (classes.py)."""
 import keras
 
 from kfac.python.keras import keras_flavor
-from kfac.python.keras.optimizer import arguments
-from kfac.python.keras.optimizer import base
 from kfac.python.keras.optimizer import engine as engine_lib
 
 
 @keras.saving.register_keras_serializable(package="kfac", name="Kfac")
-class Kfac(base.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
-  __doc__ = arguments.CONSTRUCTOR_DOC
-  __module__ = base.PUBLIC_MODULE
+class Kfac(engine_lib.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
+  __doc__ = engine_lib.CONSTRUCTOR_DOC
+  __module__ = engine_lib.PUBLIC_MODULE
 
   def __init__(self, learning_rate=None, damping=None, model=None,
                loss=None, loss_weights=None, fisher_approx=None,
@@ -24,7 +22,7 @@ class Kfac(base.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint: disab
           "or inside a tf.compat.v1.Graph). For kfac 0.2.x graph-mode "
           "Keras code set TF_USE_LEGACY_KERAS=1 (tf_keras) before "
           "importing TensorFlow; or run in TF2 (eager + tf.function).")
-    arguments.check_before_base(learning_rate, adaptive, kfac_kwargs)
+    engine_lib.check_before_base(learning_rate, adaptive, kfac_kwargs)
     super().__init__(learning_rate=float(learning_rate or 0.0), name=name)
     self._kfac_attach(engine_lib.KfacEngine(
         self.name, self._kfac_make_variable, lambda: self._learning_rate,

@@ -44,15 +44,13 @@ import tensorflow as tf
 import tf_keras
 
 from kfac.python.keras import keras_flavor
-from kfac.python.keras.optimizer import arguments
-from kfac.python.keras.optimizer import base
 from kfac.python.keras.optimizer import engine as engine_lib
 
 
 @tf_keras.saving.register_keras_serializable(package="kfac", name="Kfac")
-class Kfac(base.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
-  __doc__ = arguments.CONSTRUCTOR_DOC
-  __module__ = base.PUBLIC_MODULE
+class Kfac(engine_lib.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pylint: disable=missing-docstring
+  __doc__ = engine_lib.CONSTRUCTOR_DOC
+  __module__ = engine_lib.PUBLIC_MODULE
 
   def __init__(self, learning_rate=None, damping=None, model=None,
                loss=None, loss_weights=None, fisher_approx=None,
@@ -68,7 +66,7 @@ class Kfac(base.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pylint: di
           "kfac.keras.optimizers import Kfac` above "
           "tf.compat.v1.disable_v2_behavior()) still names this class: "
           "disable v2 behaviour before that import, or look Kfac up after.")
-    arguments.check_before_base(learning_rate, adaptive, kfac_kwargs)
+    engine_lib.check_before_base(learning_rate, adaptive, kfac_kwargs)
     super().__init__(name=name, jit_compile=False)
     self._learning_rate = self._build_learning_rate(
         float(learning_rate or 0.0))

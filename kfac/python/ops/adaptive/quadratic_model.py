@@ -1,4 +1,6 @@
-"""The quadratic model behind K-FAC's adaptive learning rate and momentum.
+"""Adaptive K-FAC: the quadratic model behind the learning rate and
+momentum, and the damping that checks it (`QuadraticModel`,
+`DampingController`; the Levenberg-Marquardt rule's math: damping_rule.py).
 
 With g the gradient, p the preconditioned gradient (the new direction) and
 d the previous update, K-FAC looks for the update x1 * p + x2 * d that
@@ -24,8 +26,9 @@ Degenerate cases of the 2x2 solve, in order:
 
 `QuadraticModel`, the part of the step that builds this model from a
 step's gradient, preconditioned gradient and previous update (and the
-damping rule's predicted change of a regular / adam update), is at the end
-of the module:
+damping rule's predicted change of a regular / adam update), follows the
+model's math; `DampingController`, which uses its predicted change, closes
+the module:
 
 Quadratic model. With g the gradient of the mean loss, p = F^-1 g the
 K-FAC preconditioned gradient (F^-1 with the preconditioner damping
@@ -77,9 +80,14 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from kfac.python.ops.adaptive import damping_rule as damping_adaptation
+from kfac.python.ops.adaptive.recipe import scale
+from kfac.python.ops.compat_utils import introspection
 from kfac.python.ops.distribute import collective
+from kfac.python.ops.distribute import replicas
 from kfac.python.ops.numerics.inner_products import gram64, sum_inner64
 from kfac.python.ops.tensors import utils
+
 
 # Relative size below which det(M) counts as zero (p and d parallel).
 DET_RTOL = 1e-12
@@ -149,7 +157,7 @@ class QuadraticModel:
   def __init__(self, config, velocities, momentum):
     """config: the optimizer's config.KfacConfig (its update rule, damping
     and curvature groups); velocities: the momentum state
-    (optimizers/update_rule.Velocities); momentum: the fixed momentum of
+    (optimizers/step.Velocities); momentum: the fixed momentum of
     "qmodel_fixedmu" (a number, tensor, variable or callable)."""
     self._update = config.update
     self._damping = config.damping
@@ -319,3 +327,464 @@ def _read(value):
   """A hyperparameter's value now: a callable (not a variable) is called."""
   return value() if callable(value) and not isinstance(
       value, tf.Variable) else value
+
+
+# --------------------------------------------------------------------------
+# The damping controller: K-FAC's damping, its rule and its calibration.
+#
+# `DampingController` is the part of a K-FAC step (optimizers/step.py) that
+# holds the damping (a float64 state variable, or the user's scalar
+# variable, or the damping given), builds the Levenberg-Marquardt damping
+# rule (`adaptive/damping_rule.py` has its math) into a training step, and
+# the calibration of the initial damping that `PeriodicInvCovUpdateKfacOpt`
+# runs during its burn-in steps with `calibrate_damping=True`. It also keeps
+# what the rule evaluates in a step (the loss, the batches: the optimizer's
+# `set_*` methods set them per trace).
+#
+# Damping rule: rho = (loss after - loss before) / qmodel_change on the same
+# mini-batch, every damping_adaptation_interval steps (the steps where the
+# counter is a multiple of it).
+#
+# * update_damping_immediately=True: on such a step the loss before is the
+#   passed loss (`minimize`'s loss or `set_loss`; with use_passed_loss=False,
+#   loss_fn(train_batch) evaluated before the update, or the value of it
+#   given by `set_train_batch_loss`, e.g. the Keras optimizer's training
+#   loss), and the loss after is
+#   loss_fn(train_batch) evaluated after the update, in the same step: one
+#   extra forward pass on adaptation steps only.
+# * update_damping_immediately=False: on such a step the loss before and the
+#   predicted change are kept; at the start of the next step
+#   loss_fn(prev_train_batch) (the previous step's batch, e.g.
+#   `CachedDataReader.cached_batch`) is evaluated at the current parameters
+#   and the damping adapted, before anything of that step reads the damping
+#   (PeriodicInvCovUpdateKfacOpt: before its inverse updates, so they use the
+#   new damping, as in kfac 0.2.x). That op is kfac 0.2.x's
+#   `maybe_pre_update_adapt_damping()`: a script that runs it before the
+#   step as 0.2.x told (in the same session.run with a control dependency,
+#   or a session.run of its own) gets the same op the step depends on, and
+#   it adapts the damping once per adaptation (it runs only while an
+#   evaluation is pending, and clears it).
+#
+# Calibration, on each burn-in step (the parameters do not move then): the
+# step's update delta is tried on the step's batch (the variables are set to
+# w + delta, loss_fn(train_batch) is evaluated, and the variables get back
+# their exact previous values), rho of that trial is computed as above, and
+# `damping_adaptation.calibrated_damping` moves the damping (bisection in log
+# space towards rho between the thresholds). The inverses are recomputed on
+# every burn-in step, with the damping of that step.
+#
+# Under several replicas (tf.distribute) the losses are reduced across the
+# replicas (the passed loss summed, following the gradients' convention;
+# loss_fn's value averaged with the replicas' batch sizes as weights). A
+# reduction cannot run inside a plain conditional there, so the rule's
+# conditionals that evaluate loss_fn are taken for all replicas at once
+# (collective.cross_replica_cond), and loss_fn still runs on adaptation steps
+# only. The damping calibration moves the (mirrored) model variables inside a
+# conditional and is not supported with several replicas.
+#
+# Only the chief (is_chief=True) adapts or calibrates the damping. The
+# damping lives in a float64 state variable (`adaptive/damping`), or in the
+# scalar variable passed as `damping`, floored at min_damping; the
+# preconditioner adds l2_reg to it, so the effective damping never falls
+# below l2_reg + min_damping * precon_damping_mult. With relative_min_damping
+# r the floor is max(min_damping, r * curvature scale), the scale being the
+# mean eigenvalue of the K-FAC curvature read from the factors' traces
+# (recipe/scale.py), evaluated when the rule runs.
+
+
+class DampingController:
+  """The damping, the damping rule and the damping calibration (module
+  docstring)."""
+
+  # Set per trace; under MirroredStrategy each replica thread builds its
+  # own step (see distribute/replicas.py).
+  loss = replicas.PerReplicaAttribute()
+  passed_loss = replicas.PerReplicaAttribute()
+  train_batch = replicas.PerReplicaAttribute()
+  prev_train_batch = replicas.PerReplicaAttribute()
+  commit_active = replicas.PerReplicaAttribute()
+  _pre_update_op = replicas.PerReplicaAttribute()
+
+  def __init__(self, config, store, records, estimator, counter, name,
+               check_graph_mode, loss_fn=None, loss=None, train_batch=None,
+               prev_train_batch=None):
+    """config: the optimizer's config.KfacConfig (its damping group, and
+    is_chief); store: its StateStore; records: its optimizers/step.Records;
+    estimator: a callable returning the estimator of this trace; counter:
+    a callable returning the step counter variable; name: the optimizer's
+    name; check_graph_mode: a callable (what) that raises outside a graph;
+    loss_fn, loss, train_batch, prev_train_batch: what the rule evaluates
+    (module docstring)."""
+    self._settings = config.damping
+    self._is_chief = config.placement.is_chief
+    self._store = store
+    self._records = records
+    self._estimator = estimator
+    self._counter = counter
+    self._name = name
+    self._check_graph_mode = check_graph_mode
+    self._loss_fn = loss_fn
+    self.loss = loss
+    self.passed_loss = None
+    self.train_batch = train_batch
+    self.prev_train_batch = prev_train_batch
+    self.commit_active = None
+    self._pre_update_op = None
+    self.train_batch_loss = None
+
+  # ------------------------------------------------------------ the damping
+  @property
+  def damping(self):
+    """The damping now: K-FAC's adapted one (created in the StateStore
+    when first used: in the step, under a strategy, a replica-local
+    variable), or the value given (a schedule's reader: a callable)."""
+    settings = self._settings
+    if settings.kfac_owns_damping:
+      return self._store.get_or_create("adaptive/damping", [], tf.float64,
+                                       initial_value=settings.damping)
+    if settings.damping_schedule is None:
+      return settings.damping
+    schedule = settings.damping_schedule
+    return lambda: schedule(tf.convert_to_tensor(self._counter()))
+
+  def counter(self):
+    """The step counter variable."""
+    return self._counter()
+
+  @property
+  def owns_damping(self):
+    """Whether the adapted damping is K-FAC's (not the user's variable)."""
+    return self._settings.kfac_owns_damping
+
+  @property
+  def adapts(self):
+    """Whether this worker runs the damping rule."""
+    return self._settings.adapt_damping and self._is_chief
+
+  def shares_evaluation(self, trial):
+    """Whether a step with the calibration condition `trial` (None: no
+    calibration) evaluates the loss once for the calibration and the rule
+    (optimizers/step.py)."""
+    return (trial is not None and self._settings.adapt_damping and
+            self._is_chief and self._settings.update_damping_immediately and
+            not collective.is_distributed())
+
+  def set_train_batch_loss(self, loss):
+    """loss_fn(train_batch) at the current parameters, already computed in
+    this trace (e.g. the training forward pass's own loss, when loss_fn
+    replays that pass), or None.
+
+    With use_passed_loss=False the rule and the calibration then take it as
+    the loss before the update instead of evaluating loss_fn(train_batch)
+    once more: the same value, without another forward pass of the model
+    in the graph and at run time. It must be exactly that value (same
+    batch, same parameters, same random draws). One replica only; in a
+    tf.function call it on every trace (a tensor of another graph is not
+    used)."""
+    if loss is not None and collective.is_distributed():
+      raise ValueError(
+          "set_train_batch_loss is for one replica: under several replicas "
+          "loss_fn(train_batch) is evaluated and averaged across them.")
+    self.train_batch_loss = (
+        None if loss is None else
+        (tf.compat.v1.get_default_graph(), loss))
+
+  # ------------------------------------------------------------ losses
+  def adaptation_step(self):
+    counter = tf.convert_to_tensor(self._counter())
+    now = tf.equal(counter % self._settings.damping_adaptation_interval, 0)
+    # Under several replicas a step's commit is built unconditionally and
+    # says whether it applies (not during burn-in): see
+    # optimizers/replicated.py.
+    active = self.commit_active
+    return now if active is None else tf.logical_and(now, active)
+
+  @staticmethod
+  def _batch(batch):
+    return batch() if callable(batch) else batch
+
+  def checked_batch(self, batch, what):
+    batch = self._batch(batch)
+    if batch is None:
+      raise ValueError(
+          "The damping rule evaluates loss_fn(%s), but %s is not set: pass "
+          "it to the constructor or call set_%s(...) (in a tf.function, on "
+          "every trace)." % (what, what, what))
+    return batch
+
+  def loss_value(self, batch, examples=None):
+    """loss_fn(batch) in float64; under several replicas averaged across
+    them with the replicas' batch sizes `examples` as weights."""
+    value = tf.cast(self._loss_fn(batch), tf.float64)
+    if collective.is_distributed():
+      (value,) = collective.all_reduce([value], collective.MEAN,
+                                       weight=examples)
+    return value
+
+  def _evaluate_loss_fn(self, batch, what):
+    """loss_fn(batch) now (one replica: the calibration)."""
+    return self.loss_value(self.checked_batch(batch, what))
+
+  def _given_train_batch_loss(self):
+    """The float64 loss set by set_train_batch_loss in this trace (in the
+    current graph or one enclosing it), or None."""
+    given = self.train_batch_loss
+    if given is None:
+      return None
+    graph, loss = given
+    current = tf.compat.v1.get_default_graph()
+    while current is not None and current is not graph:
+      current = getattr(current, "outer_graph", None)
+    if current is None:
+      return None  # set in another trace
+    return tf.cast(loss, tf.float64)
+
+  def _loss_before_update(self):
+    """loss_fn(train_batch) before the update: the loss set by
+    set_train_batch_loss, else evaluated now."""
+    given = self._given_train_batch_loss()
+    if given is not None:
+      return given
+    return self._evaluate_loss_fn(self.train_batch, "train_batch")
+
+  def _cond_with_loss(self, pred, batch, what, make_op, args=()):
+    """An op that, when `pred` holds, evaluates loss_fn(batch) and runs
+    make_op(loss, *args). Under several replicas the reduction of the loss
+    needs the conditional taken for all replicas at once
+    (collective.cross_replica_cond), so everything per-replica that
+    make_op uses comes in `args`."""
+    batch = self.checked_batch(batch, what)
+    if not collective.is_distributed():
+      return utils.cond_op(
+          pred, lambda: make_op(self.loss_value(batch), *args))
+    examples = self._estimator().replica_examples()
+
+    def branch(batch, examples, *args):
+      return make_op(self.loss_value(batch, examples), *args)
+    return collective.cross_replica_cond(pred, branch,
+                                         (batch, examples) + tuple(args))
+
+  def _passed_loss_value(self):
+    loss = self.loss if self.loss is not None else self.passed_loss
+    if loss is None:
+      raise ValueError(
+          "The damping rule needs the loss before the update: use "
+          "minimize(loss), pass loss=... / call set_loss(loss), or pass "
+          "use_passed_loss=False to evaluate loss_fn(train_batch).")
+    loss = utils.cast(loss, tf.float64)
+    if collective.is_distributed():
+      loss = collective.all_reduce_one(loss, collective.SUM)
+    return loss
+
+  def loss_before(self):
+    if self._settings.use_passed_loss:
+      return self._passed_loss_value()
+    return tf.convert_to_tensor(self._store.get_or_create(
+        "adaptive/loss_before", [], tf.float64))
+
+  def _model_change_op(self, update):
+    """(predicted change, ops recording it) for use inside a branch."""
+    change = update.predicted_change()
+    if update.model_change is not None:  # recorded with the step
+      return change, []
+    return change, [self._records.get("qmodel_change").assign(change)]
+
+  # ------------------------------------------------------------ the rule
+  def _damping_floor(self):
+    """The damping's floor (float64): min_damping, or with
+    relative_min_damping r the larger of it and r * the curvature scale
+    (the mean eigenvalue of the K-FAC curvature, recipe/scale.py)."""
+    floor = tf.constant(float(self._settings.min_damping), tf.float64)
+    if self._settings.relative_min_damping is None:
+      return floor
+    curvature = scale.curvature_scale(self._estimator().blocks)
+    return tf.maximum(
+        floor, float(self._settings.relative_min_damping) * curvature)
+
+  def _apply_rule(self, loss_before, loss_after, model_change, counter,
+                  extra_ops=()):
+    """Ops that set rho and the new damping."""
+    rho = damping_adaptation.reduction_ratio(loss_before, loss_after,
+                                             model_change)
+    new = damping_adaptation.adapted_damping(
+        self.damping, rho, self._settings.damping_adaptation_decay,
+        self._settings.damping_adaptation_interval,
+        self._settings.damping_increase_rho_threshold,
+        self._settings.damping_decrease_rho_threshold,
+        self._damping_floor())
+    ops = [self._records.get("rho").assign(rho),
+           self.damping.assign(tf.cast(new, self.damping.dtype))]
+    ops.extend(extra_ops)
+    if self._settings.print_logs:
+      ops.append(tf.print("kfac step", counter, "rho", rho, "damping", new,
+                          "qmodel_change", model_change, "loss before",
+                          loss_before, "after", loss_after))
+    return tf.group(*ops)
+
+  def before_update(self, update):
+    """Ops to run before the variables change (see the module docstring)."""
+    del update  # the ops only need to run before the variables change
+    if not (self._settings.adapt_damping and self._is_chief):
+      return []
+    ops = []
+    adapt_now = self.adaptation_step()
+    if not self._settings.use_passed_loss:
+      keep = self._store.get_or_create("adaptive/loss_before", [], tf.float64)
+      given = self._given_train_batch_loss()
+      if given is not None:  # no evaluation needed
+        ops.append(utils.cond_op(adapt_now, lambda: keep.assign(given)))
+      else:
+        ops.append(self._cond_with_loss(adapt_now, self.train_batch,
+                                        "train_batch", keep.assign))
+    return ops
+
+  # ------------------------------------------------------ delayed rule
+  def maybe_pre_update_adapt_damping(self):
+    """kfac 0.2.x's op that adapts the damping at the start of a step.
+
+    With adapt_damping=True and update_damping_immediately=False (on the
+    chief), on the step after a damping adaptation step it evaluates
+    loss_fn(prev_train_batch) at the current parameters and moves the
+    damping (module docstring). The training step built by minimize /
+    apply_gradients runs this same op first, so a script need not run it;
+    one that does, as kfac 0.2.x told (every session.run, before the
+    inverse updates), adapts the damping once, not twice. Otherwise (and
+    on workers that are not the chief) it returns tf.no_op(), as kfac
+    0.2.x did. In a TF1 graph or inside a tf.function (one op per graph).
+    """
+    ops = self.pre_update_ops()
+    return ops[0] if ops else tf.no_op()
+
+  def pre_update_ops(self):
+    """[the delayed rule's op of the current graph] (made once per graph
+    and replica), or [] when there is no delayed rule."""
+    if not (self._settings.adapt_damping and self._is_chief and
+            not self._settings.update_damping_immediately):
+      return []
+    self._check_graph_mode("maybe_pre_update_adapt_damping")
+    if (collective.is_distributed() and
+        tf.distribute.in_cross_replica_context()):
+      raise ValueError(
+          "maybe_pre_update_adapt_damping() under a tf.distribute strategy "
+          "must be called inside the replica function (strategy.run), like "
+          "minimize; the training step runs it anyway.")
+    graph = tf.compat.v1.get_default_graph()
+    cached = self._pre_update_op
+    if cached is not None and cached.graph is graph:
+      return [cached]
+    with tf.name_scope(self._name + "_pre_update_adapt_damping"):
+      op = tf.group(self._delayed_rule_op())
+    self._pre_update_op = op
+    return [op]
+
+  def _delayed_rule_op(self):
+    """When an evaluation is pending: loss_fn(prev_train_batch) now, the
+    rule against the kept loss and predicted change, pending cleared."""
+    pending = self._store.get_or_create("adaptive/pending", [], tf.int64)
+    prev_loss = self._store.get_or_create("adaptive/prev_loss", [],
+                                          tf.float64)
+    prev_change = self._store.get_or_create("adaptive/prev_change", [],
+                                            tf.float64)
+    counter = tf.convert_to_tensor(self._counter())
+
+    def evaluate_previous(after, counter):
+      with tf.control_dependencies([self._apply_rule(
+          tf.convert_to_tensor(prev_loss), after,
+          tf.convert_to_tensor(prev_change), counter)]):
+        return pending.assign(0)
+
+    return self._cond_with_loss(
+        tf.greater(tf.convert_to_tensor(pending), 0),
+        self.prev_train_batch, "prev_train_batch", evaluate_previous,
+        (counter,))
+
+  def after_update(self, update, step_op):
+    """Runs after `step_op` (the variables have changed)."""
+    if not (self._settings.adapt_damping and self._is_chief):
+      return step_op
+    adapt_now = self.adaptation_step()
+    counter = tf.convert_to_tensor(self._counter())
+    with tf.control_dependencies([step_op]):
+      # Read after step_op, which waits for the ops that store the loss
+      # before the update (use_passed_loss=False).
+      before = self.loss_before()
+      if self._settings.update_damping_immediately:
+        return self._cond_with_loss(
+            adapt_now, self.train_batch, "train_batch",
+            lambda after, before, change, counter: self.immediate_rule(
+                update, after, before, change, counter),
+            (before, update.predicted_change(), counter))
+
+      def keep():
+        change, records = self._model_change_op(update)
+        store = self._store
+        return tf.group(
+            store.get("adaptive/prev_loss").assign(before),
+            store.get("adaptive/prev_change").assign(change),
+            store.get("adaptive/pending").assign(1), *records)
+      return utils.cond_op(adapt_now, keep)
+
+  def immediate_rule(self, update, after, before, change, counter):
+    """The rule's ops of an adaptation step (update_damping_immediately),
+    given the loss after the update; `change` is update.predicted_change()
+    (passed in: under several replicas it comes into the branch as an
+    argument)."""
+    records = ([self._records.get("qmodel_change").assign(change)]
+               if update.model_change is None else [])  # else recorded
+    return self._apply_rule(before, after, change, counter, records)
+
+  # ------------------------------------------------------------ calibration
+  def calibration_op(self, update):
+    """One calibration step (module docstring): an op that tries `update`,
+    restores the variables and moves the damping."""
+    if not self._is_chief:
+      return tf.no_op()
+    before, saved, trial = self.calibration_trial(update)
+    with tf.control_dependencies([trial]):
+      after = self._evaluate_loss_fn(self.train_batch, "train_batch")
+    return self.calibration_finish(update, before, after, saved)
+
+  def calibration_trial(self, update):
+    """(loss before, the variables' values before, the op that sets the
+    variables to w + delta after reading both)."""
+    variables = [v for _, v in update.deltas]
+    deltas = [tf.convert_to_tensor(d) for d, _ in update.deltas]
+    if self._settings.use_passed_loss:
+      before = self._passed_loss_value()
+    else:
+      before = self._loss_before_update()
+    # Copies: a TF1 reference variable's read would show the trial's values
+    # after the trial's assign_add (introspection.value_copy).
+    saved = [introspection.value_copy(v) for v in variables]
+    with tf.control_dependencies(saved + [before]):
+      trial = tf.group(*[v.assign_add(d) for d, v in zip(deltas, variables)])
+    return before, saved, trial
+
+  def calibration_finish(self, update, before, after, saved):
+    """After the trial's loss `after`: the variables restored to `saved`
+    and the damping moved (an op)."""
+    counter = tf.convert_to_tensor(self._counter())
+    variables = [v for _, v in update.deltas]
+    with tf.control_dependencies([after]):
+      restored = tf.group(*[v.assign(s) for v, s in zip(variables, saved)])
+    change = update.predicted_change()  # no commit records it now
+    records = [self._records.get("qmodel_change").assign(change)]
+    rho = damping_adaptation.reduction_ratio(before, after, change)
+    log_step = self._store.get_or_create(
+        "calibration/log_step", [], tf.float64,
+        initial_value=damping_adaptation.CALIBRATION_INITIAL_LOG_STEP)
+    direction = self._store.get_or_create("calibration/direction", [],
+                                          tf.float64)
+    new, new_step, new_direction = damping_adaptation.calibrated_damping(
+        self.damping, rho, log_step, direction,
+        self._settings.damping_increase_rho_threshold,
+        self._settings.damping_decrease_rho_threshold, self._damping_floor())
+    with tf.control_dependencies([restored]):
+      ops = [self.damping.assign(tf.cast(new, self.damping.dtype)),
+             log_step.assign(new_step), direction.assign(new_direction),
+             self._records.get("rho").assign(rho)] + records
+      if self._settings.print_logs:
+        ops.append(tf.print("kfac burn-in step", counter, "rho", rho,
+                            "damping", new, "qmodel_change", change,
+                            "loss before", before, "after", after))
+      return tf.group(*ops)

@@ -6,7 +6,7 @@ and default approximation, and the names of the LayerCollection methods
 that register it). This module lists them; LayerCollection reads the
 kinds for its default approximations (the kinds marked `settable` have
 set_default_<kind>_approximation) and for the approximations each kind
-accepts, and the Keras registration (kfac/python/keras/layer_kinds.py)
+accepts, and the Keras registration (kfac/python/keras/layer_registration.py)
 names the family of each Keras layer kind from it. A new family is one
 entry here (and its registration methods on LayerCollection).
 """

@@ -1,5 +1,4 @@
 """The Fisher estimator and its parts: how estimation modes turn registered
-losses into gradient sources (modes), the estimator (estimator), its
-statistics part (statistics), inverses part (inverses) and products part
-(products), the placement policies (placement) and the placement strategies
+losses into gradient sources (modes), the estimator with its
+statistics, inverses and products parts (estimator), the placement policies (placement) and the placement strategies
 by name (strategies)."""

@@ -1,8 +1,8 @@
 """Where the Fisher estimator's update ops run: the placement policies.
 
 A policy is an object the estimator's parts consult when they build the
-update thunks (statistics.py, inverses.py); the estimator gets one from
-the table of strategies.py by `placement_strategy`. Every policy answers
+update thunks (`Statistics`, `Inverses`: estimator.py); the estimator gets
+one from the table of strategies.py by `placement_strategy`. Every policy answers
 
 * `place_statistics(thunks)`: the statistics thunks (variables and
   updates, one per factor), placed;

@@ -63,7 +63,7 @@ IgnoredArgumentWarning = damping_rule.IgnoredArgumentWarning
 @dataclasses.dataclass(frozen=True)
 class UpdateRuleConfig:
   """How a step turns the preconditioned gradient into a change of the
-  variables (optimizers/update_rule.py, adaptive/quadratic_model.py)."""
+  variables (optimizers/step.py, adaptive/quadratic_model.py)."""
 
   momentum_type: str = "adam"
   """"regular", "adam", "qmodel" or "qmodel_fixedmu"."""
@@ -102,7 +102,7 @@ class UpdateRuleConfig:
 @dataclasses.dataclass(frozen=True)
 class DampingConfig:
   """The damping, its Levenberg-Marquardt rule and its calibration
-  (adaptive/damping_controller.py, adaptive/damping_rule.py)."""
+  (adaptive/quadratic_model.py, adaptive/damping_rule.py)."""
 
   damping: Any = None
   """The damping: a number, tensor, variable or callable; with the rule or
@@ -155,7 +155,7 @@ class DampingConfig:
 @dataclasses.dataclass(frozen=True)
 class Periods:
   """When the step itself updates the statistics and the inverses
-  (optimizers/periodic.py's optimizer)."""
+  (optimizers/kfac_optimizer.py's optimizer)."""
 
   invert_every: int = 10
   """The inverses are recomputed when counter % invert_every == 0."""

@@ -8,49 +8,42 @@ built during the trace, to `minimize(..., layer_collection=lc)` inside a
 `tf.function`; all state lives in the optimizer's `StateStore` and is found
 again on every retrace (see docs/tf2.md).
 
-This module holds the class: a facade that builds its configuration and
-its parts, and composes them into a step. The step is one function,
-`step.build_step` (optimizers/step.py), over parts that each take what they
-need explicitly:
+This module holds the optimizers users construct: `KfacOptimizer`, a
+facade that builds its configuration and its parts and composes them into
+a step, and `PeriodicInvCovUpdateKfacOpt`, the same facade with periods
+(statistics, inverses and burn-in inside `minimize`; kfac 0.2.4's
+`kfac_utils/periodic_inv_cov_update_kfac_opt.py` path re-exports it). The
+step is one function, `step.build_step` (optimizers/step.py), over parts
+that each take what they need explicitly:
 * config.py: the typed configuration (`KfacConfig`, kept as
   `optimizer.config`) that the constructor builds from its arguments, with
   every argument check;
-* guarded_step.StepGuard: the non-finite guard's checks;
-* update_rule.UpdateRule (and Velocities): the momentum types "regular"
-  and "adam" (with the norm constraint, kfac 0.2.x's weight decay; the
-  update rule is described there), sparse gradients (sparse.py);
-* adaptive/quadratic_model.QuadraticModel: "qmodel" / "qmodel_fixedmu"
-  and the damping rule's predicted change;
-* weight_decay.WeightDecay: AdamW's decoupled weight decay
+* step.py: the rest of the step's parts: the momentum types "regular" and
+  "adam" (`UpdateRule`, `Velocities`; with the norm constraint and kfac
+  0.2.x's weight decay), the non-finite guard (`StepGuard`), the `Update`
+  a step builds without touching any state, the `Commit` that applies it
+  (after the damping rule's "before" ops, if any), the `Counters` and the
+  `Records` (values readable after a step); sparse gradients: sparse.py;
+* adaptive/quadratic_model.py: "qmodel" / "qmodel_fixedmu"
+  (`QuadraticModel`) and the damping, its rule (`adapt_damping`) and its
+  calibration (`calibrate_damping`) (`DampingController`);
+* weight_decay.py: AdamW's decoupled weight decay
   (`decoupled_weight_decay`);
-* adaptive/damping_controller.DampingController: the damping, its rule
-  (`adapt_damping`) and its calibration (`calibrate_damping`);
-* adaptive/records.Records: the values readable after a step;
-* update.py and commit.py: a step is built in two halves:
-  `_compute_update` makes an `Update`, the change of every variable,
-  without touching any state, and `commit.Commit` applies it (after the
-  damping rule's "before" ops, if any); `commit.Counters` counts steps;
 * replicated.py: several replicas (tf.distribute, docs/distributed.md).
 """
 
 import tensorflow as tf
 
-from kfac.python.ops.compat_utils import introspection
-from kfac.python.ops.estimation import strategies as est_lib
-from kfac.python.ops.adaptive import damping_controller
 from kfac.python.ops.adaptive import quadratic_model
-from kfac.python.ops.adaptive import records
+from kfac.python.ops.compat_utils import introspection
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
+from kfac.python.ops.estimation import strategies as est_lib
 from kfac.python.ops.layers.base import damping as damping_lib
-from kfac.python.ops.optimizers import commit
-from kfac.python.ops.optimizers import guarded_step
 from kfac.python.ops.optimizers import config as config_lib
 from kfac.python.ops.optimizers import replicated
 from kfac.python.ops.optimizers import sparse
 from kfac.python.ops.optimizers import step as step_lib
-from kfac.python.ops.optimizers import update as update_lib
-from kfac.python.ops.optimizers import update_rule
 from kfac.python.ops.optimizers import weight_decay
 from kfac.python.ops.reliability import arguments
 from kfac.python.ops.tensors import state
@@ -124,7 +117,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
                over_budget="raise",
                qmodel_layer_collection=None,
                **placement_kwargs):
-    """Creates the optimizer; see optimizers/update_rule.py for the update
+    """Creates the optimizer; see optimizers/step.py for the update
     rule.
 
     `layer_collection` may be None in TF2 programs, where a collection is
@@ -261,24 +254,24 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     self._store = state.StateStore(name)
     # tf.train.Checkpoint(optimizer=opt) saves every K-FAC variable.
     self._track_trackable(self._store, name="kfac_state")
-    self._step_guard = guarded_step.StepGuard(self.config.guard, self._store,
+    self._step_guard = step_lib.StepGuard(self.config.guard, self._store,
                                               name)
-    self._counters = commit.Counters(self._store, self._step_guard)
+    self._counters = step_lib.Counters(self._store, self._step_guard)
     self._weight_decay = weight_decay.WeightDecay(self.config.update,
                                                   self._learning_rate)
-    self._velocities = update_rule.Velocities(self._store)
-    self._update_rule = update_rule.UpdateRule(
+    self._velocities = step_lib.Velocities(self._store)
+    self._update_rule = step_lib.UpdateRule(
         self.config.update, self._velocities, self._learning_rate,
         self._momentum)
     self._quadratic_model = quadratic_model.QuadraticModel(
         self.config, self._velocities, self._momentum)
-    self._records = records.Records(self._store,
+    self._records = step_lib.Records(self._store,
                                     self.config.update.compute_norm_stats)
-    self._damping_controller = damping_controller.DampingController(
+    self._damping_controller = quadratic_model.DampingController(
         self.config, self._store, self._records, self._require_estimator,
         lambda: self.counter, name, self._check_graph_mode, loss_fn=loss_fn,
         loss=loss, train_batch=train_batch, prev_train_batch=prev_train_batch)
-    self._commit_part = commit.Commit(self._damping_controller,
+    self._commit_part = step_lib.Commit(self._damping_controller,
                                       self._weight_decay, self._records)
     self._estimator = None
     self._exps = (-1,)
@@ -331,7 +324,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
 
   def set_train_batch_loss(self, loss):
     """See DampingController.set_train_batch_loss
-    (adaptive/damping_controller.py)."""
+    (adaptive/quadratic_model.py)."""
     self._damping_controller.set_train_batch_loss(loss)
 
   def maybe_pre_update_adapt_damping(self):
@@ -493,7 +486,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
       damping = damping + self.config.damping.l2_reg
     return damping
 
-  _read = staticmethod(update_lib.read)
+  _read = staticmethod(step_lib.read)
 
   def _require_estimator(self):
     if self._estimator is None:
@@ -715,7 +708,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     `Update` with the change of each variable, the new velocities, the
     values to record, and the predicted change of the loss (the update
     rule, or the quadratic model; AdamW's decay apart from the step)."""
-    update = update_lib.Update()
+    update = step_lib.Update()
     update.checks = self._runtime_checks()
     source = quadratic_model.CurvatureSource(
         self._layers, self._qmodel_layers, self._require_estimator())
@@ -769,7 +762,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
 
   def _prepare(self, grads_and_vars, layer_collection=None):
     """Checks the graph mode and the variables; densifies the gradients
-    (IndexedSlices stay sparse, see optimizers/update_rule.py)."""
+    (IndexedSlices stay sparse, see optimizers/step.py)."""
     self._check_graph_mode("apply_gradients")
     if layer_collection is not None:
       self.set_layer_collection(layer_collection)
@@ -807,3 +800,89 @@ def _check_reference_variables(variables):
         "use_resource=True), or tf.compat.v1.enable_resource_variables()), "
         "or control flow v1 (tf.compat.v1.disable_control_flow_v2(), which "
         "tf.compat.v1.disable_v2_behavior() includes)." % ", ".join(refs))
+
+
+# --------------------------------------------------------------------------
+# PeriodicInvCovUpdateKfacOpt: K-FAC with the statistic and inverse updates inside `minimize`.
+#
+# `PeriodicInvCovUpdateKfacOpt` is a facade: a `KfacOptimizer` whose
+# configuration has periods (`config.Periods`), so that its step
+# (optimizers/step.py) builds one training op. As in kfac 0.2.x:
+# 1. during the first `num_burnin_steps` calls (counted by `burnin_counter`)
+#    it only adds the mini-batch statistics to an arithmetic mean (no
+#    parameter update, no inverses; with `calibrate_damping=True`, also the
+#    inverses and a trial of the update that calibrates the damping, see
+#    adaptive/quadratic_model.py, on the last `num_calibration_steps` of them:
+#    by default all). These calls do not advance the optimizer's `counter`
+#    nor `global_step`;
+# 2. afterwards, at step t (the `counter`, which starts at 0 after burn-in),
+#    it updates the statistics' moving averages when t % cov_update_every ==
+#    0,
+# 3. recomputes the inverses when t % invert_every == 0 (so the first real
+#    step already uses fresh inverses),
+# 4. applies the K-FAC step, and increments the counter (and global_step).
+# All of it is one `session.run` / one `tf.function` call per step; the
+# inverse work is amortised over `invert_every` steps.
+#
+# A `cov_ema_decay` passed explicitly is raised to the power
+# `cov_update_every` (kfac 0.2.x did this so that the average forgets at the
+# same rate per step whatever the update interval); the default 0.95 is
+# used as it is.
+
+
+@utils.exclude_from_autograph
+class PeriodicInvCovUpdateKfacOpt(KfacOptimizer):
+  """KfacOptimizer that updates statistics and inverses periodically."""
+
+  def __init__(self, invert_every=10, cov_update_every=1, num_burnin_steps=0,
+               calibrate_damping=False, num_calibration_steps=None,
+               **kfac_kwargs):
+    """See the module docstring; `calibrate_damping=True` needs
+    num_burnin_steps > 0 and loss_fn / train_batch (as adapt_damping).
+
+    num_calibration_steps: with calibrate_damping, how many of the burn-in
+      steps (the last ones) try the update and move the damping, each
+      recomputing every inverse; the ones before only gather statistics,
+      so that the first call returns without inverting anything. None: all
+      of them."""
+    periodic = config_lib.periods(invert_every, cov_update_every,
+                                  num_burnin_steps, calibrate_damping,
+                                  num_calibration_steps)
+    if kfac_kwargs.get("cov_ema_decay") is not None:
+      kfac_kwargs["cov_ema_decay"] = config_lib.periodic_cov_ema_decay(
+          type(self).__name__, kfac_kwargs["cov_ema_decay"],
+          periodic.periods.cov_update_every)
+    kfac_kwargs[PERIODIC_ARGUMENTS] = periodic
+    super().__init__(**kfac_kwargs)
+
+  @property
+  def invert_every(self):
+    return self.config.curvature.periods.invert_every
+
+  @property
+  def cov_update_every(self):
+    return self.config.curvature.periods.cov_update_every
+
+  @property
+  def num_burnin_steps(self):
+    return self.config.curvature.periods.num_burnin_steps
+
+  @property
+  def calibrate_damping(self):
+    return self.config.damping.calibrate_damping
+
+  @property
+  def num_calibration_steps(self):
+    """The burn-in steps that calibrate the damping (0 without it)."""
+    return self.config.damping.num_calibration_steps
+
+  # kfac 0.2.x's private names of the periods.
+  _invert_every = invert_every
+  _cov_update_every = cov_update_every
+  _num_burnin_steps = num_burnin_steps
+  _num_calibration_steps = num_calibration_steps
+
+  @property
+  def burnin_counter(self):
+    """How many burn-in steps have run (they do not advance `counter`)."""
+    return self._counters.burnin_counter

@@ -1,7 +1,7 @@
 """KfacOptimizer under several replicas (tf.distribute): what is not
 supported yet, the cross-replica sum of the gradients, and the commit of a
 step whose model variables are mirrored (its commit:
-optimizers/commit.Commit.commit_replicated).
+optimizers/step.Commit.commit_replicated).
 
 See distribute/collective.py and docs/distributed.md;
 `lazy_statistics_sync=True` reduces the statistics only at inversion steps

@@ -2,7 +2,7 @@
 
 A gradient from `tf.gather` / `tf.nn.embedding_lookup` is a
 `tf.IndexedSlices`; the update rules keep it sparse where they can
-(optimizers/update_rule.py). These helpers treat Tensors and IndexedSlices
+(optimizers/step.py). These helpers treat Tensors and IndexedSlices
 alike.
 """
 

@@ -46,8 +46,7 @@ the quadratic model. The two cannot be combined.
 import tensorflow as tf
 
 from kfac.python.ops.distribute import collective
-from kfac.python.ops.optimizers import commit
-from kfac.python.ops.optimizers import update as update_lib
+from kfac.python.ops.optimizers import step as step_lib
 from kfac.python.ops.tensors import utils
 
 
@@ -80,8 +79,8 @@ class WeightDecay:
       lr = tf.maximum(update.records["learning_rate"],
                       tf.constant(0.0, tf.float64))
     else:
-      lr = update_lib.read(self._learning_rate)
-    wd = update_lib.read(self._settings.decoupled_weight_decay)
+      lr = step_lib.read(self._learning_rate)
+    wd = step_lib.read(self._settings.decoupled_weight_decay)
     for var in variables:
       if not self.decays(var):
         continue
@@ -104,7 +103,7 @@ class WeightDecay:
           delta = tf.identity(delta)
           if active is not None:
             delta = tf.where(active, delta, tf.zeros_like(delta))
-          updates.append((commit.assign_add, var, (delta,)))
+          updates.append((step_lib.assign_add, var, (delta,)))
         with tf.name_scope("weight_decay_to_replicas"):
           return tf.group(collective.apply_updates(updates))
       return tf.group(*[var.assign_add(delta)

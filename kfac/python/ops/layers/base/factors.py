@@ -193,7 +193,7 @@ class FisherFactor(abc.ABC):
   def deferred_inverse_values(self):
     """inverse_values, except that a damped inverse may be given as a
     batched_inverse.DeferredInverse(mat, damping) that the caller computes
-    together with those of other factors (estimation/inverses.py)."""
+    together with those of other factors (estimation/estimator.py)."""
     return self.inverse_values()
 
   def inverse_variables(self):
