@@ -19,7 +19,11 @@ Workloads (each a worker of an existing benchmark program):
 
 Both CPU and wall times are reported; one TensorFlow thread per worker
 (--threads) so that the figures are CPU-bound and comparable on a loaded
-machine.
+machine. On a machine whose speed drifts between runs the times alone
+cannot show a change of a few percent, so each worker also counts the
+TensorFlow ops it creates (graph_ops.py: per kind of graph, and a
+fingerprint of their sequence of op types): where the two trees create the
+same ops in the same order, their steps run the same graph.
 
   python examples/benchmarks/tree_step_time.py --base_tree=/path/to/old/checkout
   python examples/benchmarks/tree_step_time.py --base_tree=... \
@@ -39,6 +43,10 @@ from absl import app
 from absl import flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import graph_ops
+# pylint: enable=g-import-not-at-top,wrong-import-position
 THIS_TREE = os.path.dirname(os.path.dirname(HERE))
 FLAGS = flags.FLAGS
 
@@ -107,15 +115,18 @@ def run_one(workload, tree):
   code = ("import os, runpy, sys; sys.path.insert(0, %r); sys.argv = %r; "
           "import kfac; where = os.path.realpath(kfac.__file__); "
           "assert where.startswith(%r), where; "
+          "import graph_ops; graph_ops.install(); "
           "runpy.run_path(%r, run_name='__main__')" % (
               os.path.dirname(argv[1]), argv[1:], tree + os.sep, argv[1]))
   env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="2")
   proc = subprocess.run([argv[0], "-c", code], env=env, capture_output=True,
                         text=True, check=False, cwd=tree)
   result = parse(proc.stdout)
-  if proc.returncode or result is None:
+  ops = graph_ops.parse(proc.stdout)
+  if proc.returncode or result is None or ops is None:
     raise RuntimeError("worker %s on %s failed (exit %d):\n%s" % (
         workload, tree, proc.returncode, proc.stderr[-3000:]))
+  result["graph_ops"] = ops
   return result
 
 
@@ -151,6 +162,13 @@ def summarize(runs):
     row["paired_ratio_cpu"] = statistics.median(
         t / b for t, b in zip(row["tree"]["cpu_all"], row["base"]["cpu_all"]))
     row["ratio_wall"] = row["tree"]["wall_ms"] / row["base"]["wall_ms"]
+    for key, results in by_tree.items():
+      # The same program and tree create the same ops in every round.
+      prints = {json.dumps(r["graph_ops"], sort_keys=True) for r in results}
+      row[key]["graph_ops"] = (results[0]["graph_ops"] if len(prints) == 1
+                               else None)
+    base_ops, tree_ops = row["base"]["graph_ops"], row["tree"]["graph_ops"]
+    row["same_graph"] = base_ops is not None and base_ops == tree_ops
     out[workload] = row
   return out
 
@@ -158,13 +176,18 @@ def summarize(runs):
 def table(summary):
   lines = ["| workload | base CPU ms/step | tree CPU ms/step | CPU ratio | "
            "median of the rounds' CPU ratios | base wall ms/step | "
-           "tree wall ms/step | wall ratio |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "tree wall ms/step | wall ratio | graph ops created, base / tree "
+           "| same op sequence |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for workload, row in summary.items():
-    lines.append("| %s | %.1f | %.1f | %.3f | %.3f | %.1f | %.1f | %.3f |" % (
-        workload, row["base"]["cpu_ms"], row["tree"]["cpu_ms"],
-        row["ratio_cpu"], row["paired_ratio_cpu"], row["base"]["wall_ms"],
-        row["tree"]["wall_ms"], row["ratio_wall"]))
+    ops = ["%d" % sum(row[k]["graph_ops"]["counts"].values())
+           if row[k]["graph_ops"] else "varies" for k in ("base", "tree")]
+    lines.append(
+        "| %s | %.1f | %.1f | %.3f | %.3f | %.1f | %.1f | %.3f | %s | %s |" % (
+            workload, row["base"]["cpu_ms"], row["tree"]["cpu_ms"],
+            row["ratio_cpu"], row["paired_ratio_cpu"], row["base"]["wall_ms"],
+            row["tree"]["wall_ms"], row["ratio_wall"], " / ".join(ops),
+            "yes" if row["same_graph"] else "no"))
   return "\n".join(lines)
 
 

@@ -647,6 +647,9 @@ def test_tree_step_time_tiny(tmp_path):
   assert math.isclose(row["ratio_cpu"],
                       row["tree"]["cpu_ms"] / row["base"]["cpu_ms"])
   assert math.isclose(row["paired_ratio_cpu"], row["ratio_cpu"])  # 1 round
+  # One tree on both sides: the same graph, op for op.
+  assert row["same_graph"], row
+  assert sum(row["tree"]["graph_ops"]["counts"].values()) > 1000, row
   assert "| autoencoder_session |" in (tmp_path / "tree_step_time.md"
                                        ).read_text()
 
