@@ -413,8 +413,8 @@ def tuned_values(results):
   with the best validation figure."""
   out = {}
   for r in results:
-    if "error" in r or r["optimizer"] not in vw.PEERS or not _finite(
-        r["best"]):
+    if "error" in r or r["optimizer"] not in vw.PEERS + vw.TUNED_KFAC or (
+        not _finite(r["best"])):
       continue
     cur = out.setdefault(r["workload"], {}).get(r["optimizer"])
     if cur is None or (vw.better(r["workload"], r["best"], cur["best"]) and

@@ -63,7 +63,9 @@ MODELS = zoo_models.NAMES
 CONFIGS = ("adam", "kfac", "kfac_full_patches", "kfac_qmodel_half",
            "kfac_dw_all_patches", "kfac_fixed_rate", "kfac_invert_every30",
            "kfac_cov_update_every4", "kfac_no_statistics",
-           "kfac_fixed_rate_no_statistics", "kfac_fixed_rate_frozen")
+           "kfac_fixed_rate_no_statistics", "kfac_fixed_rate_frozen",
+           "kfac_minibatch", "kfac_minibatch_dw_diagonal",
+           "kfac_minibatch_diagonal_norms")
 # Statistics (or inverses) "never" after the burn-in: the step's other parts
 # alone, to split what K-FAC adds (the factors and inverses of the burn-in
 # steps stay in use).
@@ -114,6 +116,17 @@ def make(keras, kfac_keras, name, config):
       kwargs["invert_every"] = 30
     if config == "kfac_cov_update_every4":  # what the statistics cost
       kwargs["cov_update_every"] = 4
+    if config.startswith("kfac_minibatch"):
+      # The recipe for noisy minibatches (issue 53, docs/recipe.md).
+      kwargs.update(recipe="minibatch", learning_rate=0.05)
+    if config == "kfac_minibatch_dw_diagonal":
+      # ... with the depthwise convolutions' cheapest block.
+      kwargs["fisher_approx"] = {keras.layers.DepthwiseConv2D: "diagonal"}
+    if config == "kfac_minibatch_diagonal_norms":
+      # ... and the normalisation layers' too.
+      kwargs["fisher_approx"] = {
+          keras.layers.DepthwiseConv2D: "diagonal",
+          keras.layers.BatchNormalization: "diagonal"}
     if config == "kfac_dw_all_patches":
       kwargs["registration_options"] = {
           keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}}

@@ -45,6 +45,7 @@ GRIDS = {
     "lion": (1e-4, 3e-4, 1e-3),          # Keras default 1e-3
     "muon": (1e-3, 3e-3, 1e-2),          # Keras default 1e-3
     "schedulefree": (1e-3, 2.5e-3, 5e-3),  # Keras default 2.5e-3
+    "kfac_minibatch": (0.02, 0.05, 0.1),  # the fixed-rate recipe's 0.05
 }
 
 PEER_NOTES = {
@@ -82,6 +83,9 @@ KFAC_VARIANTS = {
     "kfac_fixed_rate": {"momentum_type": "regular", "learning_rate": 0.05,
                         "momentum": 0.9},
 }
+# K-FAC recipes that take a learning rate, tuned on a grid as the peers
+# are: Kfac(model=..., adaptive=True, recipe="minibatch", learning_rate=v).
+TUNED_KFAC = ("kfac_minibatch",)
 
 
 def is_loss_metric(workload):
@@ -217,7 +221,7 @@ def metrics(workload):
 
 
 def optimizer_names():
-  return tuple(KFAC_VARIANTS) + PEERS
+  return tuple(KFAC_VARIANTS) + TUNED_KFAC + PEERS
 
 
 def make_optimizer(name, model, value=None):
@@ -235,6 +239,10 @@ def make_optimizer(name, model, value=None):
     raise ValueError("unknown optimizer %r; one of %s" % (
         name, ", ".join(optimizer_names())))
   lr = GRIDS[name][len(GRIDS[name]) // 2] if value is None else value
+  if name == "kfac_minibatch":
+    import kfac.keras  # pylint: disable=g-import-not-at-top
+    return kfac.keras.optimizers.Kfac(model=model, adaptive=True,
+                                      recipe="minibatch", learning_rate=lr)
   if name == "adam":
     return keras.optimizers.Adam(lr)
   if name == "adamw":

@@ -413,6 +413,9 @@ def test_keras_zoo_step_time_split_configurations():
       "kfac_fixed_rate_frozen": dict(
           momentum_type="regular", momentum=0.9, cov_update_every=zst.NEVER,
           invert_every=zst.NEVER),
+      "kfac_minibatch": dict(
+          momentum_type="regular", momentum=0.9, cov_update_every=10,
+          invert_every=50),
   }
   for config, want in expected.items():
     model = zst.make(keras, kfac_keras, "gpt", config)
@@ -430,6 +433,8 @@ def test_keras_zoo_step_time_split_configurations():
         got.get("momentum_type") == "regular"), config
     if "momentum_type" in want:
       assert got["learning_rate"] == pytest.approx(0.05), config
+    assert (got.get("recipe") == "minibatch") == (
+        config == "kfac_minibatch"), config
 
 
 def test_recurrent_step_time_quick(tmp_path):

@@ -560,3 +560,113 @@ def test_tf_keras():
   if LEGACY:
     return  # this is the run under tf_keras
   base.run_file_under_tf_keras(__file__)
+
+
+# ------------------------------------------------------------ recipe="minibatch"
+MINIBATCH = dict(recipe="minibatch", learning_rate=0.05)
+
+
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
+def test_minibatch_recipe_fit_equals_tf1_graph_steps():
+  """Kfac(adaptive=True, recipe="minibatch") in fit and the core optimizer
+  in a TF1 Session with recipe.minibatch_kwargs(): the same weights, damping
+  and rho (the recipe's momentum, norm constraint and statistics period;
+  the inverses every step and the damping rule every INTERVAL steps, as
+  the other equivalence tests take them, so that they act in 3 steps)."""
+  model, opt = _adaptive(base.sequential_model(), **MINIBATCH)
+  core = opt.kfac_optimizer
+  assert float(np.asarray(core.config.update.norm_constraint)) == (
+      pytest.approx(recipe.MINIBATCH_NORM_CONSTRAINT))
+  base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
+  want = _tf1_adaptive_reference(N_STEPS, **recipe.minibatch_kwargs(
+      learning_rate=0.05, damping=DAMPING, invert_every=1,
+      damping_adaptation_interval=INTERVAL))
+  base._assert_weights(model.get_weights(), want["weights"], rtol=1e-4,  # pylint: disable=protected-access
+                       atol=1e-6)
+  assert float(opt.damping.numpy()) == pytest.approx(want["damping"],
+                                                     rel=1e-5)
+  assert float(core.rho) == pytest.approx(want["rho"], rel=1e-3)
+  assert max(np.max(np.abs(a - b)) for a, b in
+             zip(want["weights"], base._weights())) > 0.01  # pylint: disable=protected-access
+
+
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
+def test_minibatch_recipe_is_its_arguments():
+  """recipe="minibatch" is exactly the arguments it stands for: its fit
+  equals, bit for bit, a fit with those arguments given one by one (the
+  ones the user gives win over the recipe's); the config keeps the recipe
+  and round-trips."""
+  runs = {}
+  for name, kwargs in (
+      ("recipe", MINIBATCH),
+      # (_adaptive gives the inverse and damping periods itself.)
+      ("spelled", dict(learning_rate=0.05, **{
+          k: v for k, v in recipe.keras_minibatch_defaults().items()
+          if k not in ("invert_every", "damping_adaptation_interval")}))):
+    model, opt = _adaptive(base.sequential_model(), **kwargs)
+    base._fit(model, 0, N_STEPS)  # pylint: disable=protected-access
+    runs[name] = (model.get_weights(), opt)
+  for a, c in zip(runs["recipe"][0], runs["spelled"][0]):
+    np.testing.assert_array_equal(a, c)
+  opt = runs["recipe"][1]
+  core = opt.kfac_optimizer
+  assert core.config.update.momentum_type == "regular"
+  assert core.config.curvature.periods.cov_update_every == (
+      recipe.MINIBATCH_COV_UPDATE_EVERY)
+  assert float(np.asarray(opt.momentum)) == pytest.approx(
+      recipe.MINIBATCH_MOMENTUM)
+  assert not core.calibrate_damping and core.num_burnin_steps == 0
+  config = opt.get_config()
+  assert config["recipe"] == "minibatch"
+  assert config["learning_rate"] == pytest.approx(0.05)
+  assert kfac.keras.optimizers.Kfac.from_config(config).get_config() == (
+      config)
+
+
+def test_minibatch_recipe_defaults():
+  opt = kfac.keras.optimizers.Kfac(adaptive=True, recipe="minibatch",
+                                   learning_rate=0.05)
+  core = opt.kfac_optimizer
+  periods = core.config.curvature.periods
+  assert (periods.invert_every, periods.cov_update_every) == (
+      recipe.MINIBATCH_INVERT_EVERY, recipe.MINIBATCH_COV_UPDATE_EVERY)
+  assert core.config.damping.damping_adaptation_interval == (
+      recipe.MINIBATCH_INVERT_EVERY)
+  assert core.config.damping.adapt_damping
+  assert float(opt.damping.numpy()) == recipe.INITIAL_DAMPING
+  # The user's values win over the recipe's.
+  opt = kfac.keras.optimizers.Kfac(adaptive=True, recipe="minibatch",
+                                   learning_rate=0.05, invert_every=20,
+                                   momentum=0.5)
+  assert opt.kfac_optimizer.config.curvature.periods.invert_every == 20
+  assert float(np.asarray(opt.momentum)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(adaptive=True, recipe="fast", learning_rate=None),
+     "recipe must be one of 'exact', 'minibatch', got 'fast'"),
+    (dict(adaptive=True, recipe="minibatch", learning_rate=None),
+     "recipe='minibatch'.*takes the learning rate from you"),
+    (dict(adaptive=False, recipe="minibatch", learning_rate=0.05,
+          damping=0.1), "pass adaptive=True too"),
+    (dict(adaptive=True, recipe="minibatch", learning_rate=0.05,
+          momentum_type="qmodel"), "uses momentum_type 'regular'"),
+    (dict(adaptive=True, recipe="exact", learning_rate=0.05,
+          momentum_type="regular"), "momentum_type='regular' is "
+     "recipe='minibatch'"),
+    (dict(adaptive=True, recipe="minibatch", learning_rate=0.05,
+          qmodel_batch_fraction=0.5), "used by the quadratic model only"),
+])
+def test_recipe_argument_errors_name_the_culprit(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    kfac.keras.optimizers.Kfac(**kwargs)
+
+
+def test_minibatch_kwargs_of_the_core_optimizer():
+  """recipe.minibatch_kwargs() for kfac.PeriodicInvCovUpdateKfacOpt: one
+  argument set with the Keras recipe (and the user's overrides)."""
+  kwargs = recipe.minibatch_kwargs(learning_rate=0.1)
+  keras_side = recipe.keras_minibatch_defaults()
+  assert {k: kwargs[k] for k in keras_side} == keras_side
+  assert kwargs["learning_rate"] == 0.1 and kwargs["adapt_damping"]
+  assert recipe.minibatch_kwargs(invert_every=7)["invert_every"] == 7

@@ -124,7 +124,7 @@ class KfacEngine:
     self.step = KerasStep(self)
     core_kwargs = {k: v for k, v in kfac_kwargs.items()
                    if k not in MUTABLE_HYPERPARAMETERS and
-                   k != "qmodel_batch_fraction"}
+                   k not in ("qmodel_batch_fraction", "recipe")}
     for hp, var in self.hyper.items():
       core_kwargs[_CORE_NAMES.get(hp, hp)] = var
     if "weight_decay" in self.hyper:
@@ -208,7 +208,7 @@ class KfacEngine:
     return layer_registration.format_report(rows) + (
         "\n(planned; blocks and losses are known after the first step)")
 
-  # -------------------------------------------------------------- hyperparameters
+  # ------------------------------------------------------- hyperparameters
   def learning_rate_tensor(self):
     return tf.convert_to_tensor(
         keras_flavor.unwrap_variable(self.learning_rate_variable()))
@@ -387,7 +387,7 @@ class KfacOptimizerBase:
                                 for v in variables])
     return self.apply_gradients(list(zip(grads, variables)))
 
-  # -------------------------------------------------------------- hyperparameters
+  # ------------------------------------------------------- hyperparameters
   def _kfac_base_property(self, name):
     """The property `name` of the Keras optimizer base class."""
     for cls in type(self).__mro__:
@@ -831,15 +831,43 @@ def _check_kwargs(kfac_kwargs):
 
 def fixed_rate(adaptive, kfac_kwargs):
   """Whether adaptive=True runs the recipe with a fixed learning rate and
-  momentum (momentum_type="regular"): only the damping is adapted."""
-  return bool(adaptive) and kfac_kwargs.get("momentum_type") == "regular"
+  momentum (momentum_type="regular", or recipe="minibatch"): only the
+  damping is adapted."""
+  return bool(adaptive) and (
+      kfac_kwargs.get("momentum_type") == "regular" or
+      kfac_kwargs.get("recipe") == "minibatch")
+
+
+def _check_recipe(adaptive, kfac_kwargs):
+  if "recipe" not in kfac_kwargs:
+    return
+  name = kfac_kwargs["recipe"]
+  if name not in recipe.RECIPES:
+    raise ValueError("Kfac's recipe must be one of %s, got %r." % (
+        ", ".join(repr(r) for r in recipe.RECIPES), name))
+  if not adaptive:
+    raise ValueError(
+        "Kfac(recipe=%r) chooses how adaptive=True adapts: pass "
+        "adaptive=True too." % (name,))
+  momentum_type = kfac_kwargs.get("momentum_type")
+  if name == "minibatch" and momentum_type not in (None, "regular"):
+    raise ValueError(
+        "recipe='minibatch' uses momentum_type 'regular' (no quadratic "
+        "model); got momentum_type=%r (the quadratic model is "
+        "recipe='exact')." % (momentum_type,))
+  if name == "exact" and momentum_type == "regular":
+    raise ValueError(
+        "recipe='exact' chooses the learning rate with the quadratic model; "
+        "momentum_type='regular' is recipe='minibatch'.")
 
 
 def check_before_base(learning_rate, adaptive, kfac_kwargs):
   """The checks that must come before the Keras base class is built."""
   _check_kwargs(kfac_kwargs)
-  momentum_type = kfac_kwargs.get("momentum_type", "qmodel" if adaptive
-                                  else "adam")
+  _check_recipe(adaptive, kfac_kwargs)
+  momentum_type = kfac_kwargs.get(
+      "momentum_type", "adam" if not adaptive else
+      "regular" if kfac_kwargs.get("recipe") == "minibatch" else "qmodel")
   if "loss_tensor" in kfac_kwargs:
     raise ValueError(
         "Kfac(loss_tensor=...) is a TF1-graph argument (a loss tensor built "
@@ -847,13 +875,14 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
         "optimizer.minimize(loss, var_list) inside the tf.function; the "
         "damping rule (adaptive=True) evaluates model.compute_loss itself.")
   if fixed_rate(adaptive, kfac_kwargs):
-    if not argument_rules.is_number(learning_rate) or isinstance(learning_rate,
-                                                            bool):
+    if not argument_rules.is_number(learning_rate) or isinstance(
+        learning_rate, bool):
       raise ValueError(
-          "Kfac(adaptive=True, momentum_type='regular') takes the learning "
-          "rate from you (the recipe adapts only the damping): pass "
-          "learning_rate=<a number>, e.g. 0.05 (docs/keras.md), got %r."
-          % (learning_rate,))
+          "Kfac(adaptive=True, %s) takes the learning rate from you (the "
+          "recipe adapts only the damping): pass learning_rate=<a number>, "
+          "e.g. 0.05 (docs/keras.md), got %r." % (
+              "recipe='minibatch'" if kfac_kwargs.get("recipe") ==
+              "minibatch" else "momentum_type='regular'", learning_rate))
   elif adaptive:
     if learning_rate is not None:
       raise ValueError(
@@ -888,7 +917,7 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
           "got momentum_type=%r." % (momentum_type,))
   if argument_rules.is_number(learning_rate):
     argument_rules.check("Kfac", "learning_rate", learning_rate,
-                    argument_rules.NON_NEGATIVE)
+                         argument_rules.NON_NEGATIVE)
 
 
 def with_recipe_defaults(damping, adaptive, kfac_kwargs):
@@ -897,6 +926,9 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
   docs/recipe.md)."""
   kfac_kwargs = dict(kfac_kwargs)
   if adaptive:
+    if kfac_kwargs.get("recipe") == "minibatch":
+      for key, value in recipe.keras_minibatch_defaults().items():
+        kfac_kwargs.setdefault(key, value)
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
     kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
@@ -963,7 +995,14 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       step's rate). A variable like damping: `optimizer.weight_decay = ...`
       or a kfac.keras.callbacks schedule changes it between steps. Not with
       use_weight_decay=True.
-    **kfac_kwargs: registration_options={layer name or class: {option:
+    **kfac_kwargs: recipe="exact" (the default of adaptive=True, above) or
+      "minibatch": the recipe for noisy minibatch training, at the
+      learning_rate you give (docs/recipe.md, "The minibatch recipe"):
+      momentum 0.9 (momentum_type "regular", no quadratic model), a norm
+      constraint of 0.01 on the update, statistics every 10 steps,
+      inverses and the damping rule every 50; any of these given
+      explicitly wins.
+      registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask; DepthwiseConv2D: sub_sample_patches),
       and the arguments of

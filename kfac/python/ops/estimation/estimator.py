@@ -514,7 +514,8 @@ class FisherEstimator:
 
   def _lazy(self):
     """Whether the statistics are synchronised lazily here (several
-    replicas and lazy_statistics_sync; optimizers/kfac_optimizer.py reads it)."""
+    replicas and lazy_statistics_sync; optimizers/kfac_optimizer.py reads
+    it)."""
     return self._lazy_statistics_sync and collective.is_distributed()
 
 
@@ -973,7 +974,8 @@ class Products:
       if not any(present):
         continue
       if not all(present):
-        missing = [utils.variable_name(v) for v, p in zip(seq, present) if not p]
+        missing = [utils.variable_name(v) for v, p in zip(seq, present)
+                   if not p]
         raise ValueError("Variables %s are registered in one layer with %s "
                          "but have no vector." %
                          (", ".join(missing), _names(seq)))

@@ -140,7 +140,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     `relative_min_damping` (not in kfac 0.2.x; default None): with the
     damping rule or its calibration, the damping never falls below
     relative_min_damping * (mean eigenvalue of the K-FAC curvature, read
-    from the factors' traces: kfac.python.ops.adaptive.recipe.curvature_scale) nor
+    from the factors' traces: recipe.curvature_scale in ops/adaptive) nor
     below min_damping. A floor that follows the curvature's scale, where
     min_damping is absolute (docs/recipe.md).
 
@@ -803,7 +803,8 @@ def _check_reference_variables(variables):
 
 
 # --------------------------------------------------------------------------
-# PeriodicInvCovUpdateKfacOpt: K-FAC with the statistic and inverse updates inside `minimize`.
+# PeriodicInvCovUpdateKfacOpt: K-FAC with the statistic and inverse updates
+# inside `minimize`.
 #
 # `PeriodicInvCovUpdateKfacOpt` is a facade: a `KfacOptimizer` whose
 # configuration has periods (`config.Periods`), so that its step

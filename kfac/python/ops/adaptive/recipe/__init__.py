@@ -21,6 +21,18 @@ a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
 * `curvature_scale`: the mean eigenvalue of the K-FAC curvature, read from
   the factors' traces (no decomposition), used by the relative damping floor
   (`relative_min_damping`).
+
+Two recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
+* "exact" (the default): the exact two-direction quadratic model chooses
+  the learning rate and momentum at every step, the damping is calibrated
+  during burn-in: the low-noise recipe (full batches, growing batches,
+  large batches against the gradient noise; `adaptive_kwargs()`).
+* "minibatch": the recipe for noisy minibatch training, amortised as the
+  anchors of docs/recipe.md do (kfac-jax's stochastic examples, Martens &
+  Grosse's code, KAISA): the user's learning rate (or schedule) with a
+  fixed momentum, no quadratic model, a norm constraint on the update,
+  statistics every MINIBATCH_COV_UPDATE_EVERY steps, inverses and the
+  damping rule every MINIBATCH_INVERT_EVERY (`minibatch_kwargs()`).
 """
 
 from kfac.python.ops.adaptive.recipe.scale import curvature_scale  # noqa: F401
@@ -51,6 +63,43 @@ COV_UPDATE_EVERY = 2
 # docs/recipe.md: the same loss at equal steps, 30% less per step on a BN
 # ResNet.
 CONV_SUB_SAMPLE_PATCHES = True
+
+
+# The recipe for noisy minibatch training ("minibatch"). kfac-jax's
+# stochastic examples fix the momentum at 0.9 and recompute inverses and
+# damping every 50 steps; Martens & Grosse's code inverts every 20; KAISA
+# every 10. Measured in docs/recipe.md ("The minibatch recipe").
+RECIPES = ("exact", "minibatch")
+MINIBATCH_MOMENTUM = 0.9
+MINIBATCH_COV_UPDATE_EVERY = 10
+MINIBATCH_INVERT_EVERY = 50
+MINIBATCH_NORM_CONSTRAINT = 0.01
+
+
+def minibatch_kwargs(**overrides):
+  """Arguments of kfac.PeriodicInvCovUpdateKfacOpt for the "minibatch"
+  recipe (pass learning_rate=..., loss_fn=... and, in a TF1 graph,
+  train_batch=... too; overrides replace any of these)."""
+  kwargs = dict(momentum_type="regular", momentum=MINIBATCH_MOMENTUM,
+                damping=INITIAL_DAMPING, adapt_damping=True,
+                relative_min_damping=RELATIVE_MIN_DAMPING,
+                cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
+                invert_every=MINIBATCH_INVERT_EVERY,
+                damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
+                norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+  kwargs.update(overrides)
+  return kwargs
+
+
+def keras_minibatch_defaults():
+  """The Keras Kfac arguments that recipe="minibatch" fills in where the
+  user left them out (the damping's initial value and floor come from the
+  adaptive defaults)."""
+  return dict(momentum_type="regular", momentum=MINIBATCH_MOMENTUM,
+              cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
+              invert_every=MINIBATCH_INVERT_EVERY,
+              damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
+              norm_constraint=MINIBATCH_NORM_CONSTRAINT)
 
 
 def conv_registration_options():
