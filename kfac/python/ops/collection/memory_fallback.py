@@ -19,8 +19,6 @@ import collections
 import warnings
 
 from kfac.python.ops.collection import memory as memory_lib
-from kfac.python.ops.layers.conv import blocks as conv_blocks
-from kfac.python.ops.layers.dense import blocks as dense_blocks
 
 OVER_BUDGET_CHOICES = ("raise", "fallback")
 
@@ -36,64 +34,16 @@ def check_over_budget(owner, value):
   return value
 
 
-def _copy_towers(old, new):
-  new._inputs = list(old._inputs)  # pylint: disable=protected-access
-  new._outputs = list(old._outputs)  # pylint: disable=protected-access
-  new._row_checks = list(old.row_checks)  # pylint: disable=protected-access
-  new.set_name(old.name)
-  return new
-
-
-def _dense_variant(block, level):
-  """kron -> one side diagonal (the larger side) -> both diagonal."""
-  diag_in, diag_out = block._diag_in, block._diag_out  # pylint: disable=protected-access
-  if diag_in and diag_out:
-    return None
-  if level == 0 and not (diag_in or diag_out):
-    n_in = block._input_factor._cov_shape[0]  # pylint: disable=protected-access
-    n_out = block._output_factor._cov_shape[0]  # pylint: disable=protected-access
-    diag_in, diag_out = n_in >= n_out, n_in < n_out
-    label = "kron_in_diag" if diag_in else "kron_out_diag"
-  else:
-    diag_in = diag_out = True
-    label = "kron_both_diag"
-  new = dense_blocks.FullyConnectedKFACBasicFB(
-      block._layer_collection, has_bias=block._has_bias,  # pylint: disable=protected-access
-      diagonal_approx_for_input=diag_in,
-      diagonal_approx_for_output=diag_out, params=block.params)
-  new.set_output_axes(block._output_axes)  # pylint: disable=protected-access
-  return _copy_towers(block, new), label
-
-
-def _conv_variant(block, level):
-  del level
-  spec = block._spec  # pylint: disable=protected-access
-  new = conv_blocks.ConvDiagonalFB(
-      block._layer_collection, block.params, strides=spec.strides,  # pylint: disable=protected-access
-      padding=spec.padding, dilations=spec.dilations,
-      data_format=block._data_format,  # pylint: disable=protected-access
-      patch_mask=getattr(block, "_patch_mask", None))
-  return _copy_towers(block, new), "diagonal"
-
-
 def cheaper_variant(block, level):
   """(a new, not yet instantiated block for the same layer, its approx
-  name), or None where the block has no cheaper approximation here."""
-  if type(block) is dense_blocks.FullyConnectedKFACBasicFB:  # pylint: disable=unidiomatic-typecheck
-    return _dense_variant(block, level)
-  if type(block) is conv_blocks.ConvKFCBasicFB and level == 0:  # pylint: disable=unidiomatic-typecheck
-    return _conv_variant(block, level)
-  return None
+  name), or None where the block has no cheaper approximation here (the
+  block kinds that have one say so: `cheaper_variant(level)`)."""
+  make = getattr(block, "cheaper_variant", None)
+  return None if make is None else make(level)
 
 
 def _approx_label(block):
-  if isinstance(block, dense_blocks.FullyConnectedKFACBasicFB):
-    return {(False, False): "kron", (True, False): "kron_in_diag",
-            (False, True): "kron_out_diag", (True, True): "kron_both_diag"}[
-                (block._diag_in, block._diag_out)]  # pylint: disable=protected-access
-  if isinstance(block, conv_blocks.ConvKFCBasicFB):
-    return "kron"
-  return type(block).__name__
+  return getattr(block, "approx_name", type(block).__name__)
 
 
 def apply(layer_collection, rows, budget, adopt, rebuild):

@@ -189,6 +189,16 @@ class LayerTowersFB(FisherBlock):
   def tensors_to_compute_grads(self):
     return tuple(self._outputs)
 
+  def take_towers_of(self, other):
+    """Takes the towers, row checks and name of `other`, a block of the
+    same layer (a replacement of it that is not yet instantiated);
+    returns self."""
+    self._inputs = list(other._inputs)  # pylint: disable=protected-access
+    self._outputs = list(other._outputs)  # pylint: disable=protected-access
+    self._row_checks = list(other.row_checks)
+    self.set_name(other.name)
+    return self
+
 
 class KroneckerProductFB(FisherBlock):
   """A block c * (A (x) G) acting on [rows, cols] matrix views of vectors.

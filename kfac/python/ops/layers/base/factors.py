@@ -120,6 +120,11 @@ class FisherFactor(abc.ABC):
     """Static shape of the statistic (a list of ints)."""
 
   @property
+  def cov_shape(self):
+    """Static shape of the statistic (a list of ints)."""
+    return self._cov_shape
+
+  @property
   @abc.abstractmethod
   def _dtype(self):
     pass

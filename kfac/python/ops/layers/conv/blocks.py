@@ -133,6 +133,20 @@ class ConvKFCBasicFB(_ConvLayerBlock, KroneckerProductFB):
     self._use_sua = use_sua_approx_for_input_factor
     self._patch_mask = _as_mask_tensor(patch_mask)
 
+  approx_name = "kron"
+
+  def cheaper_variant(self, level):
+    """(the exact diagonal block of the same layer, not yet instantiated,
+    and "diagonal") at level 0, else None (collection/memory_fallback.py)."""
+    if type(self) is not ConvKFCBasicFB or level != 0:  # pylint: disable=unidiomatic-typecheck
+      return None  # (subclasses hold more than these options)
+    spec = self._spec
+    new = ConvDiagonalFB(
+        self._layer_collection, self.params, strides=spec.strides,
+        padding=spec.padding, dilations=spec.dilations,
+        data_format=self._data_format, patch_mask=self._patch_mask)
+    return new.take_towers_of(self), "diagonal"
+
   @property
   def _renorm_coeff(self):
     return self.num_locations

@@ -99,6 +99,37 @@ class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):
     self._diag_in = diagonal_approx_for_input
     self._diag_out = diagonal_approx_for_output
 
+  @property
+  def approx_name(self):
+    """The approximation's name (kron, kron_in_diag, kron_out_diag,
+    kron_both_diag)."""
+    return {(False, False): "kron", (True, False): "kron_in_diag",
+            (False, True): "kron_out_diag", (True, True): "kron_both_diag"}[
+                (bool(self._diag_in), bool(self._diag_out))]
+
+  def cheaper_variant(self, level):
+    """(a cheaper block of the same layer, not yet instantiated, and its
+    approximation's name), or None: level 0 makes the larger factor
+    diagonal, level 1 both (collection/memory_fallback.py)."""
+    if type(self) is not FullyConnectedKFACBasicFB:  # pylint: disable=unidiomatic-typecheck
+      return None  # (subclasses hold more than these options)
+    diag_in, diag_out = self._diag_in, self._diag_out
+    if diag_in and diag_out:
+      return None
+    if level == 0 and not (diag_in or diag_out):
+      wide_input = (self._input_factor.cov_shape[0] >=
+                    self._output_factor.cov_shape[0])
+      diag_in, diag_out = wide_input, not wide_input
+    else:
+      diag_in = diag_out = True
+    new = FullyConnectedKFACBasicFB(
+        self._layer_collection, has_bias=self._has_bias,
+        diagonal_approx_for_input=diag_in,
+        diagonal_approx_for_output=diag_out, params=self.params)
+    new.set_output_axes(self._output_axes)
+    new.take_towers_of(self)
+    return new, new.approx_name
+
   # kfac 0.2.x's names of the diagonal options.
   @property
   def _diagonal_approx_for_input(self):
