@@ -46,6 +46,7 @@ GRIDS = {
     "muon": (1e-3, 3e-3, 1e-2),          # Keras default 1e-3
     "schedulefree": (1e-3, 2.5e-3, 5e-3),  # Keras default 2.5e-3
     "kfac_minibatch": (0.02, 0.05, 0.1),  # the fixed-rate recipe's 0.05
+    "kfac_minibatch_decay95": (0.02, 0.05, 0.1),
 }
 
 PEER_NOTES = {
@@ -85,7 +86,9 @@ KFAC_VARIANTS = {
 }
 # K-FAC recipes that take a learning rate, tuned on a grid as the peers
 # are: Kfac(model=..., adaptive=True, recipe="minibatch", learning_rate=v).
-TUNED_KFAC = ("kfac_minibatch",)
+# kfac_minibatch_decay95: the recipe with kfac 0.2.x's damping decay 0.95
+# (what it had before recipe.MINIBATCH_DAMPING_DECAY; docs/recipe.md).
+TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95")
 
 
 def is_loss_metric(workload):
@@ -239,10 +242,13 @@ def make_optimizer(name, model, value=None):
     raise ValueError("unknown optimizer %r; one of %s" % (
         name, ", ".join(optimizer_names())))
   lr = GRIDS[name][len(GRIDS[name]) // 2] if value is None else value
-  if name == "kfac_minibatch":
+  if name in TUNED_KFAC:
     import kfac.keras  # pylint: disable=g-import-not-at-top
+    extra = ({"damping_adaptation_decay": 0.95}
+             if name == "kfac_minibatch_decay95" else {})
     return kfac.keras.optimizers.Kfac(model=model, adaptive=True,
-                                      recipe="minibatch", learning_rate=lr)
+                                      recipe="minibatch", learning_rate=lr,
+                                      **extra)
   if name == "adam":
     return keras.optimizers.Adam(lr)
   if name == "adamw":
