@@ -668,3 +668,25 @@ def test_tree_step_time_rejects_a_folder_without_kfac(tmp_path):
       timeout=300, check=False)
   assert proc.returncode != 0
   assert "has no kfac/ package" in proc.stderr
+
+
+def test_keras_damping_trace_tiny(tmp_path):
+  """keras_damping_trace.py on the tiny ViT, 6 steps recorded every 3: the
+  records (damping at the decay given, finite losses and scales) in the
+  JSON and the table."""
+  _run("keras_damping_trace.py", [
+      "--workload=vit", "--size=tiny", "--steps=6", "--every=3",
+      "--train_examples=2000", "--damping_adaptation_decay=0.9"], tmp_path)
+  with open(tmp_path / "keras_damping_trace.json") as f:
+    out = json.load(f)
+  assert out["damping_adaptation_decay"] == 0.9
+  records = out["records"]
+  assert [r["step"] for r in records] == [3, 6], records
+  for r in records:
+    assert all(math.isfinite(r[k]) for k in (
+        "train_loss", "val_acc", "damping", "curvature_scale")), r
+    # From 1.0, one application of the rule moves it by 0.9**50 at most.
+    assert 0.9**50 * 0.999 <= r["damping"] <= 0.9**-50 * 1.001, r
+  table = (tmp_path / "keras_damping_trace.md").read_text()
+  assert "| step | train loss | val acc | damping | rho |" in table
+  assert "| 6 |" in table
