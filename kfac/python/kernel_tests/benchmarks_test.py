@@ -489,12 +489,18 @@ def test_keras_validation_tiny(tmp_path):
     assert 0 <= r["final"] <= 1, r
     if r["optimizer"] == "schedulefree":  # also judged at its point y
       assert all("metric_at_y" in p for p in r["points"]), r
+    # Kfac(adaptive=True) measured the gradient noise scale; the peers not.
+    assert ("noise_scale" in r) == r["optimizer"].startswith("kfac"), r
+    if "noise_scale" in r:
+      assert math.isfinite(r["noise_scale"]) and r["noise_scale"] > 0, r
   # Same seed, same initial weights: the same figure before any step.
   assert len({r["points"][0]["metric"] for r in runs}) == 1, runs
   table = (tmp_path / "keras_validation.md").read_text()
   assert "### cnn" in table
   assert "| optimizer | grid value | final val acc | best val acc |" in table
   assert "schedulefree 0.0025 evaluated at its training point y" in table
+  assert ("Gradient noise scale B_simple measured by K-FAC on its first "
+          "steps (batch 64): ") in table
   for o in optimizers:
     assert "| %s |" % o in table, table
   assert "pinned to 1 thread(s)" in table
