@@ -83,6 +83,19 @@ KFAC_VARIANTS = {
     # The recipe at a fixed rate and momentum (only the damping adapted).
     "kfac_fixed_rate": {"momentum_type": "regular", "learning_rate": 0.05,
                         "momentum": 0.9},
+    # The minibatch recipe's damping (docs/recipe.md, "The minibatch
+    # recipe's damping"): kfac 0.2.x's decay with a higher floor, and the
+    # recipe's decay from a lower initial damping.
+    "kfac_minibatch_decay95_floor1": {
+        "recipe": "minibatch", "learning_rate": 0.05,
+        "damping_adaptation_decay": 0.95, "relative_min_damping": 1.0},
+    "kfac_minibatch_decay95_floor3": {
+        "recipe": "minibatch", "learning_rate": 0.05,
+        "damping_adaptation_decay": 0.95, "relative_min_damping": 3.0},
+    "kfac_minibatch_damping1e-2": {"recipe": "minibatch",
+                                   "learning_rate": 0.05, "damping": 1e-2},
+    "kfac_minibatch_damping1e-3": {"recipe": "minibatch",
+                                   "learning_rate": 0.05, "damping": 1e-3},
 }
 # K-FAC recipes that take a learning rate, tuned on a grid as the peers
 # are: Kfac(model=..., adaptive=True, recipe="minibatch", learning_rate=v).

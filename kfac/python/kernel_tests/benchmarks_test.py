@@ -552,6 +552,9 @@ def test_keras_validation_variant_errors():
     del val_workloads.KFAC_VARIANTS["kfac_bogus"]
   with pytest.raises(ValueError, match="unknown optimizer 'sgd'; one of kfac"):
     val_workloads.make_optimizer("sgd", model)
+  # Every variant the benchmark names is one Kfac accepts.
+  for name in tuple(val_workloads.KFAC_VARIANTS) + val_workloads.TUNED_KFAC:
+    val_workloads.make_optimizer(name, model)
 
 
 def _schedule_free_reference(w0, grad, lr, steps, beta_1=0.9, beta_2=0.999,
