@@ -699,3 +699,23 @@ def test_keras_damping_trace_tiny(tmp_path):
   table = (tmp_path / "keras_damping_trace.md").read_text()
   assert "| step | train loss | val acc | damping | rho |" in table
   assert "| 6 |" in table
+
+
+def test_noise_scale_trace_tiny(tmp_path):
+  """noise_scale_trace.py on the tiny CNN: a measurement before training
+  and every 3 steps, positive and finite here, in the JSON and table."""
+  _run("noise_scale_trace.py", [
+      "--workload=cnn", "--size=tiny", "--steps=6", "--every=3",
+      "--batches=2", "--batch_size=64", "--train_examples=1000"], tmp_path)
+  with open(tmp_path / "noise_scale_trace.json") as f:
+    out = json.load(f)
+  assert out["batch_size"] == 64 and out["optimizer"] == "kfac_minibatch"
+  records = out["records"]
+  assert [r["step"] for r in records] == [0, 3, 6], records
+  for r in records:
+    assert r["trace_sigma_sum"] > 0 and math.isfinite(r["b_simple"]), r
+    if r["grad_sq_sum"] > 0:
+      assert r["b_simple"] == pytest.approx(
+          r["trace_sigma_sum"] / r["grad_sq_sum"]), r
+  table = (tmp_path / "noise_scale_trace.md").read_text()
+  assert "| step | train loss | B_simple | B_simple / batch |" in table
