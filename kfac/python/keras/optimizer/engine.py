@@ -147,7 +147,8 @@ class KfacEngine:
     self.state = self.core.state_store
     # The gradient noise scale, measured on the first steps (0: never).
     self.noise = noise_scale.NoiseScale(
-        self.state, kfac_kwargs.get("noise_scale_steps") or 0)
+        self.state, kfac_kwargs.get("noise_scale_steps") or 0,
+        kfac_kwargs.get("noise_scale_every") or 0)
     if model is not None:
       self.register_model(model)
 
@@ -216,20 +217,24 @@ class KfacEngine:
   def _noise_report(self):
     """The report's line on the gradient noise scale ("" when not
     measured)."""
-    if not self.noise.steps:
+    noise = self.noise
+    if not noise.enabled:
       return ""
+    when = "the first %d steps" % noise.steps
+    if noise.every:
+      when = ("%s, then one step in %d" % (when, noise.every) if noise.steps
+              else "one step in %d" % noise.every)
     if not tf.executing_eagerly():
-      return ("\ngradient noise scale: measured on the first %d steps "
-              "(read optimizer.noise_scale in the session)" % self.noise.steps)
-    measured = int(self.noise.measured.numpy())
+      return ("\ngradient noise scale: measured on %s (read "
+              "optimizer.noise_scale in the session)" % when)
+    measured = int(noise.measured.numpy())
     if not measured:
-      return ("\ngradient noise scale: not measured yet (the first %d steps "
-              "measure it)" % self.noise.steps)
+      return "\ngradient noise scale: not measured yet (measured on %s)" % (
+          when)
     return ("\ngradient noise scale: B_simple = %.4g at batch size %d "
-            "(measured over %d of the first %d steps)" % (
-                float(self.noise.b_simple().numpy()),
-                int(self.noise.batch_size.numpy()), measured,
-                self.noise.steps))
+            "(%d measurements; measured on %s)" % (
+                float(noise.b_simple().numpy()),
+                int(noise.batch_size.numpy()), measured, when))
 
   # ------------------------------------------------------- hyperparameters
   def learning_rate_tensor(self):
@@ -694,9 +699,9 @@ class KerasStep:
         self._engine.core.set_layer_collection(lc)
         self._engine.core.estimator.instantiate_variables()
     measured = []
-    if self._engine.noise.steps and replicas == 1:
+    if self._engine.noise.enabled and replicas == 1:
       with forward.as_default() if in_branch else contextlib.nullcontext():
-        measured = [self._measure_noise(variables)]
+        measured = [self._measure_noise(variables, iteration)]
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
     if self._engine.hyper.get("weight_decay") is not None:
       # Keras's exclude_from_weight_decay, read on the Keras variables.
@@ -707,8 +712,9 @@ class KerasStep:
                                            layer_collection=lc)
     return self._after_apply(op, iteration)
 
-  def _measure_noise(self, variables):
-    """On the first noise_scale_steps steps: the gradients of the loss on
+  def _measure_noise(self, variables, iteration):
+    """On the first noise_scale_steps steps (then one in
+    noise_scale_every): the gradients of the loss on
     the two halves of the step's batch (training mode, the model's state
     left as it was) and their tr(Sigma), |G|^2 estimates added to the
     noise scale's sums (ops/adaptive/noise_scale.py); an op."""
@@ -743,7 +749,7 @@ class KerasStep:
             "kfac: gradient noise scale B_simple =", noise.b_simple(),
             "at batch size", batch_size, "(measured over", noise.steps,
             "steps)"))
-    return kfac_utils.cond_op(noise.measuring(), measure)
+    return kfac_utils.cond_op(noise.measuring(iteration), measure)
 
   def decays(self, variable):
     """Whether the core's `variable` decays: not excluded by
@@ -815,6 +821,8 @@ class KerasStep:
     write_scalar("kfac/learning_rate", self._engine.learning_rate_tensor(),
                  step)
     write_scalar("kfac/skipped_steps", self._engine.core.skipped_steps, step)
+    if self._engine.noise.enabled:
+      write_scalar("kfac/noise_scale", self._engine.noise.b_simple(), step)
     for name in ("damping", "momentum"):
       var = self._engine.hyper.get(name)
       if var is not None:
@@ -866,7 +874,8 @@ RULES = {"damping": argument_rules.POSITIVE,
          "weight_decay": argument_rules.NON_NEGATIVE}
 # Kfac's own arguments (in kfac_kwargs, kept in its config; not the
 # core's).
-KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps")
+KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
+                       "noise_scale_every")
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -991,13 +1000,16 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
           "qmodel_batch_fraction is used by the quadratic model only "
           "(adaptive=True, or momentum_type 'qmodel' / 'qmodel_fixedmu'); "
           "got momentum_type=%r." % (momentum_type,))
-  steps = kfac_kwargs.get("noise_scale_steps")
-  if steps is not None and (not argument_rules.is_number(steps) or
-                            isinstance(steps, bool) or int(steps) != steps or
-                            steps < 0):
-    raise ValueError("Kfac's noise_scale_steps must be an integer >= 0 (the "
-                     "first steps that measure the gradient noise scale; 0: "
-                     "none), got %r." % (steps,))
+  for name, what in (("noise_scale_steps", "the first steps that measure "
+                       "the gradient noise scale; 0: none"),
+                     ("noise_scale_every", "then one step in this many "
+                      "measures it; 0: none")):
+    steps = kfac_kwargs.get(name)
+    if steps is not None and (not argument_rules.is_number(steps) or
+                              isinstance(steps, bool) or
+                              int(steps) != steps or steps < 0):
+      raise ValueError("Kfac's %s must be an integer >= 0 (%s), got %r." %
+                       (name, what, steps))
   if argument_rules.is_number(learning_rate):
     argument_rules.check("Kfac", "learning_rate", learning_rate,
                          argument_rules.NON_NEGATIVE)
@@ -1014,8 +1026,10 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
         kfac_kwargs.setdefault(key, value)
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
-    if kfac_kwargs.get("noise_scale_steps") is None:
-      kfac_kwargs["noise_scale_steps"] = recipe.NOISE_SCALE_STEPS
+    for key, value in (("noise_scale_steps", recipe.NOISE_SCALE_STEPS),
+                       ("noise_scale_every", recipe.NOISE_SCALE_EVERY)):
+      if kfac_kwargs.get(key) is None:
+        kfac_kwargs[key] = value
     kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
     if damping is None:
       damping = recipe.INITIAL_DAMPING
@@ -1087,12 +1101,14 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       constraint of 0.01 on the update, statistics every 10 steps,
       inverses and the damping rule every 50 (moving the damping by at
       most 2% each time); any of these given explicitly wins.
-      noise_scale_steps=N: the first N steps also measure the gradient
-      noise scale B_simple on the two halves of each batch (about one more
-      forward and backward pass on those steps; the optimizer's
-      noise_scale, the registration report and one log line give it;
-      docs/recipe.md, "The gradient noise scale"); 5 with adaptive=True,
-      else 0 (none).
+      noise_scale_steps=N, noise_scale_every=k: the first N steps, then
+      one step in k, also measure the gradient noise scale B_simple on the
+      two halves of the step's batch (about one more forward and backward
+      pass on those steps; the later measurements in a moving window of
+      about 5; the optimizer's noise_scale, the registration report, the
+      TensorBoard scalar kfac/noise_scale and one log line after the first
+      N give it; docs/recipe.md, "The gradient noise scale"): 5 and 50
+      with adaptive=True, else 0 and 0 (none).
       registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask; DepthwiseConv2D: sub_sample_patches),

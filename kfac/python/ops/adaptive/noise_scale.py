@@ -74,16 +74,35 @@ def estimates(grads_a, grads_b, size):
 
 class NoiseScale:
   """Sums of tr(Sigma) and |G|^2 estimates over the measured steps, in
-  K-FAC's state (so a checkpoint keeps them): `b_simple` is their ratio."""
+  K-FAC's state (so a checkpoint keeps them): `b_simple` is their ratio.
 
-  def __init__(self, store, steps):
+  The first `steps` steps are measured and summed; after them, with
+  `every` > 0, one step in `every` is measured and the sums decay by
+  `decay` before each of these is added (a moving window of about
+  1 / (1 - decay) measurements: the noise scale grows as training goes
+  on, docs/recipe.md)."""
+
+  def __init__(self, store, steps, every=0, decay=0.8):
     """store: the optimizer's StateStore; steps: how many steps measure
-    (the first ones)."""
-    if int(steps) != steps or steps < 0:
-      raise ValueError("noise_scale_steps must be an integer >= 0, got %r."
-                       % (steps,))
+    (the first ones); every: then one step in this many (0: none);
+    decay: the sums' decay per later measurement, in [0, 1)."""
+    for name, value in (("noise_scale_steps", steps),
+                        ("noise_scale_every", every)):
+      if int(value) != value or value < 0:
+        raise ValueError("%s must be an integer >= 0, got %r." %
+                         (name, value))
+    if not 0.0 <= decay < 1.0:
+      raise ValueError("The noise scale's decay must be in [0, 1), got %r."
+                       % (decay,))
     self.steps = int(steps)
+    self.every = int(every)
+    self.decay = float(decay)
     self._store = store
+
+  @property
+  def enabled(self):
+    """Whether any step measures."""
+    return self.steps > 0 or self.every > 0
 
   def _var(self, name, dtype):
     return self._store.get_or_create("noise_scale/" + name, [], dtype)
@@ -106,26 +125,49 @@ class NoiseScale:
     """The batch size of the last measured step (int64 variable)."""
     return self._var("batch_size", tf.int64)
 
-  def measuring(self):
-    """Whether this step measures (a boolean tensor)."""
-    return tf.convert_to_tensor(self.measured) < tf.constant(self.steps,
-                                                             tf.int64)
+  def _first_done(self):
+    return tf.convert_to_tensor(self.measured) >= tf.constant(self.steps,
+                                                              tf.int64)
+
+  def measuring(self, step=None):
+    """Whether this step measures (a boolean tensor): one of the first
+    `steps` measured, or, after them, a `step` (the optimizer's step
+    count, an integer tensor) that is a multiple of `every`."""
+    first = tf.logical_not(self._first_done())
+    if not self.every or step is None:
+      return first
+    periodic = tf.equal(tf.cast(step, tf.int64) % self.every, 0)
+    return tf.logical_or(first, periodic)
 
   def add(self, trace_sigma, grad_sq, batch_size):
     """An op that adds one step's estimates (finite ones only: a step whose
-    gradients were not finite changes nothing) at batch_size examples."""
+    gradients were not finite changes nothing) at batch_size examples;
+    after the first `steps` measurements the sums decay by `decay` first."""
     trace_sigma = tf.cast(trace_sigma, tf.float64)
     grad_sq = tf.cast(grad_sq, tf.float64)
     finite = tf.logical_and(tf.math.is_finite(trace_sigma),
                             tf.math.is_finite(grad_sq))
     zero = tf.constant(0.0, tf.float64)
-    return tf.group(
-        self.trace_sigma_sum.assign_add(tf.where(finite, trace_sigma, zero)),
-        self.grad_sq_sum.assign_add(tf.where(finite, grad_sq, zero)),
-        self.measured.assign_add(tf.cast(finite, tf.int64)),
-        self.batch_size.assign(tf.where(
-            finite, tf.cast(batch_size, tf.int64),
-            tf.convert_to_tensor(self.batch_size))))
+    # Every read before any assignment (a TF1 graph orders only what its
+    # control dependencies say).
+    measured = tf.identity(self.measured.read_value())
+    first_done = measured >= tf.constant(self.steps, tf.int64)
+    keep = tf.where(tf.logical_and(finite, first_done),
+                    tf.constant(self.decay, tf.float64),
+                    tf.constant(1.0, tf.float64))
+    new = [keep * tf.identity(self.trace_sigma_sum.read_value()) +
+           tf.where(finite, trace_sigma, zero),
+           keep * tf.identity(self.grad_sq_sum.read_value()) +
+           tf.where(finite, grad_sq, zero),
+           measured + tf.cast(finite, tf.int64),
+           tf.where(finite, tf.cast(batch_size, tf.int64),
+                    tf.identity(self.batch_size.read_value()))]
+    with tf.control_dependencies(new):
+      return tf.group(
+          self.trace_sigma_sum.assign(new[0]),
+          self.grad_sq_sum.assign(new[1]),
+          self.measured.assign(new[2]),
+          self.batch_size.assign(new[3]))
 
   def b_simple(self):
     """tr(Sigma) / |G|^2 over the measured steps (float64): NaN before any

@@ -69,6 +69,9 @@ CONV_SUB_SAMPLE_PATCHES = True
 # B_simple (adaptive/noise_scale.py) on two halves of each batch: about one
 # more forward and backward pass of the batch on each of these steps.
 NOISE_SCALE_STEPS = 5
+# Then one step in NOISE_SCALE_EVERY (the noise scale grows tenfold and more
+# in the first hundreds of steps: docs/recipe.md): about 1% more per step.
+NOISE_SCALE_EVERY = 50
 
 # The recipe for noisy minibatch training ("minibatch"). kfac-jax's
 # stochastic examples fix the momentum at 0.9 and recompute inverses and
