@@ -191,6 +191,9 @@ def run_worker(workload, opt_name, value):
       ms_per_step_cpu=1e3 * state["cpu"] / max(state["step"] - 1, 1),
       ms_per_step_wall=1e3 * state["wall"] / max(state["step"] - 1, 1),
       final=metrics[-1], best=pick(finite) if finite else float("nan"))
+  noise = getattr(opt, "noise_scale", None)
+  if noise is not None:  # Kfac: the gradient noise scale it measured
+    result["noise_scale"] = float(noise)
   return result
 
 
@@ -342,6 +345,14 @@ def table(results, workload):
                      r["first_step_cpu_s"],
                      " diverged at step %d" % r["diverged_at_step"]
                      if "diverged_at_step" in r else ""))
+  noise = [r["noise_scale"] for r in runs
+           if math.isfinite(r.get("noise_scale", float("nan")))]
+  if noise:
+    lines.append("")
+    lines.append(
+        "Gradient noise scale B_simple measured by K-FAC on its first steps "
+        "(batch %d): %s." % (FLAGS.batch_size, ", ".join(
+            "%.4g" % v for v in sorted(noise))))
   for r in runs:
     ys = [p["metric_at_y"] for p in r.get("points", ()) if "metric_at_y" in p]
     if ys:

@@ -46,6 +46,7 @@ GRIDS = {
     "muon": (1e-3, 3e-3, 1e-2),          # Keras default 1e-3
     "schedulefree": (1e-3, 2.5e-3, 5e-3),  # Keras default 2.5e-3
     "kfac_minibatch": (0.02, 0.05, 0.1),  # the fixed-rate recipe's 0.05
+    "kfac_minibatch_decay95": (0.02, 0.05, 0.1),
 }
 
 PEER_NOTES = {
@@ -82,10 +83,25 @@ KFAC_VARIANTS = {
     # The recipe at a fixed rate and momentum (only the damping adapted).
     "kfac_fixed_rate": {"momentum_type": "regular", "learning_rate": 0.05,
                         "momentum": 0.9},
+    # The minibatch recipe's damping (docs/recipe.md, "The minibatch
+    # recipe's damping"): kfac 0.2.x's decay with a higher floor, and the
+    # recipe's decay from a lower initial damping.
+    "kfac_minibatch_decay95_floor1": {
+        "recipe": "minibatch", "learning_rate": 0.05,
+        "damping_adaptation_decay": 0.95, "relative_min_damping": 1.0},
+    "kfac_minibatch_decay95_floor3": {
+        "recipe": "minibatch", "learning_rate": 0.05,
+        "damping_adaptation_decay": 0.95, "relative_min_damping": 3.0},
+    "kfac_minibatch_damping1e-2": {"recipe": "minibatch",
+                                   "learning_rate": 0.05, "damping": 1e-2},
+    "kfac_minibatch_damping1e-3": {"recipe": "minibatch",
+                                   "learning_rate": 0.05, "damping": 1e-3},
 }
 # K-FAC recipes that take a learning rate, tuned on a grid as the peers
 # are: Kfac(model=..., adaptive=True, recipe="minibatch", learning_rate=v).
-TUNED_KFAC = ("kfac_minibatch",)
+# kfac_minibatch_decay95: the recipe with kfac 0.2.x's damping decay 0.95
+# (what it had before recipe.MINIBATCH_DAMPING_DECAY; docs/recipe.md).
+TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95")
 
 
 def is_loss_metric(workload):
@@ -239,10 +255,13 @@ def make_optimizer(name, model, value=None):
     raise ValueError("unknown optimizer %r; one of %s" % (
         name, ", ".join(optimizer_names())))
   lr = GRIDS[name][len(GRIDS[name]) // 2] if value is None else value
-  if name == "kfac_minibatch":
+  if name in TUNED_KFAC:
     import kfac.keras  # pylint: disable=g-import-not-at-top
+    extra = ({"damping_adaptation_decay": 0.95}
+             if name == "kfac_minibatch_decay95" else {})
     return kfac.keras.optimizers.Kfac(model=model, adaptive=True,
-                                      recipe="minibatch", learning_rate=lr)
+                                      recipe="minibatch", learning_rate=lr,
+                                      **extra)
   if name == "adam":
     return keras.optimizers.Adam(lr)
   if name == "adamw":

@@ -489,12 +489,18 @@ def test_keras_validation_tiny(tmp_path):
     assert 0 <= r["final"] <= 1, r
     if r["optimizer"] == "schedulefree":  # also judged at its point y
       assert all("metric_at_y" in p for p in r["points"]), r
+    # Kfac(adaptive=True) measured the gradient noise scale; the peers not.
+    assert ("noise_scale" in r) == r["optimizer"].startswith("kfac"), r
+    if "noise_scale" in r:
+      assert math.isfinite(r["noise_scale"]) and r["noise_scale"] > 0, r
   # Same seed, same initial weights: the same figure before any step.
   assert len({r["points"][0]["metric"] for r in runs}) == 1, runs
   table = (tmp_path / "keras_validation.md").read_text()
   assert "### cnn" in table
   assert "| optimizer | grid value | final val acc | best val acc |" in table
   assert "schedulefree 0.0025 evaluated at its training point y" in table
+  assert ("Gradient noise scale B_simple measured by K-FAC on its first "
+          "steps (batch 64): ") in table
   for o in optimizers:
     assert "| %s |" % o in table, table
   assert "pinned to 1 thread(s)" in table
@@ -546,6 +552,9 @@ def test_keras_validation_variant_errors():
     del val_workloads.KFAC_VARIANTS["kfac_bogus"]
   with pytest.raises(ValueError, match="unknown optimizer 'sgd'; one of kfac"):
     val_workloads.make_optimizer("sgd", model)
+  # Every variant the benchmark names is one Kfac accepts.
+  for name in tuple(val_workloads.KFAC_VARIANTS) + val_workloads.TUNED_KFAC:
+    val_workloads.make_optimizer(name, model)
 
 
 def _schedule_free_reference(w0, grad, lr, steps, beta_1=0.9, beta_2=0.999,
@@ -668,3 +677,45 @@ def test_tree_step_time_rejects_a_folder_without_kfac(tmp_path):
       timeout=300, check=False)
   assert proc.returncode != 0
   assert "has no kfac/ package" in proc.stderr
+
+
+def test_keras_damping_trace_tiny(tmp_path):
+  """keras_damping_trace.py on the tiny ViT, 6 steps recorded every 3: the
+  records (damping at the decay given, finite losses and scales) in the
+  JSON and the table."""
+  _run("keras_damping_trace.py", [
+      "--workload=vit", "--size=tiny", "--steps=6", "--every=3",
+      "--train_examples=2000", "--damping_adaptation_decay=0.9"], tmp_path)
+  with open(tmp_path / "keras_damping_trace.json") as f:
+    out = json.load(f)
+  assert out["damping_adaptation_decay"] == 0.9
+  records = out["records"]
+  assert [r["step"] for r in records] == [3, 6], records
+  for r in records:
+    assert all(math.isfinite(r[k]) for k in (
+        "train_loss", "val_acc", "damping", "curvature_scale")), r
+    # From 1.0, one application of the rule moves it by 0.9**50 at most.
+    assert 0.9**50 * 0.999 <= r["damping"] <= 0.9**-50 * 1.001, r
+  table = (tmp_path / "keras_damping_trace.md").read_text()
+  assert "| step | train loss | val acc | damping | rho |" in table
+  assert "| 6 |" in table
+
+
+def test_noise_scale_trace_tiny(tmp_path):
+  """noise_scale_trace.py on the tiny CNN: a measurement before training
+  and every 3 steps, positive and finite here, in the JSON and table."""
+  _run("noise_scale_trace.py", [
+      "--workload=cnn", "--size=tiny", "--steps=6", "--every=3",
+      "--batches=2", "--batch_size=64", "--train_examples=1000"], tmp_path)
+  with open(tmp_path / "noise_scale_trace.json") as f:
+    out = json.load(f)
+  assert out["batch_size"] == 64 and out["optimizer"] == "kfac_minibatch"
+  records = out["records"]
+  assert [r["step"] for r in records] == [0, 3, 6], records
+  for r in records:
+    assert r["trace_sigma_sum"] > 0 and math.isfinite(r["b_simple"]), r
+    if r["grad_sq_sum"] > 0:
+      assert r["b_simple"] == pytest.approx(
+          r["trace_sigma_sum"] / r["grad_sq_sum"]), r
+  table = (tmp_path / "noise_scale_trace.md").read_text()
+  assert "| step | train loss | B_simple | B_simple / batch |" in table

@@ -633,6 +633,8 @@ def test_minibatch_recipe_defaults():
   assert core.config.damping.damping_adaptation_interval == (
       recipe.MINIBATCH_INVERT_EVERY)
   assert core.config.damping.adapt_damping
+  assert core.config.damping.damping_adaptation_decay == (
+      recipe.MINIBATCH_DAMPING_DECAY)
   assert float(opt.damping.numpy()) == recipe.INITIAL_DAMPING
   # The user's values win over the recipe's.
   opt = kfac.keras.optimizers.Kfac(adaptive=True, recipe="minibatch",

@@ -30,6 +30,7 @@ from kfac.python.keras import loss_registration
 from kfac.python.keras import registration_report
 from kfac.python.keras.optimizer import config as config_lib
 from kfac.python.keras.optimizer import losses
+from kfac.python.ops.adaptive import noise_scale
 from kfac.python.ops.adaptive import recipe
 from kfac.python.ops.collection import layer_collection as lc_lib
 from kfac.python.ops.distribute import collective
@@ -124,7 +125,7 @@ class KfacEngine:
     self.step = KerasStep(self)
     core_kwargs = {k: v for k, v in kfac_kwargs.items()
                    if k not in MUTABLE_HYPERPARAMETERS and
-                   k not in ("qmodel_batch_fraction", "recipe")}
+                   k not in KFAC_ONLY_ARGUMENTS}
     for hp, var in self.hyper.items():
       core_kwargs[_CORE_NAMES.get(hp, hp)] = var
     if "weight_decay" in self.hyper:
@@ -144,6 +145,10 @@ class KfacEngine:
                        else self.learning_rate_tensor),
         name=name, **core_kwargs)
     self.state = self.core.state_store
+    # The gradient noise scale, measured on the first steps (0: never).
+    self.noise = noise_scale.NoiseScale(
+        self.state, kfac_kwargs.get("noise_scale_steps") or 0,
+        kfac_kwargs.get("noise_scale_every") or 0)
     if model is not None:
       self.register_model(model)
 
@@ -195,7 +200,8 @@ class KfacEngine:
       rows, loss_lines, lc = self.report
       memory = registration_report.memory_of(
           lc, getattr(self.core, "memory_budget", None))
-      return registration_report.format_report(rows, loss_lines, memory)
+      return registration_report.format_report(
+          rows, loss_lines, memory) + self._noise_report()
     if self.model is None:
       return "(no model yet)"
     plans = layer_registration.plan_layers(self.model, self.fisher_approx)
@@ -207,6 +213,28 @@ class KfacEngine:
             for p in plans]
     return layer_registration.format_report(rows) + (
         "\n(planned; blocks and losses are known after the first step)")
+
+  def _noise_report(self):
+    """The report's line on the gradient noise scale ("" when not
+    measured)."""
+    noise = self.noise
+    if not noise.enabled:
+      return ""
+    when = "the first %d steps" % noise.steps
+    if noise.every:
+      when = ("%s, then one step in %d" % (when, noise.every) if noise.steps
+              else "one step in %d" % noise.every)
+    if not tf.executing_eagerly():
+      return ("\ngradient noise scale: measured on %s (read "
+              "optimizer.noise_scale in the session)" % when)
+    measured = int(noise.measured.numpy())
+    if not measured:
+      return "\ngradient noise scale: not measured yet (measured on %s)" % (
+          when)
+    return ("\ngradient noise scale: B_simple = %.4g at batch size %d "
+            "(%d measurements; measured on %s)" % (
+                float(noise.b_simple().numpy()),
+                int(noise.batch_size.numpy()), measured, when))
 
   # ------------------------------------------------------- hyperparameters
   def learning_rate_tensor(self):
@@ -345,6 +373,13 @@ class KfacOptimizerBase:
   def skipped_steps(self):
     """How many steps the non-finite guard skipped (docs/reliability.md)."""
     return self._kfac_engine.core.skipped_steps
+
+  @property
+  def noise_scale(self):
+    """The gradient noise scale B_simple = tr(Sigma) / |G|^2 measured on
+    the first noise_scale_steps steps (a float64 tensor; NaN before the
+    first; docs/recipe.md, "The gradient noise scale")."""
+    return self._kfac_engine.noise.b_simple()
 
   @property
   def state_store(self):
@@ -663,14 +698,58 @@ class KerasStep:
       if in_branch:  # the sources and their gradients, built there
         self._engine.core.set_layer_collection(lc)
         self._engine.core.estimator.instantiate_variables()
+    measured = []
+    if self._engine.noise.enabled and replicas == 1:
+      with forward.as_default() if in_branch else contextlib.nullcontext():
+        measured = [self._measure_noise(variables, iteration)]
     tf_vars = [keras_flavor.unwrap_variable(v) for v in variables]
     if self._engine.hyper.get("weight_decay") is not None:
       # Keras's exclude_from_weight_decay, read on the Keras variables.
       self._decay_choice = {t.ref(): bool(use_weight_decay(v))
                             for v, t in zip(variables, tf_vars)}
-    op = self._engine.core.apply_gradients(list(zip(grads, tf_vars)),
-                                         layer_collection=lc)
+    with tf.control_dependencies(measured):  # at the step's parameters
+      op = self._engine.core.apply_gradients(list(zip(grads, tf_vars)),
+                                           layer_collection=lc)
     return self._after_apply(op, iteration)
+
+  def _measure_noise(self, variables, iteration):
+    """On the first noise_scale_steps steps (then one in
+    noise_scale_every): the gradients of the loss on
+    the two halves of the step's batch (training mode, the model's state
+    left as it was) and their tr(Sigma), |G|^2 estimates added to the
+    noise scale's sums (ops/adaptive/noise_scale.py); an op."""
+    noise = self._engine.noise
+    model = self._engine.model
+
+    x, y, sample_weight = self._batch()  # (found in the step's graph)
+
+    def measure():
+      batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+      size = noise_scale.part_size(batch_size)
+      parts = list(zip(*(noise_scale.split(t, size)
+                         for t in (x, y, sample_weight))))
+
+      def estimates():
+        grads = []
+        for px, py, pw in parts:
+          with tf.GradientTape() as tape:
+            y_pred = model(px, training=True)
+            part_loss = model.compute_loss(x=px, y=py, y_pred=y_pred,
+                                           sample_weight=pw)
+          grads.append(tape.gradient(part_loss, variables))
+        return noise_scale.estimates(grads[0], grads[1], size)
+      trace_sigma, grad_sq = self._stateless(estimates)
+      added = noise.add(trace_sigma, grad_sq, batch_size)
+      if kfac_utils.in_xla_context():  # (XLA compiles no print)
+        return added
+      with tf.control_dependencies([added]):
+        # One line in the logs when the measurement is complete.
+        done = tf.equal(tf.convert_to_tensor(noise.measured), noise.steps)
+        return kfac_utils.cond_op(done, lambda: tf.print(
+            "kfac: gradient noise scale B_simple =", noise.b_simple(),
+            "at batch size", batch_size, "(measured over", noise.steps,
+            "steps)"))
+    return kfac_utils.cond_op(noise.measuring(iteration), measure)
 
   def decays(self, variable):
     """Whether the core's `variable` decays: not excluded by
@@ -742,6 +821,8 @@ class KerasStep:
     write_scalar("kfac/learning_rate", self._engine.learning_rate_tensor(),
                  step)
     write_scalar("kfac/skipped_steps", self._engine.core.skipped_steps, step)
+    if self._engine.noise.enabled:
+      write_scalar("kfac/noise_scale", self._engine.noise.b_simple(), step)
     for name in ("damping", "momentum"):
       var = self._engine.hyper.get(name)
       if var is not None:
@@ -791,6 +872,10 @@ RULES = {"damping": argument_rules.POSITIVE,
          "weight_decay_coeff": argument_rules.NON_NEGATIVE,
          "norm_constraint": argument_rules.POSITIVE,
          "weight_decay": argument_rules.NON_NEGATIVE}
+# Kfac's own arguments (in kfac_kwargs, kept in its config; not the
+# core's).
+KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
+                       "noise_scale_every")
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -915,6 +1000,16 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
           "qmodel_batch_fraction is used by the quadratic model only "
           "(adaptive=True, or momentum_type 'qmodel' / 'qmodel_fixedmu'); "
           "got momentum_type=%r." % (momentum_type,))
+  for name, what in (("noise_scale_steps", "the first steps that measure "
+                       "the gradient noise scale; 0: none"),
+                     ("noise_scale_every", "then one step in this many "
+                      "measures it; 0: none")):
+    steps = kfac_kwargs.get(name)
+    if steps is not None and (not argument_rules.is_number(steps) or
+                              isinstance(steps, bool) or
+                              int(steps) != steps or steps < 0):
+      raise ValueError("Kfac's %s must be an integer >= 0 (%s), got %r." %
+                       (name, what, steps))
   if argument_rules.is_number(learning_rate):
     argument_rules.check("Kfac", "learning_rate", learning_rate,
                          argument_rules.NON_NEGATIVE)
@@ -931,6 +1026,10 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
         kfac_kwargs.setdefault(key, value)
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
+    for key, value in (("noise_scale_steps", recipe.NOISE_SCALE_STEPS),
+                       ("noise_scale_every", recipe.NOISE_SCALE_EVERY)):
+      if kfac_kwargs.get(key) is None:
+        kfac_kwargs[key] = value
     kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
     if damping is None:
       damping = recipe.INITIAL_DAMPING
@@ -1000,8 +1099,16 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       learning_rate you give (docs/recipe.md, "The minibatch recipe"):
       momentum 0.9 (momentum_type "regular", no quadratic model), a norm
       constraint of 0.01 on the update, statistics every 10 steps,
-      inverses and the damping rule every 50; any of these given
-      explicitly wins.
+      inverses and the damping rule every 50 (moving the damping by at
+      most 2% each time); any of these given explicitly wins.
+      noise_scale_steps=N, noise_scale_every=k: the first N steps, then
+      one step in k, also measure the gradient noise scale B_simple on the
+      two halves of the step's batch (about one more forward and backward
+      pass on those steps; the later measurements in a moving window of
+      about 5; the optimizer's noise_scale, the registration report, the
+      TensorBoard scalar kfac/noise_scale and one log line after the first
+      N give it; docs/recipe.md, "The gradient noise scale"): 5 and 50
+      with adaptive=True, else 0 and 0 (none).
       registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask; DepthwiseConv2D: sub_sample_patches),
