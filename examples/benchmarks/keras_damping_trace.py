@@ -37,15 +37,10 @@ flags.DEFINE_string("output_dir", "bench_results", "Where to write.")
 def run():
   """The records of one run (a list of dicts)."""
   import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import kfac.keras  # pylint: disable=g-import-not-at-top
   from kfac.python.ops.adaptive import recipe  # pylint: disable=g-import-not-at-top
-  tf.config.threading.set_intra_op_parallelism_threads(1)
-  tf.config.threading.set_inter_op_parallelism_threads(1)
-  keras.utils.set_random_seed(0)
-  x, y, xv, yv = vw.load(FLAGS.workload, FLAGS.train_examples, 2000)
-  model = vw.build(FLAGS.workload, FLAGS.size)
-  loss = vw.loss(FLAGS.workload)
+  x, y, xv, yv, model, loss = vw.one_thread_run(
+      FLAGS.workload, FLAGS.size, FLAGS.train_examples, 2000)
   extra = {}
   if FLAGS.damping_adaptation_decay is not None:
     extra["damping_adaptation_decay"] = FLAGS.damping_adaptation_decay

@@ -65,13 +65,8 @@ def run():
   """The records of one run (a list of dicts)."""
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.threading.set_intra_op_parallelism_threads(1)
-  tf.config.threading.set_inter_op_parallelism_threads(1)
-  keras.utils.set_random_seed(0)
-  x, y, _, _ = vw.load(FLAGS.workload, FLAGS.train_examples, 1000)
-  model = vw.build(FLAGS.workload, FLAGS.size)
-  loss = vw.loss(FLAGS.workload)
+  x, y, _, _, model, loss = vw.one_thread_run(
+      FLAGS.workload, FLAGS.size, FLAGS.train_examples, 1000)
   opt = vw.make_optimizer(FLAGS.optimizer, model)
   model.compile(optimizer=opt, loss=loss)
   rng = np.random.RandomState(1)

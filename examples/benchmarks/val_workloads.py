@@ -104,6 +104,18 @@ KFAC_VARIANTS = {
 TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95")
 
 
+def one_thread_run(workload, size, train_examples, val_examples, seed=0):
+  """(x, y, x_val, y_val, model, loss) of a single run pinned to one
+  TensorFlow thread with Keras seeded (the trace programs' set-up)."""
+  import keras
+  import tensorflow as tf
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+  keras.utils.set_random_seed(seed)
+  x, y, x_val, y_val = load(workload, train_examples, val_examples, seed)
+  return x, y, x_val, y_val, build(workload, size), loss(workload)
+
+
 def is_loss_metric(workload):
   """True when the validation metric is a loss (lower is better)."""
   return workload == "autoencoder"
