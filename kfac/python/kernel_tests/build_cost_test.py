@@ -134,7 +134,8 @@ def test_step_graph_grows_linearly_with_depth():
   # (measured: 311 nodes per Dense+ReLU layer with adaptive=True, the same
   # for every added layer; 478 before the quadratic model's inner products
   # became one Gram per variable and the normalized traces took shared
-  # constants).
+  # constants; 306 with the gradient noise scale's measurement, 270
+  # without it, on 2026-12-05).
   assert second <= first, sizes
   assert second <= 340, sizes
 
@@ -203,13 +204,16 @@ def test_damping_rule_reuses_the_training_loss_in_fit():
   (optimizers/step.py): the traced step calls the model twice
   (training pass, the loss after a trial or an update), was 5, then 3. In
   a custom loop whose loss is not model.compute_loss, loss_fn evaluates it
-  (in the calibration and before the rule): 4 calls. The value kept as the
+  (in the calibration and before the rule): 4 calls. The gradient noise
+  scale's measurement (on by default) adds its two halves' calls (in a
+  conditional that runs on the measured steps only). The value kept as the
   loss before the update is the training loss (the float64 brute force of
   the rule with dropout: keras_dropout_damping_test.py)."""
-  for custom in (False, True):
+  for custom, noise in ((False, False), (True, False), (False, True)):
     model = _model()
+    off = {} if noise else dict(noise_scale_steps=0, noise_scale_every=0)
     opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(),
-                                     adaptive=True)
+                                     adaptive=True, **off)
     model.compile(optimizer=opt, loss=_loss())
     count = _count_model_calls(model)
     x, y = _data()
@@ -227,7 +231,8 @@ def test_damping_rule_reuses_the_training_loss_in_fit():
       step(x, y)
     else:
       model.train_on_batch(x, y)
-    assert count[0] == (4 if custom else 2), (custom, count[0])
+    assert count[0] == (4 if custom else 2) + (2 if noise else 0), (
+        custom, noise, count[0])
   # fit's loss is the one kept as the loss before the update: on the first
   # step after the burn-in (an adaptation step) it equals the loss
   # train_on_batch returns.

@@ -351,9 +351,12 @@ def test_tensorboard_scalars_and_config(tmp_path):
   seen = {tag: [value for _, value in points] for tag, points in
           base.fit_with_summaries(model, tmp_path, 2).items()}
   assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",
-                          "kfac/momentum", "kfac/qmodel_change",
-                          "kfac/rho", "kfac/skipped_steps"], seen
+                          "kfac/momentum", "kfac/noise_scale",
+                          "kfac/qmodel_change", "kfac/rho",
+                          "kfac/skipped_steps"], seen
   assert all(q < 0 for q in seen["kfac/qmodel_change"])
+  # The gradient noise scale after each of the first two measured steps.
+  assert all(np.isfinite(b) and b > 0 for b in seen["kfac/noise_scale"])
   assert np.isfinite(seen["kfac/rho"][0])
   config = opt.get_config()
   assert config["adaptive"] is True and config["learning_rate"] is None

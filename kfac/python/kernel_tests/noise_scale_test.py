@@ -151,6 +151,8 @@ def test_sums_skip_non_finite_steps_and_edge_values():
   noise.add(2.0, 0.5, 8)
   noise.add(float("nan"), 1.0, 16)   # skipped
   noise.add(1.0, float("inf"), 16)   # skipped
+  noise.add(0.0, 0.0, 0)             # skipped: an empty batch
+  noise.add(0.0, 0.0, 1)             # skipped: one half empty
   assert noise.measured.numpy() == 1 and noise.batch_size.numpy() == 8
   assert noise.b_simple().numpy() == 4.0
   noise.add(1.0, -0.5, 8)

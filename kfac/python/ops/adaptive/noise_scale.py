@@ -140,13 +140,17 @@ class NoiseScale:
     return tf.logical_or(first, periodic)
 
   def add(self, trace_sigma, grad_sq, batch_size):
-    """An op that adds one step's estimates (finite ones only: a step whose
-    gradients were not finite changes nothing) at batch_size examples;
+    """An op that adds one step's estimates (finite ones of a batch of at
+    least 2: another step changes nothing) at batch_size examples;
     after the first `steps` measurements the sums decay by `decay` first."""
     trace_sigma = tf.cast(trace_sigma, tf.float64)
     grad_sq = tf.cast(grad_sq, tf.float64)
-    finite = tf.logical_and(tf.math.is_finite(trace_sigma),
-                            tf.math.is_finite(grad_sq))
+    # A step counts when both estimates are finite and each half had an
+    # example (an empty batch's zero gradients say nothing).
+    finite = tf.logical_and(
+        tf.logical_and(tf.math.is_finite(trace_sigma),
+                       tf.math.is_finite(grad_sq)),
+        tf.cast(batch_size, tf.int64) >= 2)
     zero = tf.constant(0.0, tf.float64)
     # Every read before any assignment (a TF1 graph orders only what its
     # control dependencies say).
