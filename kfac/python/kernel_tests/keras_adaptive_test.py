@@ -649,7 +649,7 @@ def test_minibatch_recipe_defaults():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(adaptive=True, recipe="fast", learning_rate=None),
-     "recipe must be one of 'exact', 'minibatch', got 'fast'"),
+     "recipe must be one of 'exact', 'minibatch', 'auto', got 'fast'"),
     (dict(adaptive=True, recipe="minibatch", learning_rate=None),
      "recipe='minibatch'.*takes the learning rate from you"),
     (dict(adaptive=False, recipe="minibatch", learning_rate=0.05,
@@ -661,6 +661,19 @@ def test_minibatch_recipe_defaults():
      "recipe='minibatch'"),
     (dict(adaptive=True, recipe="minibatch", learning_rate=0.05,
           qmodel_batch_fraction=0.5), "used by the quadratic model only"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          momentum_type="regular"), "recipe='auto' chooses the learning "
+     "rate with the quadratic model"),
+    (dict(adaptive=True, recipe="exact", learning_rate=None,
+          minibatch_learning_rate=0.1), "minibatch_learning_rate is the "
+     "learning rate recipe='auto' uses.*got recipe='exact'"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          minibatch_learning_rate=-0.1), "minibatch_learning_rate must be a "
+     "number > 0, got -0.1"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          noise_scale_steps=0), "noise_scale_steps=0 measures none"),
+    (dict(adaptive=True, recipe="auto", learning_rate=0.1),
+     "learning_rate must be None with adaptive=True"),
 ])
 def test_recipe_argument_errors_name_the_culprit(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -136,6 +136,9 @@ class KfacEngine:
       core_kwargs.update(adapt_damping=True)
       if core_kwargs["momentum_type"] == "qmodel":
         core_kwargs["momentum"] = None
+    if kfac_kwargs.get("recipe") == "auto":
+      core_kwargs["minibatch_phase"] = recipe.minibatch_phase(
+          kfac_kwargs["minibatch_learning_rate"])
     if adaptive or calibrate:
       # The passed loss is unknown here (and drew other dropout masks):
       # loss_fn evaluates the loss before the update too.
@@ -145,6 +148,9 @@ class KfacEngine:
                        else self.learning_rate_tensor),
         name=name, **core_kwargs)
     self.state = self.core.state_store
+    # recipe="auto": the switch to the minibatch recipe (its flag is set
+    # by the noise measurement, KerasStep._measure_noise); None otherwise.
+    self.switch = self.core.recipe_switch
     # The gradient noise scale, measured on the first steps (0: never).
     self.noise = noise_scale.NoiseScale(
         self.state, kfac_kwargs.get("noise_scale_steps") or 0,
@@ -201,7 +207,8 @@ class KfacEngine:
       memory = registration_report.memory_of(
           lc, getattr(self.core, "memory_budget", None))
       return registration_report.format_report(
-          rows, loss_lines, memory) + self._noise_report()
+          rows, loss_lines, memory) + self._noise_report() + (
+              self._recipe_report())
     if self.model is None:
       return "(no model yet)"
     plans = layer_registration.plan_layers(self.model, self.fisher_approx)
@@ -213,6 +220,18 @@ class KfacEngine:
             for p in plans]
     return layer_registration.format_report(rows) + (
         "\n(planned; blocks and losses are known after the first step)")
+
+  def _recipe_report(self):
+    """The report's line on recipe="auto" ("" for the other recipes)."""
+    if self.switch is None:
+      return ""
+    line = ("\nrecipe: auto (exact until the gradient noise scale passes the "
+            "batch size, then minibatch at learning rate %g)" %
+            self.switch.phase.learning_rate)
+    if tf.executing_eagerly():
+      line += "; now: %s" % (
+          "minibatch" if bool(self.switch.active().numpy()) else "exact")
+    return line
 
   def _noise_report(self):
     """The report's line on the gradient noise scale ("" when not
@@ -380,6 +399,18 @@ class KfacOptimizerBase:
     the first noise_scale_steps steps (a float64 tensor; NaN before the
     first; docs/recipe.md, "The gradient noise scale")."""
     return self._kfac_engine.noise.b_simple()
+
+  @property
+  def recipe_in_use(self):
+    """The recipe of the next step: "exact" or "minibatch" (a string
+    tensor; with recipe="auto" "exact" until the switch, then
+    "minibatch"); None without adaptive=True."""
+    engine = self._kfac_engine
+    if engine.switch is not None:
+      return tf.where(engine.switch.active(), "minibatch", "exact")
+    if not engine.adaptive:
+      return None
+    return tf.constant("minibatch" if engine.fixed_rate else "exact")
 
   @property
   def state_store(self):
@@ -597,16 +628,16 @@ class KerasStep:
     with tf.control_dependencies(restored):
       return tf.nest.map_structure(tf.identity, out)
 
-  def _qmodel_collection(self):
+  def _qmodel_collection(self, batch=None):
     """A LayerCollection with the model's losses on the first
     ceil(qmodel_batch_fraction * batch) examples of the step's batch, from
     an extra training-mode forward pass of those rows (state left as it
     was): the quadratic model's exact curvature products are taken there
     (the core's qmodel_layer_collection)."""
-    x, y, _ = self._batch()
+    x, y, _ = self._batch() if batch is None else batch
     first = tf.nest.flatten(x)[0]
     rows = tf.cast(tf.math.ceil(
-        self._engine.qmodel_fraction *
+        (self._engine.qmodel_fraction or 1.0) *
         tf.cast(tf.shape(first)[0], tf.float64)), tf.int32)
     head = lambda t: t[:rows]  # pylint: disable=unnecessary-lambda-assignment
     x_rows = tf.nest.map_structure(head, x)
@@ -692,7 +723,13 @@ class KerasStep:
         self._engine.core.set_train_batch(batch)
         self._engine.core.set_train_batch_loss(
             self._training_loss(batch, replicas))
-      if self._engine.qmodel_fraction is not None:
+      if self._engine.switch is not None:
+        # Built in the exact recipe's conditional branch (the minibatch
+        # steps build no curvature products): adaptive/recipe/switch.py.
+        step_batch = self._batch()  # (found in the step's graph)
+        self._engine.core.set_qmodel_layer_collection(
+            lambda: self._qmodel_collection(step_batch))
+      elif self._engine.qmodel_fraction is not None:
         self._engine.core.set_qmodel_layer_collection(
             self._qmodel_collection())
       if in_branch:  # the sources and their gradients, built there
@@ -740,6 +777,9 @@ class KerasStep:
         return noise_scale.estimates(grads[0], grads[1], size)
       trace_sigma, grad_sq = self._stateless(estimates)
       added = noise.add(trace_sigma, grad_sq, batch_size)
+      if self._engine.switch is not None:
+        with tf.control_dependencies([added]):
+          added = self._maybe_switch(batch_size, iteration)
       if kfac_utils.in_xla_context():  # (XLA compiles no print)
         return added
       with tf.control_dependencies([added]):
@@ -750,6 +790,30 @@ class KerasStep:
             "at batch size", batch_size, "(measured over", noise.steps,
             "steps)"))
     return kfac_utils.cond_op(noise.measuring(iteration), measure)
+
+  def _maybe_switch(self, batch_size, iteration):
+    """recipe="auto": the op that switches to the minibatch recipe once the
+    noise scale, measured over the first noise_scale_steps steps (and the
+    later ones), is larger than the batch: the batch is then small against
+    the gradient noise (docs/recipe.md, "The automatic recipe")."""
+    noise, switch = self._engine.noise, self._engine.switch
+    b_simple = noise.b_simple()
+    now = tf.logical_and(
+        tf.logical_not(switch.active()),
+        tf.logical_and(
+            tf.greater_equal(tf.convert_to_tensor(noise.measured),
+                             noise.steps),
+            b_simple > tf.cast(batch_size, tf.float64)))
+
+    def activate():
+      if kfac_utils.in_xla_context():
+        return switch.activate()
+      with tf.control_dependencies([switch.activate()]):
+        return tf.print(
+            "kfac: recipe='auto' switches to the minibatch recipe at step",
+            iteration, "(gradient noise scale B_simple =", b_simple,
+            "> batch size", batch_size, ")")
+    return kfac_utils.cond_op(now, activate)
 
   def decays(self, variable):
     """Whether the core's `variable` decays: not excluded by
@@ -875,7 +939,7 @@ RULES = {"damping": argument_rules.POSITIVE,
 # Kfac's own arguments (in kfac_kwargs, kept in its config; not the
 # core's).
 KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
-                       "noise_scale_every")
+                       "noise_scale_every", "minibatch_learning_rate")
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -940,10 +1004,26 @@ def _check_recipe(adaptive, kfac_kwargs):
         "recipe='minibatch' uses momentum_type 'regular' (no quadratic "
         "model); got momentum_type=%r (the quadratic model is "
         "recipe='exact')." % (momentum_type,))
-  if name == "exact" and momentum_type == "regular":
+  if name in ("exact", "auto") and momentum_type == "regular":
     raise ValueError(
-        "recipe='exact' chooses the learning rate with the quadratic model; "
-        "momentum_type='regular' is recipe='minibatch'.")
+        "recipe=%r chooses the learning rate with the quadratic model; "
+        "momentum_type='regular' is recipe='minibatch'." % (name,))
+  rate = kfac_kwargs.get("minibatch_learning_rate")
+  if rate is not None:
+    if name != "auto":
+      raise ValueError(
+          "minibatch_learning_rate is the learning rate recipe='auto' uses "
+          "once it switches to the minibatch recipe; got recipe=%r (the "
+          "minibatch recipe takes learning_rate)." % (name,))
+    if (not argument_rules.is_number(rate) or isinstance(rate, bool) or
+        not rate > 0):
+      raise ValueError("Kfac's minibatch_learning_rate must be a number > "
+                       "0, got %r." % (rate,))
+  if name == "auto" and kfac_kwargs.get("noise_scale_steps") == 0:
+    raise ValueError(
+        "recipe='auto' switches to the minibatch recipe when the measured "
+        "gradient noise scale passes the batch size: noise_scale_steps=0 "
+        "measures none (pass a number >= 1, or recipe='exact').")
 
 
 def check_before_base(learning_rate, adaptive, kfac_kwargs):
@@ -1024,6 +1104,9 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
     if kfac_kwargs.get("recipe") == "minibatch":
       for key, value in recipe.keras_minibatch_defaults().items():
         kfac_kwargs.setdefault(key, value)
+    if kfac_kwargs.get("recipe") == "auto":
+      kfac_kwargs.setdefault("minibatch_learning_rate",
+                             recipe.AUTO_MINIBATCH_LEARNING_RATE)
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
     for key, value in (("noise_scale_steps", recipe.NOISE_SCALE_STEPS),

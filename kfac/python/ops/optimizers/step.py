@@ -73,6 +73,9 @@ class Parts(NamedTuple):
   update, with the damping rule around it)."""
   counters: Any
   """The step counters (`Counters`)."""
+  switch: Any = None
+  """The switch to the minibatch recipe (adaptive/recipe/switch.py), whose
+  periods replace `periods`' once it is active; None: no switch."""
 
 
 def build_step(parts, grads_and_vars, global_step, name):
@@ -153,7 +156,7 @@ def _statistics(parts, periods, counter, in_burnin, gate):
   """The statistics' update of this step; returns whether they were
   finite (the estimator's checked_cov_update)."""
   est = parts.estimator
-  do_cov = tf.equal(counter % periods.cov_update_every, 0)
+  do_cov = tf.equal(counter % _period(parts, "cov_update_every"), 0)
   if periods.num_burnin_steps > 0:
     # Burn-in: every step, into an arithmetic mean (should_decay False);
     # then the moving average. (Lazily synchronised statistics under
@@ -168,7 +171,8 @@ def _statistics(parts, periods, counter, in_burnin, gate):
   # With cov_update_every > 1 under several replicas the statistics are
   # reduced only on the steps that fold them.
   return est.checked_cov_update(
-      True if periods.cov_update_every == 1 else do_cov, gate,
+      True if periods.cov_update_every == 1 and parts.switch is None
+      else do_cov, gate,
       scope=parts.scope,
       conditional_reduction=periods.cov_update_every > 1)
 
@@ -176,8 +180,9 @@ def _statistics(parts, periods, counter, in_burnin, gate):
 def _inverses(parts, periods, counter, in_burnin, calibrating, ok):
   """The inverses' update of this step (an op)."""
   est = parts.estimator
-  do_inv = tf.logical_and(tf.logical_not(in_burnin),
-                          tf.equal(counter % periods.invert_every, 0))
+  do_inv = tf.logical_and(
+      tf.logical_not(in_burnin),
+      tf.equal(counter % _period(parts, "invert_every"), 0))
   if calibrating is not None:
     do_inv = tf.logical_or(calibrating, do_inv)
   if ok is not None:
@@ -187,6 +192,15 @@ def _inverses(parts, periods, counter, in_burnin, calibrating, ok):
   cond = (collective.cross_replica_cond
           if est.inverse_update_uses_collectives else utils.cond_op)
   return cond(do_inv, lambda: est.inverse_update_op(scope=parts.scope))
+
+
+def _period(parts, name):
+  """The period `name` of this step: the optimizer's, or the minibatch
+  recipe's once the switch is active (an int64 tensor then)."""
+  mine = getattr(parts.periods, name)
+  if parts.switch is None:
+    return mine
+  return parts.switch.pick(mine, getattr(parts.switch.phase, name), tf.int64)
 
 
 def _commit(parts, update, trial, active):

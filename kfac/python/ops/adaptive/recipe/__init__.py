@@ -35,6 +35,7 @@ Two recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
   damping rule every MINIBATCH_INVERT_EVERY (`minibatch_kwargs()`).
 """
 
+from kfac.python.ops.adaptive.recipe import switch
 from kfac.python.ops.adaptive.recipe.scale import curvature_scale  # noqa: F401
 
 # The damping never falls below this times the curvature scale. Measured
@@ -77,7 +78,7 @@ NOISE_SCALE_EVERY = 50
 # stochastic examples fix the momentum at 0.9 and recompute inverses and
 # damping every 50 steps; Martens & Grosse's code inverts every 20; KAISA
 # every 10. Measured in docs/recipe.md ("The minibatch recipe").
-RECIPES = ("exact", "minibatch")
+RECIPES = ("exact", "minibatch", "auto")
 MINIBATCH_MOMENTUM = 0.9
 MINIBATCH_COV_UPDATE_EVERY = 10
 MINIBATCH_INVERT_EVERY = 50
@@ -105,6 +106,26 @@ def minibatch_kwargs(**overrides):
                 norm_constraint=MINIBATCH_NORM_CONSTRAINT)
   kwargs.update(overrides)
   return kwargs
+
+
+# recipe="auto" (Keras): the exact recipe until the gradient noise scale
+# B_simple, measured on NOISE_SCALE_STEPS steps and then one in
+# NOISE_SCALE_EVERY, passes the batch size; then the minibatch recipe at this
+# learning rate (its best on the CNN and the ViT of the validation
+# benchmark's grid 0.02 / 0.05 / 0.1: docs/recipe.md).
+AUTO_MINIBATCH_LEARNING_RATE = 0.1
+
+
+def minibatch_phase(learning_rate):
+  """The minibatch recipe as the phase recipe="auto" switches to
+  (PeriodicInvCovUpdateKfacOpt's minibatch_phase)."""
+  return switch.MinibatchPhase(
+      learning_rate=float(learning_rate), momentum=MINIBATCH_MOMENTUM,
+      norm_constraint=MINIBATCH_NORM_CONSTRAINT,
+      cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
+      invert_every=MINIBATCH_INVERT_EVERY,
+      damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
+      damping_adaptation_decay=MINIBATCH_DAMPING_DECAY)
 
 
 def keras_minibatch_defaults():
