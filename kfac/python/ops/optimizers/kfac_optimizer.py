@@ -565,6 +565,10 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   def learning_rate(self):
     """The learning rate; with momentum_type 'qmodel' / 'qmodel_fixedmu'
     the one the quadratic model chose at the last step (0 before it)."""
+    if self._switch is not None:  # the phase's once switched
+      return self._switch.pick(self._record("learning_rate"),
+                               self._switch.phase.learning_rate,
+                               self.config.dtype)
     if self.config.update.momentum_type.startswith("qmodel"):
       return utils.cast(self._record("learning_rate"), self.config.dtype)
     return utils.cast(self._read(self._learning_rate), self.config.dtype)
@@ -573,6 +577,11 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   def momentum(self):
     """The momentum; with momentum_type 'qmodel' the one the quadratic
     model chose at the last step (0 before it)."""
+    if self._switch is not None:  # the phase's once switched
+      return self._switch.pick(
+          self._record("momentum") if self.config.update.momentum_type ==
+          "qmodel" else self._read(self._momentum),
+          self._switch.phase.momentum, self.config.dtype)
     if self.config.update.momentum_type == "qmodel":
       return utils.cast(self._record("momentum"), self.config.dtype)
     return utils.cast(self._read(self._momentum), self.config.dtype)

@@ -114,5 +114,8 @@ class RecipeSwitch:
 
   def pick(self, exact, minibatch, dtype):
     """`exact` before the switch, `minibatch` after it (a `dtype` tensor)."""
-    return tf.where(self.active(), tf.cast(minibatch, dtype),
-                    tf.cast(exact, dtype))
+    def as_dtype(value):  # (a Python number straight to `dtype`)
+      if isinstance(value, (int, float)):
+        return tf.constant(value, dtype)
+      return tf.cast(value, dtype)
+    return tf.where(self.active(), as_dtype(minibatch), as_dtype(exact))
