@@ -194,6 +194,9 @@ def run_worker(workload, opt_name, value):
   noise = getattr(opt, "noise_scale", None)
   if noise is not None:  # Kfac: the gradient noise scale it measured
     result["noise_scale"] = float(noise)
+  switched = getattr(opt, "recipe_switched_at", None)
+  if switched is not None:  # recipe="auto": the step it switched at
+    result["switched_at"] = int(switched)
   return result
 
 
@@ -353,6 +356,13 @@ def table(results, workload):
         "Gradient noise scale B_simple measured by K-FAC on its first steps "
         "(batch %d): %s." % (FLAGS.batch_size, ", ".join(
             "%.4g" % v for v in sorted(noise))))
+  switched = [r for r in runs if "switched_at" in r]
+  if switched:
+    lines.append("")
+    lines.append("recipe='auto' switched to the minibatch recipe: %s." % (
+        ", ".join("%s at step %d" % (r["optimizer"], r["switched_at"])
+                  if r["switched_at"] >= 0 else "%s never (%d steps)" % (
+                      r["optimizer"], r["steps"]) for r in switched)))
   for r in runs:
     ys = [p["metric_at_y"] for p in r.get("points", ()) if "metric_at_y" in p]
     if ys:

@@ -413,6 +413,15 @@ class KfacOptimizerBase:
     return tf.constant("minibatch" if engine.fixed_rate else "exact")
 
   @property
+  def recipe_switched_at(self):
+    """recipe="auto": the step (optimizer.iterations) whose noise
+    measurement switched to the minibatch recipe, -1 before the switch (an
+    int64 tensor); None with the other recipes."""
+    switch = self._kfac_engine.switch
+    return None if switch is None else tf.convert_to_tensor(
+        switch.switched_at())
+
+  @property
   def state_store(self):
     """The K-FAC state (factors, inverses, velocities, counter)."""
     return self._kfac_engine.state
@@ -807,8 +816,8 @@ class KerasStep:
 
     def activate():
       if kfac_utils.in_xla_context():
-        return switch.activate()
-      with tf.control_dependencies([switch.activate()]):
+        return switch.activate(iteration)
+      with tf.control_dependencies([switch.activate(iteration)]):
         return tf.print(
             "kfac: recipe='auto' switches to the minibatch recipe at step",
             iteration, "(gradient noise scale B_simple =", b_simple,
@@ -1107,6 +1116,8 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
     if kfac_kwargs.get("recipe") == "auto":
       kfac_kwargs.setdefault("minibatch_learning_rate",
                              recipe.AUTO_MINIBATCH_LEARNING_RATE)
+      if kfac_kwargs.get("noise_scale_every") is None:
+        kfac_kwargs["noise_scale_every"] = recipe.AUTO_NOISE_SCALE_EVERY
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
     for key, value in (("noise_scale_steps", recipe.NOISE_SCALE_STEPS),

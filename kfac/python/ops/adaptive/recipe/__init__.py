@@ -114,6 +114,13 @@ def minibatch_kwargs(**overrides):
 # learning rate (its best on the CNN and the ViT of the validation
 # benchmark's grid 0.02 / 0.05 / 0.1: docs/recipe.md).
 AUTO_MINIBATCH_LEARNING_RATE = 0.1
+# With recipe="auto" the noise scale is measured on one step in this many
+# after the first NOISE_SCALE_STEPS (its sums decay by 0.8 per measurement:
+# a window of some 50 steps). One in NOISE_SCALE_EVERY (50, a window of
+# some 250 steps) kept the first steps' large gradients in the estimate
+# for the whole of a 60-second run: measured in docs/recipe.md, the CNN's
+# never switched in 208 steps.
+AUTO_NOISE_SCALE_EVERY = 10
 
 
 def minibatch_phase(learning_rate):

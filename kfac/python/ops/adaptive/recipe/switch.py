@@ -101,6 +101,7 @@ class RecipeSwitch:
 
   def flag(self):
     """The int64 state variable: 1 once switched."""
+    self.switched_at()  # (made with the flag, before any conditional)
     return self._store.get_or_create(self.KEY, [], tf.int64)
 
   def active(self):
@@ -108,9 +109,20 @@ class RecipeSwitch:
     return tf.greater(tf.convert_to_tensor(self.flag()),
                       tf.constant(0, tf.int64))
 
-  def activate(self):
-    """The op that switches to the minibatch recipe (for good)."""
-    return self.flag().assign(tf.constant(1, tf.int64), read_value=False)
+  def switched_at(self):
+    """The int64 state variable: the step (the caller's count) given to
+    `activate`, -1 before it."""
+    return self._store.get_or_create("recipe/switched_at", [], tf.int64,
+                                     initial_value=-1)
+
+  def activate(self, step=None):
+    """The op that switches to the minibatch recipe (for good); `step`
+    (an integer tensor, optional) is kept in `switched_at`."""
+    ops = [self.flag().assign(tf.constant(1, tf.int64), read_value=False)]
+    if step is not None:
+      ops.append(self.switched_at().assign(tf.cast(step, tf.int64),
+                                           read_value=False))
+    return tf.group(*ops)
 
   def pick(self, exact, minibatch, dtype):
     """`exact` before the switch, `minibatch` after it (a `dtype` tensor)."""
