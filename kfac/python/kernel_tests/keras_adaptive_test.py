@@ -670,6 +670,11 @@ def test_minibatch_recipe_defaults():
     (dict(adaptive=True, recipe="auto", learning_rate=None,
           minibatch_learning_rate=-0.1), "minibatch_learning_rate must be a "
      "number > 0, got -0.1"),
+    (dict(adaptive=True, recipe="minibatch", learning_rate=0.1,
+          auto_switch_ratio=0.1), "auto_switch_ratio is recipe='auto''s "
+     "threshold.*got recipe='minibatch'"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          auto_switch_ratio="1"), "auto_switch_ratio must be a number > 0"),
     (dict(adaptive=True, recipe="auto", learning_rate=None,
           noise_scale_steps=0), "noise_scale_steps=0 measures none"),
     (dict(adaptive=True, recipe="auto", learning_rate=0.1),
@@ -789,3 +794,13 @@ def test_auto_recipe_switch_is_saved_state(tmp_path):
     x, y = _auto_data(0.45)
     model2.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
     assert _recipe_now(opt2) == ("minibatch" if restore else "exact")
+
+
+def test_auto_switch_ratio_moves_the_threshold(capfd):
+  """The noiseless run that stays exact (noise scale below its batch of
+  256) switches at its first check when the threshold is 0.001 x batch."""
+  _, opt = _auto_fit("auto", 0.0, 256, 6, auto_switch_ratio=1e-3)
+  assert 0.256 < float(opt.noise_scale) < 256
+  assert _recipe_now(opt) == "minibatch"
+  assert int(opt.recipe_switched_at) == 4
+  assert "> 0.001 x batch size 256" in capfd.readouterr().err

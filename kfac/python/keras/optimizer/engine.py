@@ -812,7 +812,8 @@ class KerasStep:
         tf.logical_and(
             tf.greater_equal(tf.convert_to_tensor(noise.measured),
                              noise.steps),
-            b_simple > tf.cast(batch_size, tf.float64)))
+            b_simple > self._engine.kwargs["auto_switch_ratio"] *
+            tf.cast(batch_size, tf.float64)))
 
     def activate():
       if kfac_utils.in_xla_context():
@@ -821,7 +822,8 @@ class KerasStep:
         return tf.print(
             "kfac: recipe='auto' switches to the minibatch recipe at step",
             iteration, "(gradient noise scale B_simple =", b_simple,
-            "> batch size", batch_size, ")")
+            "> %g x batch size" % self._engine.kwargs["auto_switch_ratio"],
+            batch_size, ")")
     return kfac_utils.cond_op(now, activate)
 
   def decays(self, variable):
@@ -948,7 +950,8 @@ RULES = {"damping": argument_rules.POSITIVE,
 # Kfac's own arguments (in kfac_kwargs, kept in its config; not the
 # core's).
 KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
-                       "noise_scale_every", "minibatch_learning_rate")
+                       "noise_scale_every", "minibatch_learning_rate",
+                       "auto_switch_ratio")
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -1017,17 +1020,21 @@ def _check_recipe(adaptive, kfac_kwargs):
     raise ValueError(
         "recipe=%r chooses the learning rate with the quadratic model; "
         "momentum_type='regular' is recipe='minibatch'." % (name,))
-  rate = kfac_kwargs.get("minibatch_learning_rate")
-  if rate is not None:
+  for key, what in (("minibatch_learning_rate", "the learning rate "
+                      "recipe='auto' uses once it switches to the minibatch "
+                      "recipe"),
+                     ("auto_switch_ratio", "recipe='auto''s threshold: it "
+                      "switches when the noise scale passes this times the "
+                      "batch size")):
+    value = kfac_kwargs.get(key)
+    if value is None:
+      continue
     if name != "auto":
-      raise ValueError(
-          "minibatch_learning_rate is the learning rate recipe='auto' uses "
-          "once it switches to the minibatch recipe; got recipe=%r (the "
-          "minibatch recipe takes learning_rate)." % (name,))
-    if (not argument_rules.is_number(rate) or isinstance(rate, bool) or
-        not rate > 0):
-      raise ValueError("Kfac's minibatch_learning_rate must be a number > "
-                       "0, got %r." % (rate,))
+      raise ValueError("%s is %s; got recipe=%r." % (key, what, name))
+    if (not argument_rules.is_number(value) or isinstance(value, bool) or
+        not value > 0):
+      raise ValueError("Kfac's %s must be a number > 0, got %r." %
+                       (key, value))
   if name == "auto" and kfac_kwargs.get("noise_scale_steps") == 0:
     raise ValueError(
         "recipe='auto' switches to the minibatch recipe when the measured "
@@ -1116,6 +1123,7 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
     if kfac_kwargs.get("recipe") == "auto":
       kfac_kwargs.setdefault("minibatch_learning_rate",
                              recipe.AUTO_MINIBATCH_LEARNING_RATE)
+      kfac_kwargs.setdefault("auto_switch_ratio", recipe.AUTO_SWITCH_RATIO)
       if kfac_kwargs.get("noise_scale_every") is None:
         kfac_kwargs["noise_scale_every"] = recipe.AUTO_NOISE_SCALE_EVERY
     kfac_kwargs.setdefault("relative_min_damping",
@@ -1194,7 +1202,13 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       momentum 0.9 (momentum_type "regular", no quadratic model), a norm
       constraint of 0.01 on the update, statistics every 10 steps,
       inverses and the damping rule every 50 (moving the damping by at
-      most 2% each time); any of these given explicitly wins.
+      most 2% each time); any of these given explicitly wins. Or "auto":
+      the exact recipe until the measured gradient noise scale passes the
+      batch size, then the minibatch recipe at minibatch_learning_rate
+      (default 0.1), switched inside the traced step and logged once
+      (noise measured one step in 10 after the first 5;
+      optimizer.recipe_in_use, recipe_switched_at; docs/recipe.md, "The
+      automatic recipe").
       noise_scale_steps=N, noise_scale_every=k: the first N steps, then
       one step in k, also measure the gradient noise scale B_simple on the
       two halves of the step's batch (about one more forward and backward

@@ -114,6 +114,8 @@ def minibatch_kwargs(**overrides):
 # learning rate (its best on the CNN and the ViT of the validation
 # benchmark's grid 0.02 / 0.05 / 0.1: docs/recipe.md).
 AUTO_MINIBATCH_LEARNING_RATE = 0.1
+# recipe="auto" switches when B_simple > AUTO_SWITCH_RATIO * batch size.
+AUTO_SWITCH_RATIO = 1.0
 # With recipe="auto" the noise scale is measured on one step in this many
 # after the first NOISE_SCALE_STEPS (its sums decay by 0.8 per measurement:
 # a window of some 50 steps). One in NOISE_SCALE_EVERY (50, a window of
