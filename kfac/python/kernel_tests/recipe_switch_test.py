@@ -14,8 +14,10 @@ their sums only):
   exact recipe's burn-in and calibration, which the switched step keeps);
 * switched in the middle of a run, the next step is the minibatch rule
   computed here by hand (v <- momentum v + clip(F^-1 g), w <- w - lr v)
-  from the inverses and velocities before it, and the step's periods are
-  the phase's (no inverse update where the exact recipe's period had one).
+  from the inverses and velocities before it, the velocities taken as
+  zero at the first switched step (the momentum restarts), and the step's
+  periods are the phase's (no inverse update where the exact recipe's
+  period had one).
 Both worlds: a TF1 Session graph and a tf.function. The Keras recipe='auto'
 (it sets the switch from the measured noise scale) is tested in
 keras_adaptive_test.py.
@@ -194,7 +196,7 @@ def test_switched_step_is_the_minibatch_recipe(world):
   assert len(dampings) > 2  # calibrated, then adapted by the rule
 
 
-def _hand_step_graph(switch_at, switched=True):
+def _hand_step_graph(switch_at, switched=True, after_switch=0):
   """Runs the automatic recipe in a TF1 Session for `switch_at` calls,
   switches, and runs one more; returns (before, after): the weights,
   velocities, preconditioned gradient, a fixed probe preconditioned
@@ -227,19 +229,25 @@ def _hand_step_graph(switch_at, switched=True):
         sess.run(train)
       if switched:
         sess.run(opt.recipe_switch.activate())
+      for _ in range(after_switch):
+        sess.run(train)
       before = sess.run([variables, velocities, precon, probe, opt.counter])
       sess.run(train)
       after = sess.run([variables, velocities, probe])
   return before, after
 
 
-@pytest.mark.parametrize("calls, counter", [(12, 7), (13, 8)])
-def test_first_switched_step_is_the_minibatch_rule_by_hand(calls, counter):
+@pytest.mark.parametrize("calls, after_switch, counter",
+                         [(12, 0, 7), (13, 0, 8), (12, 1, 8)])
+def test_switched_step_is_the_minibatch_rule_by_hand(calls, after_switch,
+                                                     counter):
   # 5 burn-in calls, then the counter runs 0, 1, ...: counter 7 and 8 are
   # multiples of none of the phase's periods (3, 3, 4); 8 is one of the
   # exact recipe's inverse period (2), which the switched step no longer
-  # follows: its inverses stay.
-  before, after = _hand_step_graph(switch_at=calls)
+  # follows: its inverses stay. The first switched step restarts the
+  # momentum (its velocities count as zero), the next one uses them.
+  before, after = _hand_step_graph(switch_at=calls,
+                                   after_switch=after_switch)
   weights, velocities, precon, probe_before, got_counter = before
   assert got_counter == counter
   new_weights, new_velocities, probe_after = after
@@ -252,6 +260,9 @@ def test_first_switched_step_is_the_minibatch_rule_by_hand(calls, counter):
   sq = sum(float(np.sum(g * p)) for g, p in zip(grads, precon))
   coeff = min(1.0, np.sqrt(bound / (lr * lr * sq)))
   assert coeff < 1.0  # the constraint is active here
+  if not after_switch:
+    velocities = [np.zeros_like(v) for v in velocities]
+  assert max(np.abs(v).max() for v in velocities) > 0 or not after_switch
   want_v = [mu * v + coeff * p for v, p in zip(velocities, precon)]
   for got, want in zip(new_velocities, want_v):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-13)

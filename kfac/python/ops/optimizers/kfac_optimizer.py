@@ -795,7 +795,9 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
 
     def minibatch():
       branch_update = step_lib.Update()
-      self._minibatch_rule.compute(dense, source.estimator, branch_update)
+      # The momentum restarts at the first switched step (switch.py).
+      self._minibatch_rule.compute(dense, source.estimator, branch_update,
+                                   restart=self._switch.first_step())
       phase = self._switch.phase
       branch_update.records["learning_rate"] = phase.learning_rate
       branch_update.records["momentum"] = phase.momentum
@@ -804,7 +806,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     active = self._switch.active()
     out = tf.cond(active, minibatch, exact)
     update.deltas = list(zip(out[:n], variables))
-    update.velocity_assigns = list(zip(velocities, out[n:2 * n]))
+    update.velocity_assigns = list(zip(velocities, out[n:2 * n])) + [
+        self._switch.committed()]
     update.precon = list(zip(out[2 * n:3 * n], variables))
     update.grads = [g for g, _ in dense]
     update.records["learning_rate"] = out[3 * n]

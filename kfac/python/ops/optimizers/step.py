@@ -351,10 +351,13 @@ class UpdateRule:
     self._learning_rate = learning_rate
     self._momentum = momentum
 
-  def compute(self, grads_and_vars, estimator, update, read_once=False):
+  def compute(self, grads_and_vars, estimator, update, read_once=False,
+              restart=None):
     """Fills `update` with the step of momentum "regular" / "adam";
     `read_once`: nothing but the preconditioning reads the gradients
-    (factored_grads/match.py)."""
+    (factored_grads/match.py); `restart`: a boolean tensor, True where the
+    velocities are taken as zero (the automatic recipe's first minibatch
+    step, adaptive/recipe/switch.py)."""
     settings = self._settings
     update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
     if settings.momentum_type == "regular":
@@ -362,11 +365,11 @@ class UpdateRule:
         precon = estimator.multiply_inverse(grads_and_vars)
       if settings.norm_constraint is not None:
         precon = self.clip(grads_and_vars, precon)
-      steps = self.new_velocities(precon, self._momentum, update)
+      steps = self.new_velocities(precon, self._momentum, update, restart)
       update.precon = precon
     else:  # adam
       velocities = self.new_velocities(grads_and_vars, self._momentum,
-                                       update)
+                                       update, restart)
       steps = estimator.multiply_inverse(velocities)
       if settings.norm_constraint is not None:
         steps = self.clip(velocities, steps)
@@ -380,9 +383,10 @@ class UpdateRule:
                      for s, v in steps]
 
   # ------------------------------------------------------------ velocities
-  def new_velocities(self, vecs_and_vars, decay, update):
+  def new_velocities(self, vecs_and_vars, decay, update, restart=None):
     """decay * v + vec for each variable: returns the new velocities and
-    adds their assignments to `update`."""
+    adds their assignments to `update`; with `restart` (a boolean tensor)
+    true, v is taken as zero."""
     out = []
     decay = read(decay)
     for vec, var in vecs_and_vars:
@@ -391,7 +395,10 @@ class UpdateRule:
         out.append((vec, var))  # no momentum: the step stays sparse
         continue
       velocity = self._velocities.get(var)
-      new = utils.cast(decay, velocity.dtype) * velocity
+      old = tf.convert_to_tensor(velocity)
+      if restart is not None:
+        old = old * tf.cast(tf.logical_not(restart), old.dtype)
+      new = utils.cast(decay, velocity.dtype) * old
       if sparse.is_slices(vec):
         new = tf.tensor_scatter_nd_add(new, vec.indices[:, tf.newaxis],
                                        vec.values)
