@@ -80,6 +80,7 @@ KFAC_VARIANTS = {
     # learning rate (docs/recipe.md, "The automatic recipe").
     "kfac_auto": {"recipe": "auto"},
     "kfac_auto_lr05": {"recipe": "auto", "minibatch_learning_rate": 0.05},
+    "kfac_auto_r01": {"recipe": "auto", "auto_switch_ratio": 0.1},
     # The recipe before its first burn-in step gathered statistics only.
     "kfac_calibrate_all": {"num_calibration_steps": 5},
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
