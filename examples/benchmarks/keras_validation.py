@@ -348,14 +348,15 @@ def table(results, workload):
                      r["first_step_cpu_s"],
                      " diverged at step %d" % r["diverged_at_step"]
                      if "diverged_at_step" in r else ""))
-  noise = [r["noise_scale"] for r in runs
+  noise = [r for r in runs
            if math.isfinite(r.get("noise_scale", float("nan")))]
   if noise:
     lines.append("")
     lines.append(
-        "Gradient noise scale B_simple measured by K-FAC on its first steps "
-        "(batch %d): %s." % (FLAGS.batch_size, ", ".join(
-            "%.4g" % v for v in sorted(noise))))
+        "Gradient noise scale B_simple as K-FAC measured it at the end of "
+        "each run (its first 5 steps, then one in 50; one in 10 with "
+        "recipe='auto'; batch %d): %s." % (FLAGS.batch_size, ", ".join(
+            "%s %.4g" % (label(r), r["noise_scale"]) for r in noise)))
   switched = [r for r in runs if "switched_at" in r]
   if switched:
     lines.append("")

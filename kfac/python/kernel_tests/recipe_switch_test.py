@@ -37,9 +37,9 @@ N, D_IN, D_HID, D_OUT = 16, 5, 4, 3
 STEPS = 16
 # Short periods, so that 16 steps cross several of each.
 PHASE = switch_lib.MinibatchPhase(
-    learning_rate=0.3, momentum=0.9, norm_constraint=5e-4,
+    learning_rate=0.3, momentum=0.9, norm_constraint=1e-4,
     cov_update_every=3, invert_every=3, damping_adaptation_interval=4,
-    damping_adaptation_decay=0.9)
+    damping_adaptation_decay=0.9, initial_damping=0.5)
 WORLDS = ("graph", "function")
 
 
@@ -102,17 +102,17 @@ def _kwargs(kind, model):
     return recipe.adaptive_kwargs(
         invert_every=2, minibatch_phase=PHASE,
         qmodel_layer_collection=model.qmodel_collection, **common)
-  # The minibatch recipe at the phase's settings, with the burn-in and
-  # calibration the switched step keeps from the exact recipe.
-  return recipe.minibatch_kwargs(
+  # The minibatch recipe at the phase's settings and initial damping, with
+  # the exact recipe's burn-in (no calibration: the switched step has
+  # none).
+  return recipe.minibatch_kwargs(damping=PHASE.initial_damping,
       learning_rate=PHASE.learning_rate, momentum=PHASE.momentum,
       norm_constraint=PHASE.norm_constraint,
       cov_update_every=PHASE.cov_update_every,
       invert_every=PHASE.invert_every,
       damping_adaptation_interval=PHASE.damping_adaptation_interval,
       damping_adaptation_decay=PHASE.damping_adaptation_decay,
-      calibrate_damping=True, num_burnin_steps=recipe.NUM_BURNIN_STEPS,
-      num_calibration_steps=recipe.NUM_CALIBRATION_STEPS, **common)
+      num_burnin_steps=recipe.NUM_BURNIN_STEPS, **common)
 
 
 def _readings(opt, variables):
@@ -193,7 +193,7 @@ def test_switched_step_is_the_minibatch_recipe(world):
   _assert_runs_equal(got, want)
   assert all(float(r[4]) == PHASE.learning_rate for r in got)
   dampings = {round(float(r[6]), 12) for r in got}
-  assert len(dampings) > 2  # calibrated, then adapted by the rule
+  assert len(dampings) > 1  # adapted by the rule
 
 
 def _hand_step_graph(switch_at, switched=True, after_switch=0):
@@ -216,6 +216,9 @@ def _hand_step_graph(switch_at, switched=True, after_switch=0):
     est = opt._require_estimator()  # pylint: disable=protected-access
     precon = [p for p, _ in est.multiply_inverse(list(zip(grads,
                                                           variables)))]
+    fed = [tf.compat.v1.placeholder(tf.float64, v.shape) for v in variables]
+    precon_fed = [p for p, _ in est.multiply_inverse(list(zip(fed,
+                                                              variables)))]
     rng = np.random.RandomState(5)
     probe = [p for p, _ in est.multiply_inverse(
         [(tf.constant(rng.randn(*v.shape.as_list())), v)
@@ -231,28 +234,32 @@ def _hand_step_graph(switch_at, switched=True, after_switch=0):
         sess.run(opt.recipe_switch.activate())
       for _ in range(after_switch):
         sess.run(train)
-      before = sess.run([variables, velocities, precon, probe, opt.counter])
+      damping = tf.convert_to_tensor(opt.damping)
+      before = sess.run([variables, velocities, precon, probe, opt.counter,
+                         damping])
       sess.run(train)
-      after = sess.run([variables, velocities, probe])
+      after = sess.run([variables, velocities, probe,
+                        tf.convert_to_tensor(opt.damping)])
+      # The step's gradient preconditioned with the inverses after it.
+      after.append(sess.run(precon_fed, dict(zip(
+          fed, _numpy_grads(before[0])))))
   return before, after
 
 
-@pytest.mark.parametrize("calls, after_switch, counter",
-                         [(12, 0, 7), (13, 0, 8), (12, 1, 8)])
-def test_switched_step_is_the_minibatch_rule_by_hand(calls, after_switch,
-                                                     counter):
-  # 5 burn-in calls, then the counter runs 0, 1, ...: counter 7 and 8 are
-  # multiples of none of the phase's periods (3, 3, 4); 8 is one of the
-  # exact recipe's inverse period (2), which the switched step no longer
-  # follows: its inverses stay. The first switched step restarts the
-  # momentum (its velocities count as zero), the next one uses them.
-  before, after = _hand_step_graph(switch_at=calls,
-                                   after_switch=after_switch)
-  weights, velocities, precon, probe_before, got_counter = before
+@pytest.mark.parametrize("calls, counter", [(11, 7), (12, 8)])
+def test_switched_step_is_the_minibatch_rule_by_hand(calls, counter):
+  # 5 burn-in calls, then the counter runs 0, 1, ...; the switch comes
+  # after `calls`, and the second switched step is checked: counter 7 and 8
+  # are multiples of none of the phase's periods (3, 3, 4); 8 is one of
+  # the exact recipe's inverse period (2), which the switched step no
+  # longer follows: its inverses stay.
+  before, after = _hand_step_graph(switch_at=calls, after_switch=1)
+  weights, velocities, precon, probe_before, got_counter = before[:5]
   assert got_counter == counter
-  new_weights, new_velocities, probe_after = after
+  new_weights, new_velocities, probe_after = after[:3]
   for a, b in zip(probe_before, probe_after):
     np.testing.assert_array_equal(a, b)  # no inverse update
+  assert max(np.abs(v).max() for v in velocities) > 0
   lr, mu, bound = (PHASE.learning_rate, PHASE.momentum,
                    PHASE.norm_constraint)
   # The norm constraint on p = F^-1 g: p * min(1, sqrt(C / (lr^2 <g, p>))).
@@ -260,14 +267,34 @@ def test_switched_step_is_the_minibatch_rule_by_hand(calls, after_switch,
   sq = sum(float(np.sum(g * p)) for g, p in zip(grads, precon))
   coeff = min(1.0, np.sqrt(bound / (lr * lr * sq)))
   assert coeff < 1.0  # the constraint is active here
-  if not after_switch:
-    velocities = [np.zeros_like(v) for v in velocities]
-  assert max(np.abs(v).max() for v in velocities) > 0 or not after_switch
   want_v = [mu * v + coeff * p for v, p in zip(velocities, precon)]
   for got, want in zip(new_velocities, want_v):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-13)
   for got, w, v in zip(new_weights, weights, want_v):
     np.testing.assert_allclose(got, w - lr * v, rtol=RTOL, atol=1e-13)
+
+
+def test_first_switched_step_restarts_damping_inverses_and_momentum():
+  # The switch after 12 calls: the next step (counter 7, a multiple of no
+  # period) sets the damping to the phase's initial damping, recomputes
+  # the inverses with it (the probe changes) and takes the velocities as
+  # zero: its velocity is the clipped F^-1 g of the new inverses alone.
+  before, after = _hand_step_graph(switch_at=12, after_switch=0)
+  weights, velocities, _, probe_before, counter, damping_before = before
+  assert counter == 7
+  new_weights, new_velocities, probe_after, damping_after, precon = after
+  assert damping_before != PHASE.initial_damping
+  assert damping_after == PHASE.initial_damping
+  assert any(not np.allclose(a, b, rtol=1e-6)
+             for a, b in zip(probe_before, probe_after))  # inverses redone
+  assert max(np.abs(v).max() for v in velocities) > 0
+  lr, bound = PHASE.learning_rate, PHASE.norm_constraint
+  grads = _numpy_grads(weights)
+  sq = sum(float(np.sum(g * p)) for g, p in zip(grads, precon))
+  coeff = min(1.0, np.sqrt(bound / (lr * lr * sq)))
+  for v, p, w0, w1 in zip(new_velocities, precon, weights, new_weights):
+    np.testing.assert_allclose(v, coeff * p, rtol=RTOL, atol=1e-13)
+    np.testing.assert_allclose(w1, w0 - lr * v, rtol=RTOL, atol=1e-13)
 
 
 def test_unswitched_step_keeps_the_exact_periods():

@@ -99,8 +99,17 @@ def build_step(parts, grads_and_vars, global_step, name):
   with tf.name_scope(name):
     counter = tf.convert_to_tensor(parts.counters.counter)
     in_burnin, calibrating = _burnin(parts, periods)
+    restarted = []
+    if parts.switch is not None:
+      # The minibatch recipe calibrates nothing; its first step restarts
+      # from its own damping (adaptive/recipe/switch.py).
+      if calibrating is not None:
+        calibrating = tf.logical_and(calibrating,
+                                     tf.logical_not(parts.switch.active()))
+      restarted = [parts.switch.restart_damping(parts.damping.damping)]
     # 1. Statistics.
-    stats_ok = _statistics(parts, periods, counter, in_burnin, gate)
+    with tf.control_dependencies(restarted):
+      stats_ok = _statistics(parts, periods, counter, in_burnin, gate)
     ok = None
     if checks is not None:
       checks.add_flag("curvature statistics", stats_ok)
@@ -185,6 +194,8 @@ def _inverses(parts, periods, counter, in_burnin, calibrating, ok):
       tf.equal(counter % _period(parts, "invert_every"), 0))
   if calibrating is not None:
     do_inv = tf.logical_or(calibrating, do_inv)
+  if parts.switch is not None:  # with the restarted damping
+    do_inv = tf.logical_or(parts.switch.first_step(), do_inv)
   if ok is not None:
     do_inv = tf.logical_and(do_inv, ok)
   # Inverse updates that talk to other replicas (replica_round_robin) need

@@ -134,7 +134,8 @@ def minibatch_phase(learning_rate):
       cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
       invert_every=MINIBATCH_INVERT_EVERY,
       damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
-      damping_adaptation_decay=MINIBATCH_DAMPING_DECAY)
+      damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
+      initial_damping=INITIAL_DAMPING)
 
 
 def keras_minibatch_defaults():
