@@ -725,6 +725,7 @@ def _recipe_now(opt):
   return value if isinstance(value, str) else value.numpy().decode()
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_auto_recipe_below_the_noise_scale_is_the_exact_recipe():
   """With noiseless labels on whole batches of 256 the noise scale stays
   below the batch: recipe="auto" takes the exact recipe's steps (its
@@ -772,6 +773,7 @@ def test_auto_recipe_switches_when_the_noise_scale_passes_the_batch(capfd):
   del model
 
 
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
 def test_auto_recipe_switch_is_saved_state(tmp_path):
   """The switch is K-FAC state: a checkpoint restores it, and the restored
   optimizer's first step runs the minibatch recipe (a fresh one runs the

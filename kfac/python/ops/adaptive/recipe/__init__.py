@@ -22,7 +22,7 @@ a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
   the factors' traces (no decomposition), used by the relative damping floor
   (`relative_min_damping`).
 
-Two recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
+Three recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
 * "exact" (the default): the exact two-direction quadratic model chooses
   the learning rate and momentum at every step, the damping is calibrated
   during burn-in: the low-noise recipe (full batches, growing batches,
@@ -33,6 +33,12 @@ Two recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
   fixed momentum, no quadratic model, a norm constraint on the update,
   statistics every MINIBATCH_COV_UPDATE_EVERY steps, inverses and the
   damping rule every MINIBATCH_INVERT_EVERY (`minibatch_kwargs()`).
+* "auto" (Keras): "exact" until the measured gradient noise scale passes
+  AUTO_SWITCH_RATIO times the batch size, then "minibatch" at
+  AUTO_MINIBATCH_LEARNING_RATE, inside one traced step (`switch.py`;
+  the core's `minibatch_phase`, `minibatch_phase()`). Not the default: the
+  noise scale did not pick the faster recipe (docs/recipe.md, "The
+  automatic recipe").
 """
 
 from kfac.python.ops.adaptive.recipe import switch
