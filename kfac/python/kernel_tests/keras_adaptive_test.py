@@ -705,7 +705,8 @@ def _auto_data(noise, n=256, seed=0):
   return x, np.where(rng.rand(n) < noise, 1 - y, y).astype("int32")
 
 
-def _auto_fit(recipe_name, noise, batch_size, epochs, **kwargs):
+def _auto_compiled(recipe_name, **kwargs):
+  """A small softmax network compiled with Kfac(recipe=recipe_name)."""
   keras.utils.set_random_seed(1)
   model = keras.Sequential([keras.Input((6,)),
                             keras.layers.Dense(8, activation="tanh"),
@@ -714,6 +715,11 @@ def _auto_fit(recipe_name, noise, batch_size, epochs, **kwargs):
   opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                    recipe=recipe_name, seed=3, **kwargs)
   model.compile(optimizer=opt, loss=loss)
+  return model, opt
+
+
+def _auto_fit(recipe_name, noise, batch_size, epochs, **kwargs):
+  model, opt = _auto_compiled(recipe_name, **kwargs)
   x, y = _auto_data(noise)
   model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
             verbose=0)
@@ -783,14 +789,7 @@ def test_auto_recipe_switch_is_saved_state(tmp_path):
   path = tf.train.Checkpoint(model=model, optimizer=opt).save(
       str(tmp_path / "ckpt"))
   for restore in (True, False):
-    keras.utils.set_random_seed(1)
-    model2 = keras.Sequential([keras.Input((6,)),
-                               keras.layers.Dense(8, activation="tanh"),
-                               keras.layers.Dense(2)])
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    opt2 = kfac.keras.optimizers.Kfac(model=model2, loss=loss, adaptive=True,
-                                      recipe="auto", seed=3)
-    model2.compile(optimizer=opt2, loss=loss)
+    model2, opt2 = _auto_compiled("auto")
     if restore:
       tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
     x, y = _auto_data(0.45)

@@ -98,18 +98,26 @@ MINIBATCH_NORM_CONSTRAINT = 0.01
 MINIBATCH_DAMPING_DECAY = 0.99963
 
 
+def _minibatch_settings():
+  """The minibatch recipe's update rule, periods and damping rule (the
+  same in minibatch_kwargs, keras_minibatch_defaults and
+  minibatch_phase)."""
+  return dict(momentum=MINIBATCH_MOMENTUM,
+              cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
+              invert_every=MINIBATCH_INVERT_EVERY,
+              damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
+              damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
+              norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+
+
 def minibatch_kwargs(**overrides):
   """Arguments of kfac.PeriodicInvCovUpdateKfacOpt for the "minibatch"
   recipe (pass learning_rate=..., loss_fn=... and, in a TF1 graph,
   train_batch=... too; overrides replace any of these)."""
-  kwargs = dict(momentum_type="regular", momentum=MINIBATCH_MOMENTUM,
-                damping=INITIAL_DAMPING, adapt_damping=True,
+  kwargs = dict(momentum_type="regular", damping=INITIAL_DAMPING,
+                adapt_damping=True,
                 relative_min_damping=RELATIVE_MIN_DAMPING,
-                cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
-                invert_every=MINIBATCH_INVERT_EVERY,
-                damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
-                damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
-                norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+                **_minibatch_settings())
   kwargs.update(overrides)
   return kwargs
 
@@ -134,26 +142,16 @@ AUTO_NOISE_SCALE_EVERY = 10
 def minibatch_phase(learning_rate):
   """The minibatch recipe as the phase recipe="auto" switches to
   (PeriodicInvCovUpdateKfacOpt's minibatch_phase)."""
-  return switch.MinibatchPhase(
-      learning_rate=float(learning_rate), momentum=MINIBATCH_MOMENTUM,
-      norm_constraint=MINIBATCH_NORM_CONSTRAINT,
-      cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
-      invert_every=MINIBATCH_INVERT_EVERY,
-      damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
-      damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
-      initial_damping=INITIAL_DAMPING)
+  return switch.MinibatchPhase(learning_rate=float(learning_rate),
+                               initial_damping=INITIAL_DAMPING,
+                               **_minibatch_settings())
 
 
 def keras_minibatch_defaults():
   """The Keras Kfac arguments that recipe="minibatch" fills in where the
   user left them out (the damping's initial value and floor come from the
   adaptive defaults)."""
-  return dict(momentum_type="regular", momentum=MINIBATCH_MOMENTUM,
-              cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
-              invert_every=MINIBATCH_INVERT_EVERY,
-              damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
-              damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
-              norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+  return dict(momentum_type="regular", **_minibatch_settings())
 
 
 def conv_registration_options():
