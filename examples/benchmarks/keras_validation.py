@@ -194,6 +194,9 @@ def run_worker(workload, opt_name, value):
   noise = getattr(opt, "noise_scale", None)
   if noise is not None:  # Kfac: the gradient noise scale it measured
     result["noise_scale"] = float(noise)
+  switched = getattr(opt, "recipe_switched_at", None)
+  if switched is not None:  # recipe="auto": the step it switched at
+    result["switched_at"] = int(switched)
   return result
 
 
@@ -345,14 +348,22 @@ def table(results, workload):
                      r["first_step_cpu_s"],
                      " diverged at step %d" % r["diverged_at_step"]
                      if "diverged_at_step" in r else ""))
-  noise = [r["noise_scale"] for r in runs
+  noise = [r for r in runs
            if math.isfinite(r.get("noise_scale", float("nan")))]
   if noise:
     lines.append("")
     lines.append(
-        "Gradient noise scale B_simple measured by K-FAC on its first steps "
-        "(batch %d): %s." % (FLAGS.batch_size, ", ".join(
-            "%.4g" % v for v in sorted(noise))))
+        "Gradient noise scale B_simple as K-FAC measured it at the end of "
+        "each run (its first 5 steps, then one in 50; one in 10 with "
+        "recipe='auto'; batch %d): %s." % (FLAGS.batch_size, ", ".join(
+            "%s %.4g" % (label(r), r["noise_scale"]) for r in noise)))
+  switched = [r for r in runs if "switched_at" in r]
+  if switched:
+    lines.append("")
+    lines.append("recipe='auto' switched to the minibatch recipe: %s." % (
+        ", ".join("%s at step %d" % (r["optimizer"], r["switched_at"])
+                  if r["switched_at"] >= 0 else "%s never (%d steps)" % (
+                      r["optimizer"], r["steps"]) for r in switched)))
   for r in runs:
     ys = [p["metric_at_y"] for p in r.get("points", ()) if "metric_at_y" in p]
     if ys:

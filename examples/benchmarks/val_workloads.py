@@ -75,6 +75,12 @@ KFAC_VARIANTS = {
     "kfac_wd3": {"weight_decay": 1e-3},
     "kfac_l2": {"l2_reg": 1e-5},
     "kfac_damping_1e-2": {"damping": 1e-2},
+    # The automatic recipe: exact until the measured gradient noise scale
+    # passes the batch size, then the minibatch recipe at its default
+    # learning rate (docs/recipe.md, "The automatic recipe").
+    "kfac_auto": {"recipe": "auto"},
+    "kfac_auto_lr05": {"recipe": "auto", "minibatch_learning_rate": 0.05},
+    "kfac_auto_r01": {"recipe": "auto", "auto_switch_ratio": 0.1},
     # The recipe before its first burn-in step gathered statistics only.
     "kfac_calibrate_all": {"num_calibration_steps": 5},
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},

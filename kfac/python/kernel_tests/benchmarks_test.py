@@ -469,8 +469,8 @@ def test_keras_validation_tiny(tmp_path):
   validation figure, is evaluated before the first step and every 3 steps,
   its training time is counted, and the table, JSON and plot are
   written."""
-  optimizers = ["kfac", "kfac_l2", "adam", "adamw", "lion", "muon",
-                "schedulefree"]
+  optimizers = ["kfac", "kfac_l2", "kfac_auto", "adam", "adamw", "lion",
+                "muon", "schedulefree"]
   stdout = _keras_validation(tmp_path, [
       "--workloads=cnn", "--optimizers=" + ",".join(optimizers),
       "--tuned=%s" % (tmp_path / "absent.json")])
@@ -493,10 +493,17 @@ def test_keras_validation_tiny(tmp_path):
     assert ("noise_scale" in r) == r["optimizer"].startswith("kfac"), r
     if "noise_scale" in r:
       assert math.isfinite(r["noise_scale"]) and r["noise_scale"] > 0, r
+    # recipe='auto' records the step of its switch (-1: none; the first
+    # check is at step 4, the next at 14).
+    assert ("switched_at" in r) == (r["optimizer"] == "kfac_auto"), r
+    if "switched_at" in r:
+      assert r["switched_at"] in (-1, 4), r
   # Same seed, same initial weights: the same figure before any step.
   assert len({r["points"][0]["metric"] for r in runs}) == 1, runs
   table = (tmp_path / "keras_validation.md").read_text()
   assert "### cnn" in table
+  assert "recipe='auto' switched to the minibatch recipe: kfac_auto " in table
+  assert "at the end of each run" in table and "kfac_auto " in table
   assert "| optimizer | grid value | final val acc | best val acc |" in table
   assert "schedulefree 0.0025 evaluated at its training point y" in table
   assert ("Gradient noise scale B_simple measured by K-FAC on its first "

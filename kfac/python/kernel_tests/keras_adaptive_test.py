@@ -649,7 +649,7 @@ def test_minibatch_recipe_defaults():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(adaptive=True, recipe="fast", learning_rate=None),
-     "recipe must be one of 'exact', 'minibatch', got 'fast'"),
+     "recipe must be one of 'exact', 'minibatch', 'auto', got 'fast'"),
     (dict(adaptive=True, recipe="minibatch", learning_rate=None),
      "recipe='minibatch'.*takes the learning rate from you"),
     (dict(adaptive=False, recipe="minibatch", learning_rate=0.05,
@@ -661,6 +661,24 @@ def test_minibatch_recipe_defaults():
      "recipe='minibatch'"),
     (dict(adaptive=True, recipe="minibatch", learning_rate=0.05,
           qmodel_batch_fraction=0.5), "used by the quadratic model only"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          momentum_type="regular"), "recipe='auto' chooses the learning "
+     "rate with the quadratic model"),
+    (dict(adaptive=True, recipe="exact", learning_rate=None,
+          minibatch_learning_rate=0.1), "minibatch_learning_rate is the "
+     "learning rate recipe='auto' uses.*got recipe='exact'"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          minibatch_learning_rate=-0.1), "minibatch_learning_rate must be a "
+     "number > 0, got -0.1"),
+    (dict(adaptive=True, recipe="minibatch", learning_rate=0.1,
+          auto_switch_ratio=0.1), "auto_switch_ratio is recipe='auto''s "
+     "threshold.*got recipe='minibatch'"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          auto_switch_ratio="1"), "auto_switch_ratio must be a number > 0"),
+    (dict(adaptive=True, recipe="auto", learning_rate=None,
+          noise_scale_steps=0), "noise_scale_steps=0 measures none"),
+    (dict(adaptive=True, recipe="auto", learning_rate=0.1),
+     "learning_rate must be None with adaptive=True"),
 ])
 def test_recipe_argument_errors_name_the_culprit(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -675,3 +693,115 @@ def test_minibatch_kwargs_of_the_core_optimizer():
   assert {k: kwargs[k] for k in keras_side} == keras_side
   assert kwargs["learning_rate"] == 0.1 and kwargs["adapt_damping"]
   assert recipe.minibatch_kwargs(invert_every=7)["invert_every"] == 7
+
+
+# recipe="auto" (adaptive/recipe/switch.py; the core's switch is tested in
+# recipe_switch_test.py): the noise measurement sets the switch.
+def _auto_data(noise, n=256, seed=0):
+  """Two-class data whose labels flip with probability `noise`."""
+  rng = np.random.RandomState(seed)
+  x = rng.randn(n, 6).astype("float32")
+  y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+  return x, np.where(rng.rand(n) < noise, 1 - y, y).astype("int32")
+
+
+def _auto_compiled(recipe_name, **kwargs):
+  """A small softmax network compiled with Kfac(recipe=recipe_name)."""
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((6,)),
+                            keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Dense(2)])
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                   recipe=recipe_name, seed=3, **kwargs)
+  model.compile(optimizer=opt, loss=loss)
+  return model, opt
+
+
+def _auto_fit(recipe_name, noise, batch_size, epochs, **kwargs):
+  model, opt = _auto_compiled(recipe_name, **kwargs)
+  x, y = _auto_data(noise)
+  model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+            verbose=0)
+  return model, opt
+
+
+def _recipe_now(opt):
+  value = opt.recipe_in_use
+  return value if isinstance(value, str) else value.numpy().decode()
+
+
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
+def test_auto_recipe_below_the_noise_scale_is_the_exact_recipe():
+  """With noiseless labels on whole batches of 256 the noise scale stays
+  below the batch: recipe="auto" takes the exact recipe's steps (its
+  curvature products on a forward pass of their own: float32 rounding)."""
+  model, opt = _auto_fit("auto", 0.0, 256, 12)
+  assert float(opt.noise_scale) < 256
+  assert _recipe_now(opt) == "exact"
+  assert int(opt.recipe_switched_at) == -1
+  assert opt.kfac_optimizer.config.update.momentum_type == "qmodel"
+  want_model, want_opt = _auto_fit("exact", 0.0, 256, 12)
+  base._assert_weights(model.get_weights(), want_model.get_weights(),  # pylint: disable=protected-access
+                       rtol=1e-4, atol=1e-6)
+  assert float(opt.damping.numpy()) == pytest.approx(
+      float(want_opt.damping.numpy()), rel=1e-4)
+  assert float(np.asarray(opt.learning_rate)) == pytest.approx(
+      float(np.asarray(want_opt.learning_rate)), rel=1e-4)
+  assert _recipe_now(want_opt) == "exact"
+
+
+def test_auto_recipe_switches_when_the_noise_scale_passes_the_batch(capfd):
+  """With 45% flipped labels on batches of 8 the noise scale, measured
+  on the first 5 steps, is larger than the batch: the step switches to the
+  minibatch recipe, says so once, and reports it."""
+  model, opt = _auto_fit("auto", 0.45, 8, 1, minibatch_learning_rate=0.07)
+  assert float(opt.noise_scale) > 8
+  assert _recipe_now(opt) == "minibatch"
+  assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.07)
+  assert float(np.asarray(opt.kfac_optimizer.momentum)) == pytest.approx(
+      recipe.MINIBATCH_MOMENTUM)
+  err = capfd.readouterr().err
+  assert err.count("switches to the minibatch recipe") == 1, err
+  assert "at step 4 " in err  # after the 5 measurements
+  assert int(opt.recipe_switched_at) == 4
+  report = opt.registration_report
+  assert "recipe: auto" in report and "now: minibatch" in report
+  core = opt.kfac_optimizer
+  assert core.recipe_switch.phase == recipe.minibatch_phase(0.07)
+  # The config keeps the recipe and its rate.
+  config = opt.get_config()
+  assert config["recipe"] == "auto"
+  assert config["minibatch_learning_rate"] == pytest.approx(0.07)
+  again = kfac.keras.optimizers.Kfac.from_config(config)
+  assert again.kfac_optimizer.recipe_switch.phase == recipe.minibatch_phase(
+      0.07)
+  del model
+
+
+@pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
+def test_auto_recipe_switch_is_saved_state(tmp_path):
+  """The switch is K-FAC state: a checkpoint restores it, and the restored
+  optimizer's first step runs the minibatch recipe (a fresh one runs the
+  exact recipe's burn-in)."""
+  model, opt = _auto_fit("auto", 0.45, 8, 1)
+  assert _recipe_now(opt) == "minibatch"
+  path = tf.train.Checkpoint(model=model, optimizer=opt).save(
+      str(tmp_path / "ckpt"))
+  for restore in (True, False):
+    model2, opt2 = _auto_compiled("auto")
+    if restore:
+      tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    x, y = _auto_data(0.45)
+    model2.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    assert _recipe_now(opt2) == ("minibatch" if restore else "exact")
+
+
+def test_auto_switch_ratio_moves_the_threshold(capfd):
+  """The noiseless run that stays exact (noise scale below its batch of
+  256) switches at its first check when the threshold is 0.001 x batch."""
+  _, opt = _auto_fit("auto", 0.0, 256, 6, auto_switch_ratio=1e-3)
+  assert 0.256 < float(opt.noise_scale) < 256
+  assert _recipe_now(opt) == "minibatch"
+  assert int(opt.recipe_switched_at) == 4
+  assert "> 0.001 x batch size 256" in capfd.readouterr().err

@@ -136,6 +136,9 @@ class KfacEngine:
       core_kwargs.update(adapt_damping=True)
       if core_kwargs["momentum_type"] == "qmodel":
         core_kwargs["momentum"] = None
+    if kfac_kwargs.get("recipe") == "auto":
+      core_kwargs["minibatch_phase"] = recipe.minibatch_phase(
+          kfac_kwargs["minibatch_learning_rate"])
     if adaptive or calibrate:
       # The passed loss is unknown here (and drew other dropout masks):
       # loss_fn evaluates the loss before the update too.
@@ -145,6 +148,9 @@ class KfacEngine:
                        else self.learning_rate_tensor),
         name=name, **core_kwargs)
     self.state = self.core.state_store
+    # recipe="auto": the switch to the minibatch recipe (its flag is set
+    # by the noise measurement, KerasStep._measure_noise); None otherwise.
+    self.switch = self.core.recipe_switch
     # The gradient noise scale, measured on the first steps (0: never).
     self.noise = noise_scale.NoiseScale(
         self.state, kfac_kwargs.get("noise_scale_steps") or 0,
@@ -201,7 +207,8 @@ class KfacEngine:
       memory = registration_report.memory_of(
           lc, getattr(self.core, "memory_budget", None))
       return registration_report.format_report(
-          rows, loss_lines, memory) + self._noise_report()
+          rows, loss_lines, memory) + self._noise_report() + (
+              self._recipe_report())
     if self.model is None:
       return "(no model yet)"
     plans = layer_registration.plan_layers(self.model, self.fisher_approx)
@@ -213,6 +220,18 @@ class KfacEngine:
             for p in plans]
     return layer_registration.format_report(rows) + (
         "\n(planned; blocks and losses are known after the first step)")
+
+  def _recipe_report(self):
+    """The report's line on recipe="auto" ("" for the other recipes)."""
+    if self.switch is None:
+      return ""
+    line = ("\nrecipe: auto (exact until the gradient noise scale passes the "
+            "batch size, then minibatch at learning rate %g)" %
+            self.switch.phase.learning_rate)
+    if tf.executing_eagerly():
+      line += "; now: %s" % (
+          "minibatch" if bool(self.switch.active().numpy()) else "exact")
+    return line
 
   def _noise_report(self):
     """The report's line on the gradient noise scale ("" when not
@@ -380,6 +399,27 @@ class KfacOptimizerBase:
     the first noise_scale_steps steps (a float64 tensor; NaN before the
     first; docs/recipe.md, "The gradient noise scale")."""
     return self._kfac_engine.noise.b_simple()
+
+  @property
+  def recipe_in_use(self):
+    """The recipe of the next step: "exact" or "minibatch" (a string
+    tensor; with recipe="auto" "exact" until the switch, then
+    "minibatch"); None without adaptive=True."""
+    engine = self._kfac_engine
+    if engine.switch is not None:
+      return tf.where(engine.switch.active(), "minibatch", "exact")
+    if not engine.adaptive:
+      return None
+    return tf.constant("minibatch" if engine.fixed_rate else "exact")
+
+  @property
+  def recipe_switched_at(self):
+    """recipe="auto": the step (optimizer.iterations) whose noise
+    measurement switched to the minibatch recipe, -1 before the switch (an
+    int64 tensor); None with the other recipes."""
+    switch = self._kfac_engine.switch
+    return None if switch is None else tf.convert_to_tensor(
+        switch.switched_at())
 
   @property
   def state_store(self):
@@ -597,16 +637,16 @@ class KerasStep:
     with tf.control_dependencies(restored):
       return tf.nest.map_structure(tf.identity, out)
 
-  def _qmodel_collection(self):
+  def _qmodel_collection(self, batch=None):
     """A LayerCollection with the model's losses on the first
     ceil(qmodel_batch_fraction * batch) examples of the step's batch, from
     an extra training-mode forward pass of those rows (state left as it
     was): the quadratic model's exact curvature products are taken there
     (the core's qmodel_layer_collection)."""
-    x, y, _ = self._batch()
+    x, y, _ = self._batch() if batch is None else batch
     first = tf.nest.flatten(x)[0]
     rows = tf.cast(tf.math.ceil(
-        self._engine.qmodel_fraction *
+        (self._engine.qmodel_fraction or 1.0) *
         tf.cast(tf.shape(first)[0], tf.float64)), tf.int32)
     head = lambda t: t[:rows]  # pylint: disable=unnecessary-lambda-assignment
     x_rows = tf.nest.map_structure(head, x)
@@ -692,7 +732,13 @@ class KerasStep:
         self._engine.core.set_train_batch(batch)
         self._engine.core.set_train_batch_loss(
             self._training_loss(batch, replicas))
-      if self._engine.qmodel_fraction is not None:
+      if self._engine.switch is not None:
+        # Built in the exact recipe's conditional branch (the minibatch
+        # steps build no curvature products): adaptive/recipe/switch.py.
+        step_batch = self._batch()  # (found in the step's graph)
+        self._engine.core.set_qmodel_layer_collection(
+            lambda: self._qmodel_collection(step_batch))
+      elif self._engine.qmodel_fraction is not None:
         self._engine.core.set_qmodel_layer_collection(
             self._qmodel_collection())
       if in_branch:  # the sources and their gradients, built there
@@ -740,6 +786,9 @@ class KerasStep:
         return noise_scale.estimates(grads[0], grads[1], size)
       trace_sigma, grad_sq = self._stateless(estimates)
       added = noise.add(trace_sigma, grad_sq, batch_size)
+      if self._engine.switch is not None:
+        with tf.control_dependencies([added]):
+          added = self._maybe_switch(batch_size, iteration)
       if kfac_utils.in_xla_context():  # (XLA compiles no print)
         return added
       with tf.control_dependencies([added]):
@@ -750,6 +799,32 @@ class KerasStep:
             "at batch size", batch_size, "(measured over", noise.steps,
             "steps)"))
     return kfac_utils.cond_op(noise.measuring(iteration), measure)
+
+  def _maybe_switch(self, batch_size, iteration):
+    """recipe="auto": the op that switches to the minibatch recipe once the
+    noise scale, measured over the first noise_scale_steps steps (and the
+    later ones), is larger than the batch: the batch is then small against
+    the gradient noise (docs/recipe.md, "The automatic recipe")."""
+    noise, switch = self._engine.noise, self._engine.switch
+    b_simple = noise.b_simple()
+    now = tf.logical_and(
+        tf.logical_not(switch.active()),
+        tf.logical_and(
+            tf.greater_equal(tf.convert_to_tensor(noise.measured),
+                             noise.steps),
+            b_simple > self._engine.kwargs["auto_switch_ratio"] *
+            tf.cast(batch_size, tf.float64)))
+
+    def activate():
+      if kfac_utils.in_xla_context():
+        return switch.activate(iteration)
+      with tf.control_dependencies([switch.activate(iteration)]):
+        return tf.print(
+            "kfac: recipe='auto' switches to the minibatch recipe at step",
+            iteration, "(gradient noise scale B_simple =", b_simple,
+            "> %g x batch size" % self._engine.kwargs["auto_switch_ratio"],
+            batch_size, ")")
+    return kfac_utils.cond_op(now, activate)
 
   def decays(self, variable):
     """Whether the core's `variable` decays: not excluded by
@@ -875,7 +950,8 @@ RULES = {"damping": argument_rules.POSITIVE,
 # Kfac's own arguments (in kfac_kwargs, kept in its config; not the
 # core's).
 KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
-                       "noise_scale_every")
+                       "noise_scale_every", "minibatch_learning_rate",
+                       "auto_switch_ratio")
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -940,10 +1016,30 @@ def _check_recipe(adaptive, kfac_kwargs):
         "recipe='minibatch' uses momentum_type 'regular' (no quadratic "
         "model); got momentum_type=%r (the quadratic model is "
         "recipe='exact')." % (momentum_type,))
-  if name == "exact" and momentum_type == "regular":
+  if name in ("exact", "auto") and momentum_type == "regular":
     raise ValueError(
-        "recipe='exact' chooses the learning rate with the quadratic model; "
-        "momentum_type='regular' is recipe='minibatch'.")
+        "recipe=%r chooses the learning rate with the quadratic model; "
+        "momentum_type='regular' is recipe='minibatch'." % (name,))
+  for key, what in (("minibatch_learning_rate", "the learning rate "
+                      "recipe='auto' uses once it switches to the minibatch "
+                      "recipe"),
+                     ("auto_switch_ratio", "recipe='auto''s threshold: it "
+                      "switches when the noise scale passes this times the "
+                      "batch size")):
+    value = kfac_kwargs.get(key)
+    if value is None:
+      continue
+    if name != "auto":
+      raise ValueError("%s is %s; got recipe=%r." % (key, what, name))
+    if (not argument_rules.is_number(value) or isinstance(value, bool) or
+        not value > 0):
+      raise ValueError("Kfac's %s must be a number > 0, got %r." %
+                       (key, value))
+  if name == "auto" and kfac_kwargs.get("noise_scale_steps") == 0:
+    raise ValueError(
+        "recipe='auto' switches to the minibatch recipe when the measured "
+        "gradient noise scale passes the batch size: noise_scale_steps=0 "
+        "measures none (pass a number >= 1, or recipe='exact').")
 
 
 def check_before_base(learning_rate, adaptive, kfac_kwargs):
@@ -1024,6 +1120,12 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
     if kfac_kwargs.get("recipe") == "minibatch":
       for key, value in recipe.keras_minibatch_defaults().items():
         kfac_kwargs.setdefault(key, value)
+    if kfac_kwargs.get("recipe") == "auto":
+      kfac_kwargs.setdefault("minibatch_learning_rate",
+                             recipe.AUTO_MINIBATCH_LEARNING_RATE)
+      kfac_kwargs.setdefault("auto_switch_ratio", recipe.AUTO_SWITCH_RATIO)
+      if kfac_kwargs.get("noise_scale_every") is None:
+        kfac_kwargs["noise_scale_every"] = recipe.AUTO_NOISE_SCALE_EVERY
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
     for key, value in (("noise_scale_steps", recipe.NOISE_SCALE_STEPS),
@@ -1100,7 +1202,13 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       momentum 0.9 (momentum_type "regular", no quadratic model), a norm
       constraint of 0.01 on the update, statistics every 10 steps,
       inverses and the damping rule every 50 (moving the damping by at
-      most 2% each time); any of these given explicitly wins.
+      most 2% each time); any of these given explicitly wins. Or "auto":
+      the exact recipe until the measured gradient noise scale passes the
+      batch size, then the minibatch recipe at minibatch_learning_rate
+      (default 0.1), switched inside the traced step and logged once
+      (noise measured one step in 10 after the first 5;
+      optimizer.recipe_in_use, recipe_switched_at; docs/recipe.md, "The
+      automatic recipe").
       noise_scale_steps=N, noise_scale_every=k: the first N steps, then
       one step in k, also measure the gradient noise scale B_simple on the
       two halves of the step's batch (about one more forward and backward

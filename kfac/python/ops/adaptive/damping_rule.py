@@ -75,7 +75,11 @@ def _floor(min_damping):
 def adapted_damping(damping, rho, decay, interval, lower, upper, min_damping):
   """The new damping after one application of the rule (float64)."""
   damping, rho = _read_once(damping, rho)
-  omega = tf.constant(float(decay) ** int(interval), tf.float64)
+  if utils.is_python_number(decay) and utils.is_python_number(interval):
+    omega = tf.constant(float(decay) ** int(interval), tf.float64)
+  else:  # the automatic recipe's values of this step (recipe/switch.py)
+    omega = tf.pow(utils.cast(decay, tf.float64),
+                   utils.cast(interval, tf.float64))
   finite = tf.math.is_finite(rho)
   increase = tf.logical_or(tf.logical_not(finite), rho < lower)
   decrease = tf.logical_and(finite, rho > upper)

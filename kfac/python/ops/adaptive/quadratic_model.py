@@ -431,6 +431,16 @@ class DampingController:
     self.commit_active = None
     self._pre_update_op = None
     self.train_batch_loss = None
+    # The switch to the minibatch recipe (adaptive/recipe/switch.py), whose
+    # rule interval and decay apply once it is active; None: none.
+    self.switch = None
+
+  def _rule_setting(self, name, dtype):
+    """The damping rule's `name` (interval or decay) of this step."""
+    mine = getattr(self._settings, name)
+    if self.switch is None:
+      return mine
+    return self.switch.pick(mine, getattr(self.switch.phase, name), dtype)
 
   # ------------------------------------------------------------ the damping
   @property
@@ -492,7 +502,8 @@ class DampingController:
   # ------------------------------------------------------------ losses
   def adaptation_step(self):
     counter = tf.convert_to_tensor(self._counter())
-    now = tf.equal(counter % self._settings.damping_adaptation_interval, 0)
+    now = tf.equal(counter % self._rule_setting(
+        "damping_adaptation_interval", counter.dtype), 0)
     # Under several replicas a step's commit is built unconditionally and
     # says whether it applies (not during burn-in): see
     # optimizers/replicated.py.
@@ -607,8 +618,9 @@ class DampingController:
     rho = damping_adaptation.reduction_ratio(loss_before, loss_after,
                                              model_change)
     new = damping_adaptation.adapted_damping(
-        self.damping, rho, self._settings.damping_adaptation_decay,
-        self._settings.damping_adaptation_interval,
+        self.damping, rho,
+        self._rule_setting("damping_adaptation_decay", tf.float64),
+        self._rule_setting("damping_adaptation_interval", tf.float64),
         self._settings.damping_increase_rho_threshold,
         self._settings.damping_decrease_rho_threshold,
         self._damping_floor())

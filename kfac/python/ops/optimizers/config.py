@@ -43,6 +43,7 @@ import warnings
 import tensorflow as tf
 
 from kfac.python.ops.adaptive import damping_rule
+from kfac.python.ops.adaptive.recipe import switch as switch_lib
 from kfac.python.ops.collection import memory as memory_lib
 from kfac.python.ops.collection import memory_fallback
 from kfac.python.ops.compat_utils import legacy_constants
@@ -232,6 +233,9 @@ class KfacConfig:
   """Devices, replicas and memory."""
   guard: GuardConfig = GuardConfig()
   """The non-finite guard."""
+  minibatch_phase: Any = None
+  """The minibatch recipe the step switches to at run time (an
+  adaptive/recipe/switch.MinibatchPhase; None: no switch)."""
 
   def step_hyperparameters(self, learning_rate, damping, momentum):
     """[(name, value, rule)] of the hyperparameters checked with every step
@@ -273,11 +277,18 @@ class PeriodicArguments(typing.NamedTuple):
   periods: Periods
   calibrate_damping: bool
   num_calibration_steps: int
+  minibatch_phase: Any = None
 
 
 def periods(invert_every, cov_update_every, num_burnin_steps,
-            calibrate_damping, num_calibration_steps):
+            calibrate_damping, num_calibration_steps, minibatch_phase=None):
   """PeriodicInvCovUpdateKfacOpt's own arguments, checked."""
+  if minibatch_phase is not None:
+    if not isinstance(minibatch_phase, switch_lib.MinibatchPhase):
+      raise ValueError(
+          "minibatch_phase must be a kfac recipe.MinibatchPhase (or None), "
+          "got %r." % (minibatch_phase,))
+    minibatch_phase.check("PeriodicInvCovUpdateKfacOpt")
   for arg, value, low in (("invert_every", invert_every, 1),
                           ("cov_update_every", cov_update_every, 1),
                           ("num_burnin_steps", num_burnin_steps, 0)):
@@ -303,7 +314,7 @@ def periods(invert_every, cov_update_every, num_burnin_steps,
         "num_burnin_steps (%d), got %r." % (burnin, num_calibration_steps))
   return PeriodicArguments(
       Periods(int(invert_every), int(cov_update_every), burnin),
-      bool(calibrate_damping), int(num_calibration_steps))
+      bool(calibrate_damping), int(num_calibration_steps), minibatch_phase)
 
 
 def periodic_cov_ema_decay(owner, cov_ema_decay, cov_update_every):
@@ -484,6 +495,14 @@ def build(owner, *, learning_rate, damping, cov_ema_decay, momentum,
   momentum_value = _schedule("momentum", momentum, momentum_schedule)
   damping_value = _schedule("damping", damping, damping_schedule)
   _check_required(momentum_type, lr_value, momentum_value, damping_value)
+  switch = None if periodic is None else periodic.minibatch_phase
+  if switch is not None and not (momentum_type.startswith("qmodel") and
+                                 adapt_damping):
+    raise ValueError(
+        "%s(minibatch_phase=...) switches from the exact recipe (the "
+        "quadratic model, momentum_type 'qmodel' / 'qmodel_fixedmu', with "
+        "adapt_damping=True) to the minibatch recipe; got momentum_type=%r, "
+        "adapt_damping=%r." % (owner, momentum_type, adapt_damping))
   update = UpdateRuleConfig(
       momentum_type=momentum_type, learning_rate=learning_rate,
       learning_rate_schedule=learning_rate_schedule, momentum=momentum,
@@ -634,7 +653,8 @@ def build(owner, *, learning_rate, damping, cov_ema_decay, momentum,
       placement=placement,
       guard=GuardConfig(
           skip_non_finite_steps=bool(skip_non_finite_steps),
-          max_consecutive_skipped_steps=max_consecutive_skipped_steps))
+          max_consecutive_skipped_steps=max_consecutive_skipped_steps),
+      minibatch_phase=switch)
 
 
 def default_var_list(var_list):

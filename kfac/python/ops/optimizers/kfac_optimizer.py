@@ -32,9 +32,12 @@ that each take what they need explicitly:
 * replicated.py: several replicas (tf.distribute, docs/distributed.md).
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from kfac.python.ops.adaptive import quadratic_model
+from kfac.python.ops.adaptive.recipe import switch as switch_lib
 from kfac.python.ops.compat_utils import introspection
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.distribute import replicas
@@ -273,6 +276,19 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         loss=loss, train_batch=train_batch, prev_train_batch=prev_train_batch)
     self._commit_part = step_lib.Commit(self._damping_controller,
                                       self._weight_decay, self._records)
+    self._switch = None
+    phase = self.config.minibatch_phase
+    if phase is not None:
+      # The minibatch recipe's rule (adaptive/recipe/switch.py), beside
+      # the quadratic model; the same velocities.
+      self._switch = switch_lib.RecipeSwitch(phase, self._store)
+      self._minibatch_rule = step_lib.UpdateRule(
+          dataclasses.replace(self.config.update, momentum_type="regular",
+                              learning_rate=phase.learning_rate,
+                              momentum=phase.momentum,
+                              norm_constraint=phase.norm_constraint),
+          self._velocities, phase.learning_rate, phase.momentum)
+      self._damping_controller.switch = self._switch
     self._estimator = None
     self._exps = (-1,)
 
@@ -347,7 +363,9 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
             "(momentum_type 'qmodel' / 'qmodel_fixedmu', or "
             "always_use_exact_qmodel_for_damping_adjustment=True); got "
             "momentum_type=%r." % self.config.update.momentum_type)
-      if not hasattr(layer_collection, "losses_with_coeffs"):
+      if callable(layer_collection) and self.config.minibatch_phase is not None:
+        pass  # built in the exact recipe's branch (_switched_update)
+      elif not hasattr(layer_collection, "losses_with_coeffs"):
         raise ValueError("qmodel_layer_collection must be a LayerCollection "
                          "with the loss registered on it, got %r."
                          % (layer_collection,))
@@ -547,6 +565,10 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   def learning_rate(self):
     """The learning rate; with momentum_type 'qmodel' / 'qmodel_fixedmu'
     the one the quadratic model chose at the last step (0 before it)."""
+    if self._switch is not None:  # the phase's once switched
+      return self._switch.pick(self._record("learning_rate"),
+                               self._switch.phase.learning_rate,
+                               self.config.dtype)
     if self.config.update.momentum_type.startswith("qmodel"):
       return utils.cast(self._record("learning_rate"), self.config.dtype)
     return utils.cast(self._read(self._learning_rate), self.config.dtype)
@@ -555,6 +577,11 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   def momentum(self):
     """The momentum; with momentum_type 'qmodel' the one the quadratic
     model chose at the last step (0 before it)."""
+    if self._switch is not None:  # the phase's once switched
+      return self._switch.pick(
+          self._record("momentum") if self.config.update.momentum_type ==
+          "qmodel" else self._read(self._momentum),
+          self._switch.phase.momentum, self.config.dtype)
     if self.config.update.momentum_type == "qmodel":
       return utils.cast(self._record("momentum"), self.config.dtype)
     return utils.cast(self._read(self._momentum), self.config.dtype)
@@ -701,7 +728,8 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         compute_update=self._compute_update,
         damping=self._damping_controller,
         commit=self._commit_part,
-        counters=self._counters)
+        counters=self._counters,
+        switch=self._switch)
 
   def _compute_update(self, grads_and_vars):
     """Builds (without changing any state) what this step will do: an
@@ -713,7 +741,9 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     source = quadratic_model.CurvatureSource(
         self._layers, self._qmodel_layers, self._require_estimator())
     damping = lambda: self._read(self._damping)
-    if self.config.update.qmodel:
+    if self._switch is not None:
+      self._switched_update(grads_and_vars, update, source, damping)
+    elif self.config.update.qmodel:
       self._quadratic_model.compute(grads_and_vars, update, source, damping)
     else:
       self._update_rule.compute(grads_and_vars, source.estimator, update,
@@ -723,6 +753,76 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     # AdamW's decay, apart from the step (optimizers/weight_decay.py).
     self._weight_decay.add(update, [v for _, v in grads_and_vars])
     return update
+
+  def _switched_update(self, grads_and_vars, update, source, damping):
+    """Fills `update` with the exact recipe's step (the quadratic model on
+    the forward pass qmodel_layer_collection() builds in its branch) or,
+    once switched, the minibatch recipe's (adaptive/recipe/switch.py): one
+    conditional, whose branches give the same values."""
+    variables = [v for _, v in grads_and_vars]
+    dense = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
+    velocities = [self._velocities.get(v) for v in variables]  # made here
+    n = len(variables)
+    build = self._qmodel_layers
+    if not callable(build):
+      raise ValueError(
+          "minibatch_phase: the quadratic model's curvature is taken in a "
+          "conditional branch, on a forward pass of its own: pass "
+          "qmodel_layer_collection=<a callable that builds the model's "
+          "forward pass and returns a LayerCollection with the loss "
+          "registered on its outputs> (or set_qmodel_layer_collection), got "
+          "%r." % (build,))
+
+    def outputs(branch_update):
+      by_var = {v.ref(): d for d, v in branch_update.deltas}
+      new_v = {v.ref(): d for v, d in branch_update.velocity_assigns}
+      precon = {v.ref(): p for p, v in branch_update.precon}
+      change = branch_update.model_change
+      return ([tf.convert_to_tensor(by_var[v.ref()]) for v in variables] +
+              [tf.convert_to_tensor(new_v[u.ref()]) for u in velocities] +
+              [tf.convert_to_tensor(precon[v.ref()]) for v in variables] +
+              [utils.cast(branch_update.records["learning_rate"],
+                          tf.float64),
+               utils.cast(branch_update.records["momentum"], tf.float64),
+               utils.cast(0.0 if change is None else change, tf.float64)])
+
+    def exact():
+      branch_update = step_lib.Update()
+      self._quadratic_model.compute(
+          dense, branch_update, source._replace(qmodel_layers=build()),
+          damping)
+      return outputs(branch_update)
+
+    def minibatch():
+      branch_update = step_lib.Update()
+      # The momentum restarts at the first switched step (switch.py).
+      self._minibatch_rule.compute(dense, source.estimator, branch_update,
+                                   restart=self._switch.first_step())
+      phase = self._switch.phase
+      branch_update.records["learning_rate"] = phase.learning_rate
+      branch_update.records["momentum"] = phase.momentum
+      return outputs(branch_update)
+
+    active = self._switch.active()
+    out = tf.cond(active, minibatch, exact)
+    update.deltas = list(zip(out[:n], variables))
+    update.velocity_assigns = list(zip(velocities, out[n:2 * n])) + [
+        self._switch.committed()]
+    update.precon = list(zip(out[2 * n:3 * n], variables))
+    update.grads = [g for g, _ in dense]
+    update.records["learning_rate"] = out[3 * n]
+    update.records["momentum"] = out[3 * n + 1]
+    exact_change = out[3 * n + 2]
+    # The damping rule's predicted change: the quadratic model's (with the
+    # exact curvature) before the switch, the K-FAC matrix's after it,
+    # built where the rule uses it.
+    minibatch_update = step_lib.Update()
+    minibatch_update.deltas = update.deltas
+    self._quadratic_model.set_model_change(dense, minibatch_update, source,
+                                           damping)
+    approximate = minibatch_update.model_change_fn
+    update.model_change_fn = lambda: tf.cond(
+        self._switch.active(), approximate, lambda: exact_change)
 
   def _gradients_read_once(self):
     """Whether nothing in the step but the preconditioning reads the
@@ -837,7 +937,7 @@ class PeriodicInvCovUpdateKfacOpt(KfacOptimizer):
 
   def __init__(self, invert_every=10, cov_update_every=1, num_burnin_steps=0,
                calibrate_damping=False, num_calibration_steps=None,
-               **kfac_kwargs):
+               minibatch_phase=None, **kfac_kwargs):
     """See the module docstring; `calibrate_damping=True` needs
     num_burnin_steps > 0 and loss_fn / train_batch (as adapt_damping).
 
@@ -845,16 +945,31 @@ class PeriodicInvCovUpdateKfacOpt(KfacOptimizer):
       steps (the last ones) try the update and move the damping, each
       recomputing every inverse; the ones before only gather statistics,
       so that the first call returns without inverting anything. None: all
-      of them."""
+      of them.
+
+    minibatch_phase (not in kfac 0.2.x; default None): a
+      recipe.MinibatchPhase: the step runs the exact recipe (this
+      optimizer's quadratic model, periods and damping rule) until
+      `recipe_switch.activate()` runs, then the minibatch recipe with the
+      phase's settings (adaptive/recipe/switch.py). It needs
+      momentum_type 'qmodel*', adapt_damping=True and a
+      qmodel_layer_collection that is a callable building the forward pass
+      the quadratic model's curvature is taken on."""
     periodic = config_lib.periods(invert_every, cov_update_every,
                                   num_burnin_steps, calibrate_damping,
-                                  num_calibration_steps)
+                                  num_calibration_steps, minibatch_phase)
     if kfac_kwargs.get("cov_ema_decay") is not None:
       kfac_kwargs["cov_ema_decay"] = config_lib.periodic_cov_ema_decay(
           type(self).__name__, kfac_kwargs["cov_ema_decay"],
           periodic.periods.cov_update_every)
     kfac_kwargs[PERIODIC_ARGUMENTS] = periodic
     super().__init__(**kfac_kwargs)
+
+  @property
+  def recipe_switch(self):
+    """The switch to the minibatch recipe (adaptive/recipe/switch.py:
+    `activate()`, `active()`), or None without minibatch_phase."""
+    return self._switch
 
   @property
   def invert_every(self):

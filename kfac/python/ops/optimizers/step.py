@@ -73,6 +73,9 @@ class Parts(NamedTuple):
   update, with the damping rule around it)."""
   counters: Any
   """The step counters (`Counters`)."""
+  switch: Any = None
+  """The switch to the minibatch recipe (adaptive/recipe/switch.py), whose
+  periods replace `periods`' once it is active; None: no switch."""
 
 
 def build_step(parts, grads_and_vars, global_step, name):
@@ -96,8 +99,17 @@ def build_step(parts, grads_and_vars, global_step, name):
   with tf.name_scope(name):
     counter = tf.convert_to_tensor(parts.counters.counter)
     in_burnin, calibrating = _burnin(parts, periods)
+    restarted = []
+    if parts.switch is not None:
+      # The minibatch recipe calibrates nothing; its first step restarts
+      # from its own damping (adaptive/recipe/switch.py).
+      if calibrating is not None:
+        calibrating = tf.logical_and(calibrating,
+                                     tf.logical_not(parts.switch.active()))
+      restarted = [parts.switch.restart_damping(parts.damping.damping)]
     # 1. Statistics.
-    stats_ok = _statistics(parts, periods, counter, in_burnin, gate)
+    with tf.control_dependencies(restarted):
+      stats_ok = _statistics(parts, periods, counter, in_burnin, gate)
     ok = None
     if checks is not None:
       checks.add_flag("curvature statistics", stats_ok)
@@ -153,7 +165,7 @@ def _statistics(parts, periods, counter, in_burnin, gate):
   """The statistics' update of this step; returns whether they were
   finite (the estimator's checked_cov_update)."""
   est = parts.estimator
-  do_cov = tf.equal(counter % periods.cov_update_every, 0)
+  do_cov = tf.equal(counter % _period(parts, "cov_update_every"), 0)
   if periods.num_burnin_steps > 0:
     # Burn-in: every step, into an arithmetic mean (should_decay False);
     # then the moving average. (Lazily synchronised statistics under
@@ -168,7 +180,8 @@ def _statistics(parts, periods, counter, in_burnin, gate):
   # With cov_update_every > 1 under several replicas the statistics are
   # reduced only on the steps that fold them.
   return est.checked_cov_update(
-      True if periods.cov_update_every == 1 else do_cov, gate,
+      True if periods.cov_update_every == 1 and parts.switch is None
+      else do_cov, gate,
       scope=parts.scope,
       conditional_reduction=periods.cov_update_every > 1)
 
@@ -176,10 +189,13 @@ def _statistics(parts, periods, counter, in_burnin, gate):
 def _inverses(parts, periods, counter, in_burnin, calibrating, ok):
   """The inverses' update of this step (an op)."""
   est = parts.estimator
-  do_inv = tf.logical_and(tf.logical_not(in_burnin),
-                          tf.equal(counter % periods.invert_every, 0))
+  do_inv = tf.logical_and(
+      tf.logical_not(in_burnin),
+      tf.equal(counter % _period(parts, "invert_every"), 0))
   if calibrating is not None:
     do_inv = tf.logical_or(calibrating, do_inv)
+  if parts.switch is not None:  # with the restarted damping
+    do_inv = tf.logical_or(parts.switch.first_step(), do_inv)
   if ok is not None:
     do_inv = tf.logical_and(do_inv, ok)
   # Inverse updates that talk to other replicas (replica_round_robin) need
@@ -187,6 +203,15 @@ def _inverses(parts, periods, counter, in_burnin, calibrating, ok):
   cond = (collective.cross_replica_cond
           if est.inverse_update_uses_collectives else utils.cond_op)
   return cond(do_inv, lambda: est.inverse_update_op(scope=parts.scope))
+
+
+def _period(parts, name):
+  """The period `name` of this step: the optimizer's, or the minibatch
+  recipe's once the switch is active (an int64 tensor then)."""
+  mine = getattr(parts.periods, name)
+  if parts.switch is None:
+    return mine
+  return parts.switch.pick(mine, getattr(parts.switch.phase, name), tf.int64)
 
 
 def _commit(parts, update, trial, active):
@@ -337,10 +362,13 @@ class UpdateRule:
     self._learning_rate = learning_rate
     self._momentum = momentum
 
-  def compute(self, grads_and_vars, estimator, update, read_once=False):
+  def compute(self, grads_and_vars, estimator, update, read_once=False,
+              restart=None):
     """Fills `update` with the step of momentum "regular" / "adam";
     `read_once`: nothing but the preconditioning reads the gradients
-    (factored_grads/match.py)."""
+    (factored_grads/match.py); `restart`: a boolean tensor, True where the
+    velocities are taken as zero (the automatic recipe's first minibatch
+    step, adaptive/recipe/switch.py)."""
     settings = self._settings
     update.grads = [tf.convert_to_tensor(g) for g, _ in grads_and_vars]
     if settings.momentum_type == "regular":
@@ -348,11 +376,11 @@ class UpdateRule:
         precon = estimator.multiply_inverse(grads_and_vars)
       if settings.norm_constraint is not None:
         precon = self.clip(grads_and_vars, precon)
-      steps = self.new_velocities(precon, self._momentum, update)
+      steps = self.new_velocities(precon, self._momentum, update, restart)
       update.precon = precon
     else:  # adam
       velocities = self.new_velocities(grads_and_vars, self._momentum,
-                                       update)
+                                       update, restart)
       steps = estimator.multiply_inverse(velocities)
       if settings.norm_constraint is not None:
         steps = self.clip(velocities, steps)
@@ -366,9 +394,10 @@ class UpdateRule:
                      for s, v in steps]
 
   # ------------------------------------------------------------ velocities
-  def new_velocities(self, vecs_and_vars, decay, update):
+  def new_velocities(self, vecs_and_vars, decay, update, restart=None):
     """decay * v + vec for each variable: returns the new velocities and
-    adds their assignments to `update`."""
+    adds their assignments to `update`; with `restart` (a boolean tensor)
+    true, v is taken as zero."""
     out = []
     decay = read(decay)
     for vec, var in vecs_and_vars:
@@ -377,7 +406,10 @@ class UpdateRule:
         out.append((vec, var))  # no momentum: the step stays sparse
         continue
       velocity = self._velocities.get(var)
-      new = utils.cast(decay, velocity.dtype) * velocity
+      old = tf.convert_to_tensor(velocity)
+      if restart is not None:
+        old = old * tf.cast(tf.logical_not(restart), old.dtype)
+      new = utils.cast(decay, velocity.dtype) * old
       if sparse.is_slices(vec):
         new = tf.tensor_scatter_nd_add(new, vec.indices[:, tf.newaxis],
                                        vec.values)

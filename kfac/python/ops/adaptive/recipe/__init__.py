@@ -22,7 +22,7 @@ a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
   the factors' traces (no decomposition), used by the relative damping floor
   (`relative_min_damping`).
 
-Two recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
+Three recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
 * "exact" (the default): the exact two-direction quadratic model chooses
   the learning rate and momentum at every step, the damping is calibrated
   during burn-in: the low-noise recipe (full batches, growing batches,
@@ -33,8 +33,15 @@ Two recipes (`RECIPES`, `Kfac(adaptive=True, recipe=...)`):
   fixed momentum, no quadratic model, a norm constraint on the update,
   statistics every MINIBATCH_COV_UPDATE_EVERY steps, inverses and the
   damping rule every MINIBATCH_INVERT_EVERY (`minibatch_kwargs()`).
+* "auto" (Keras): "exact" until the measured gradient noise scale passes
+  AUTO_SWITCH_RATIO times the batch size, then "minibatch" at
+  AUTO_MINIBATCH_LEARNING_RATE, inside one traced step (`switch.py`;
+  the core's `minibatch_phase`, `minibatch_phase()`). Not the default: the
+  noise scale did not pick the faster recipe (docs/recipe.md, "The
+  automatic recipe").
 """
 
+from kfac.python.ops.adaptive.recipe import switch
 from kfac.python.ops.adaptive.recipe.scale import curvature_scale  # noqa: F401
 
 # The damping never falls below this times the curvature scale. Measured
@@ -77,7 +84,7 @@ NOISE_SCALE_EVERY = 50
 # stochastic examples fix the momentum at 0.9 and recompute inverses and
 # damping every 50 steps; Martens & Grosse's code inverts every 20; KAISA
 # every 10. Measured in docs/recipe.md ("The minibatch recipe").
-RECIPES = ("exact", "minibatch")
+RECIPES = ("exact", "minibatch", "auto")
 MINIBATCH_MOMENTUM = 0.9
 MINIBATCH_COV_UPDATE_EVERY = 10
 MINIBATCH_INVERT_EVERY = 50
@@ -91,32 +98,60 @@ MINIBATCH_NORM_CONSTRAINT = 0.01
 MINIBATCH_DAMPING_DECAY = 0.99963
 
 
+def _minibatch_settings():
+  """The minibatch recipe's update rule, periods and damping rule (the
+  same in minibatch_kwargs, keras_minibatch_defaults and
+  minibatch_phase)."""
+  return dict(momentum=MINIBATCH_MOMENTUM,
+              cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
+              invert_every=MINIBATCH_INVERT_EVERY,
+              damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
+              damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
+              norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+
+
 def minibatch_kwargs(**overrides):
   """Arguments of kfac.PeriodicInvCovUpdateKfacOpt for the "minibatch"
   recipe (pass learning_rate=..., loss_fn=... and, in a TF1 graph,
   train_batch=... too; overrides replace any of these)."""
-  kwargs = dict(momentum_type="regular", momentum=MINIBATCH_MOMENTUM,
-                damping=INITIAL_DAMPING, adapt_damping=True,
+  kwargs = dict(momentum_type="regular", damping=INITIAL_DAMPING,
+                adapt_damping=True,
                 relative_min_damping=RELATIVE_MIN_DAMPING,
-                cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
-                invert_every=MINIBATCH_INVERT_EVERY,
-                damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
-                damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
-                norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+                **_minibatch_settings())
   kwargs.update(overrides)
   return kwargs
+
+
+# recipe="auto" (Keras): the exact recipe until the gradient noise scale
+# B_simple, measured on NOISE_SCALE_STEPS steps and then one in
+# NOISE_SCALE_EVERY, passes the batch size; then the minibatch recipe at this
+# learning rate (its best on the CNN and the ViT of the validation
+# benchmark's grid 0.02 / 0.05 / 0.1: docs/recipe.md).
+AUTO_MINIBATCH_LEARNING_RATE = 0.1
+# recipe="auto" switches when B_simple > AUTO_SWITCH_RATIO * batch size.
+AUTO_SWITCH_RATIO = 1.0
+# With recipe="auto" the noise scale is measured on one step in this many
+# after the first NOISE_SCALE_STEPS (its sums decay by 0.8 per measurement:
+# a window of some 50 steps). One in NOISE_SCALE_EVERY (50, a window of
+# some 250 steps) kept the first steps' large gradients in the estimate
+# for the whole of a 60-second run: measured in docs/recipe.md, the CNN's
+# never switched in 208 steps.
+AUTO_NOISE_SCALE_EVERY = 10
+
+
+def minibatch_phase(learning_rate):
+  """The minibatch recipe as the phase recipe="auto" switches to
+  (PeriodicInvCovUpdateKfacOpt's minibatch_phase)."""
+  return switch.MinibatchPhase(learning_rate=float(learning_rate),
+                               initial_damping=INITIAL_DAMPING,
+                               **_minibatch_settings())
 
 
 def keras_minibatch_defaults():
   """The Keras Kfac arguments that recipe="minibatch" fills in where the
   user left them out (the damping's initial value and floor come from the
   adaptive defaults)."""
-  return dict(momentum_type="regular", momentum=MINIBATCH_MOMENTUM,
-              cov_update_every=MINIBATCH_COV_UPDATE_EVERY,
-              invert_every=MINIBATCH_INVERT_EVERY,
-              damping_adaptation_interval=MINIBATCH_INVERT_EVERY,
-              damping_adaptation_decay=MINIBATCH_DAMPING_DECAY,
-              norm_constraint=MINIBATCH_NORM_CONSTRAINT)
+  return dict(momentum_type="regular", **_minibatch_settings())
 
 
 def conv_registration_options():
