@@ -1,5 +1,6 @@
 """The first `train_on_batch` of a keras.applications model (trace + first
-step) with Kfac(adaptive=True) or Adam: wall and process CPU seconds, the
+step) with Kfac(adaptive=True) (kfac_no_noise: without the gradient noise
+scale's measurement) or Adam: wall and process CPU seconds, the
 mean of the next 3 steps (wall and CPU ms), and the peak resident memory
 (after the first call and at the end). One model and optimizer per
 process; run them one at a time (a K-FAC run takes minutes and GBs):
@@ -21,8 +22,8 @@ import numpy as np
 
 def main(argv):
   if len(argv) != 3 or argv[1] not in BUILDERS or argv[2] not in (
-      "adam", "kfac"):
-    sys.exit("usage: keras_first_step.py {%s} {adam,kfac}" %
+      "adam", "kfac", "kfac_no_noise"):
+    sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_no_noise}" %
              ",".join(sorted(BUILDERS)))
   import keras  # pylint: disable=g-import-not-at-top
   import kfac  # pylint: disable=g-import-not-at-top
@@ -34,8 +35,12 @@ def main(argv):
   loss = keras.losses.SparseCategoricalCrossentropy()
   if opt_name == "adam":
     opt = keras.optimizers.Adam(1e-3)
-  else:
+  elif opt_name == "kfac":
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True)
+  else:  # the default without the gradient noise scale's measurement
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     noise_scale_steps=0,
+                                     noise_scale_every=0)
   model.compile(optimizer=opt, loss=loss)
   wall0, cpu0 = time.time(), time.process_time()
   model.train_on_batch(x, y)

@@ -506,8 +506,9 @@ def test_keras_validation_tiny(tmp_path):
   assert "at the end of each run" in table and "kfac_auto " in table
   assert "| optimizer | grid value | final val acc | best val acc |" in table
   assert "schedulefree 0.0025 evaluated at its training point y" in table
-  assert ("Gradient noise scale B_simple measured by K-FAC on its first "
-          "steps (batch 64): ") in table
+  assert ("Gradient noise scale B_simple as K-FAC measured it at the end "
+          "of each run (its first 5 steps, then one in 50; one in 10 with "
+          "recipe='auto'; batch 64): kfac ") in table
   for o in optimizers:
     assert "| %s |" % o in table, table
   assert "pinned to 1 thread(s)" in table
