@@ -276,7 +276,11 @@ def test_keras_defaults_and_no_change_to_training():
   off_model, off, _, _, _, _ = _keras_run(steps=None)
   noise = off._kfac_engine.noise  # pylint: disable=protected-access
   assert (noise.steps, noise.every, noise.enabled) == (0, 0, False)
+  before = sorted(off.state_store.numpy_state())
   assert np.isnan(float(off.noise_scale))
+  # Reading it adds no state (Keras's saving reads every property).
+  assert sorted(off.state_store.numpy_state()) == before
+  assert not [k for k in before if k.startswith("noise_scale/")]
   assert "gradient noise scale" not in off.registration_report
   assert off.get_config()["noise_scale_steps"] == 0
   assert off.get_config()["noise_scale_every"] == 0
