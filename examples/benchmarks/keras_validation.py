@@ -192,7 +192,9 @@ def run_worker(workload, opt_name, value):
       ms_per_step_wall=1e3 * state["wall"] / max(state["step"] - 1, 1),
       final=metrics[-1], best=pick(finite) if finite else float("nan"))
   noise = getattr(opt, "noise_scale", None)
-  if noise is not None:  # Kfac: the gradient noise scale it measured
+  if noise is not None and math.isfinite(float(noise)):
+    # Kfac: the gradient noise scale it measured (recipe="auto", or
+    # asked for with noise_scale_steps).
     result["noise_scale"] = float(noise)
   switched = getattr(opt, "recipe_switched_at", None)
   if switched is not None:  # recipe="auto": the step it switched at
@@ -354,8 +356,8 @@ def table(results, workload):
     lines.append("")
     lines.append(
         "Gradient noise scale B_simple as K-FAC measured it at the end of "
-        "each run (its first 5 steps, then one in 50; one in 10 with "
-        "recipe='auto'; batch %d): %s." % (FLAGS.batch_size, ", ".join(
+        "each run that measured it (its first 5 steps, then one in 10 "
+        "with recipe='auto'; batch %d): %s." % (FLAGS.batch_size, ", ".join(
             "%s %.4g" % (label(r), r["noise_scale"]) for r in noise)))
   switched = [r for r in runs if "switched_at" in r]
   if switched:

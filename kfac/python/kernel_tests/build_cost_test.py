@@ -211,7 +211,8 @@ def test_damping_rule_reuses_the_training_loss_in_fit():
   the rule with dropout: keras_dropout_damping_test.py)."""
   for custom, noise in ((False, False), (True, False), (False, True)):
     model = _model()
-    off = {} if noise else dict(noise_scale_steps=0, noise_scale_every=0)
+    off = (dict(noise_scale_steps=5, noise_scale_every=50) if noise else
+           dict(noise_scale_steps=0, noise_scale_every=0))
     opt = kfac.keras.optimizers.Kfac(model=model, loss=_loss(),
                                      adaptive=True, **off)
     model.compile(optimizer=opt, loss=_loss())

@@ -347,7 +347,8 @@ def test_loss_evaluations_leave_the_model_state_as_one_step():
 
 
 def test_tensorboard_scalars_and_config(tmp_path):
-  model, opt = _adaptive(base.sequential_model())
+  # (The noise scale is measured when asked: noise_scale_steps.)
+  model, opt = _adaptive(base.sequential_model(), noise_scale_steps=5)
   seen = {tag: [value for _, value in points] for tag, points in
           base.fit_with_summaries(model, tmp_path, 2).items()}
   assert sorted(seen) == ["kfac/damping", "kfac/learning_rate",

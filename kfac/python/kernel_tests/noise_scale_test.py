@@ -268,20 +268,33 @@ def test_keras_periodic_measurements_at_the_steps_weights():
           "in 3)" in opt.registration_report)
 
 
-def test_keras_default_steps_and_no_change_to_training():
-  model, opt, _, _, _, _ = _keras_run(steps=None)
+def test_keras_defaults_and_no_change_to_training():
+  """Off by default with adaptive=True (the exact recipe does not use it);
+  asked for with noise_scale_steps alone, one step in NOISE_SCALE_EVERY
+  after those; recipe="auto" measures 5, then one in 10. Measuring leaves
+  training as it was."""
+  off_model, off, _, _, _, _ = _keras_run(steps=None)
+  noise = off._kfac_engine.noise  # pylint: disable=protected-access
+  assert (noise.steps, noise.every, noise.enabled) == (0, 0, False)
+  before = sorted(off.state_store.numpy_state())
+  assert np.isnan(float(off.noise_scale))
+  # Reading it adds no state (Keras's saving reads every property).
+  assert sorted(off.state_store.numpy_state()) == before
+  assert not [k for k in before if k.startswith("noise_scale/")]
+  assert "gradient noise scale" not in off.registration_report
+  assert off.get_config()["noise_scale_steps"] == 0
+  assert off.get_config()["noise_scale_every"] == 0
+  model, opt, _, _, _, _ = _keras_run(steps=recipe.NOISE_SCALE_STEPS)
   noise = opt._kfac_engine.noise  # pylint: disable=protected-access
-  assert noise.steps == recipe.NOISE_SCALE_STEPS
   assert noise.every == recipe.NOISE_SCALE_EVERY
   assert int(noise.measured.numpy()) == recipe.NOISE_SCALE_STEPS
   assert np.isfinite(float(opt.noise_scale)) and float(opt.noise_scale) > 0
-  assert opt.get_config()["noise_scale_steps"] == recipe.NOISE_SCALE_STEPS
-  assert opt.get_config()["noise_scale_every"] == recipe.NOISE_SCALE_EVERY
-  off_model, off, _, _, _, _ = _keras_run(steps=0, noise_scale_every=0)
-  assert np.isnan(float(off.noise_scale))
-  assert "gradient noise scale" not in off.registration_report
   for a, b in zip(model.get_weights(), off_model.get_weights()):
     np.testing.assert_array_equal(a, b)
+  auto = kfac.keras.optimizers.Kfac(adaptive=True, recipe="auto")
+  assert (auto._kfac_engine.noise.steps,  # pylint: disable=protected-access
+          auto._kfac_engine.noise.every) == (  # pylint: disable=protected-access
+              recipe.NOISE_SCALE_STEPS, recipe.AUTO_NOISE_SCALE_EVERY)
 
 
 @pytest.mark.parametrize("name", ["noise_scale_steps", "noise_scale_every"])

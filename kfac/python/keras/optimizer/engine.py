@@ -1128,10 +1128,17 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
         kfac_kwargs["noise_scale_every"] = recipe.AUTO_NOISE_SCALE_EVERY
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
-    for key, value in (("noise_scale_steps", recipe.NOISE_SCALE_STEPS),
-                       ("noise_scale_every", recipe.NOISE_SCALE_EVERY)):
-      if kfac_kwargs.get(key) is None:
-        kfac_kwargs[key] = value
+    # The noise scale is measured where it decides something (the
+    # automatic recipe) or where asked: its halves' passes are a second
+    # copy of the model in the traced step (recipe.NOISE_SCALE_STEPS).
+    if kfac_kwargs.get("noise_scale_steps") is None:
+      kfac_kwargs["noise_scale_steps"] = (
+          recipe.NOISE_SCALE_STEPS if kfac_kwargs.get("recipe") == "auto"
+          else 0)
+    if kfac_kwargs.get("noise_scale_every") is None:
+      kfac_kwargs["noise_scale_every"] = (
+          recipe.NOISE_SCALE_EVERY if kfac_kwargs["noise_scale_steps"]
+          else 0)
     kfac_kwargs.setdefault("cov_update_every", recipe.COV_UPDATE_EVERY)
     if damping is None:
       damping = recipe.INITIAL_DAMPING
@@ -1215,8 +1222,11 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       pass on those steps; the later measurements in a moving window of
       about 5; the optimizer's noise_scale, the registration report, the
       TensorBoard scalar kfac/noise_scale and one log line after the first
-      N give it; docs/recipe.md, "The gradient noise scale"): 5 and 50
-      with adaptive=True, else 0 and 0 (none).
+      N give it; docs/recipe.md, "The gradient noise scale"): 5 and 10
+      with recipe="auto", else 0 and 0 (none: the measurement adds a copy
+      of the model's forward and backward pass to the traced step, about
+      half again the first call's time); given noise_scale_steps alone
+      with adaptive=True, noise_scale_every is 50.
       registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask; DepthwiseConv2D: sub_sample_patches),

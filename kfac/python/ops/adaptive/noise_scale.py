@@ -176,10 +176,14 @@ class NoiseScale:
   def b_simple(self):
     """tr(Sigma) / |G|^2 over the measured steps (float64): NaN before any
     step was measured, +inf where the summed |G|^2 is not positive (the
-    gradient's signal is below its noise at this batch size)."""
+    gradient's signal is below its noise at this batch size). NaN, and no
+    state created, when no step measures: Keras's saving walks the
+    optimizer's properties, and reading one must not add variables."""
+    nan = tf.constant(float("nan"), tf.float64)
+    if not self.enabled:
+      return nan
     num = tf.convert_to_tensor(self.trace_sigma_sum)
     den = tf.convert_to_tensor(self.grad_sq_sum)
-    nan = tf.constant(float("nan"), tf.float64)
     inf = tf.constant(float("inf"), tf.float64)
     measured = tf.convert_to_tensor(self.measured) > 0
     positive = den > 0

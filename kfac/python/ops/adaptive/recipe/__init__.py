@@ -72,12 +72,19 @@ COV_UPDATE_EVERY = 2
 CONV_SUB_SAMPLE_PATCHES = True
 
 
-# The first steps of Kfac(adaptive=True) measure the gradient noise scale
-# B_simple (adaptive/noise_scale.py) on two halves of each batch: about one
-# more forward and backward pass of the batch on each of these steps.
+# The first steps of Kfac(adaptive=True, recipe="auto") measure the
+# gradient noise scale B_simple (adaptive/noise_scale.py) on two halves of
+# each batch: about one more forward and backward pass of the batch on each
+# of these steps. The other recipes measure it only when asked
+# (noise_scale_steps=N): the halves' passes are a second copy of the model
+# in the traced step, and the first train_on_batch took half again as long
+# with them (EfficientNetB0 90 against 61 CPU s, ResNet50 76 against 51:
+# docs/recipe.md, "The gradient noise scale"), for a value the exact recipe
+# does not use.
 NOISE_SCALE_STEPS = 5
-# Then one step in NOISE_SCALE_EVERY (the noise scale grows tenfold and more
-# in the first hundreds of steps: docs/recipe.md): about 1% more per step.
+# Asked for with noise_scale_steps alone, one step in NOISE_SCALE_EVERY is
+# measured after the first ones (the noise scale grows tenfold and more in
+# the first hundreds of steps: docs/recipe.md): about 1% more per step.
 NOISE_SCALE_EVERY = 50
 
 # The recipe for noisy minibatch training ("minibatch"). kfac-jax's
