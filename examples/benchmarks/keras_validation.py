@@ -35,8 +35,22 @@ peer's), keras_validation.json (every run, every evaluation) and
 keras_validation.png (validation figure against CPU seconds and against
 steps, a column per workload). Progress lines while it runs.
 
+  --seeds=1,2    every (workload, optimizer) once per seed (weights, subset
+                 and batch order), with the tuned values
+  --add_results  earlier runs' JSON at other seeds (of a --tune run: the run
+                 at each peer's tuned value) joining the summary
+
+With more than one seed, keras_validation.md starts with the summary across
+seeds (per workload and optimizer: the best figure and the time to that
+seed's target over that seed's fastest peer's, per seed, their median and
+how many seeds reached it; the step's CPU and wall ms and CPU ms over
+Adam's, medians), then each seed's table; keras_validation_seeds.png plots
+the ratios, a dot per seed.
+
   python examples/benchmarks/keras_validation.py --tune     # the grids
   python examples/benchmarks/keras_validation.py            # tuned values
+  python examples/benchmarks/keras_validation.py --seeds=1,2 \
+      --add_results=bench_results/keras_validation_tune.json  # 3 seeds
   python examples/benchmarks/keras_validation.py --workloads=cnn \
       --optimizers=kfac,kfac_wd,adam --budget_s=30
 """
@@ -82,6 +96,12 @@ flags.DEFINE_integer("threads", 1, "TensorFlow threads per worker.")
 flags.DEFINE_integer("parallel", 2, "Workers at once (at most 2).")
 flags.DEFINE_enum("size", "full", ["full", "tiny"], "Model sizes.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights, subset and batches.")
+flags.DEFINE_list("seeds", [], "Several seeds in one run (instead of --seed): "
+                  "every (workload, optimizer) once per seed, a table per "
+                  "seed and the summary across seeds.")
+flags.DEFINE_list("add_results", [], "keras_validation JSON files of earlier "
+                  "runs at other seeds to add to the summary (a --tune run's "
+                  "file gives the run at each peer's tuned value).")
 flags.DEFINE_string("output_dir", "bench_results", "Where to write.")
 flags.DEFINE_string("worker", None, "(internal) workload,optimizer[,value].")
 FLAGS = flags.FLAGS
@@ -205,9 +225,19 @@ def run_worker(workload, opt_name, value):
 # ----------------------------------------------------------------- driver
 
 
+def seeds():
+  """The seeds this run trains with: --seeds, else --seed."""
+  return [int(s) for s in FLAGS.seeds] or [FLAGS.seed]
+
+
 def jobs(tuned):
-  """[(workload, optimizer, value, untuned)] in the order they run: per
-  workload, the optimizers taking turns (one grid value of each in turn)."""
+  """[(workload, optimizer, value, untuned, seed)] in the order they run:
+  per seed and workload, the optimizers taking turns (one grid value of
+  each in turn)."""
+  return [job + (seed,) for seed in seeds() for job in _seed_jobs(tuned)]
+
+
+def _seed_jobs(tuned):
   out = []
   for workload in FLAGS.workloads:
     rounds = []
@@ -227,13 +257,14 @@ def jobs(tuned):
 
 
 def _spawn(job, lock):
-  workload, opt, value, untuned = job
+  workload, opt, value, untuned, seed = job
   argv = [sys.executable, os.path.abspath(__file__),
           "--worker=%s,%s%s" % (workload, opt,
                                 "" if value is None else ",%r" % value)]
   for name in ("budget_s", "max_steps", "eval_every", "batch_size",
-               "train_examples", "val_examples", "threads", "size", "seed"):
+               "train_examples", "val_examples", "threads", "size"):
     argv.append("--%s=%s" % (name, getattr(FLAGS, name)))
+  argv.append("--seed=%d" % seed)
   proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   result = None
@@ -250,6 +281,7 @@ def _spawn(job, lock):
     result = {"workload": workload, "optimizer": opt, "value": value,
               "error": " | ".join(tail) or "exit %d" % proc.returncode}
   result["untuned"] = untuned
+  result["seed"] = seed
   return result
 
 
@@ -268,9 +300,10 @@ def run_all(job_list):
       results[k] = _spawn(job_list[k], lock)
       r = results[k]
       with lock:
-        print("done %s %s%s: %s" % (
+        print("done %s %s%s%s: %s" % (
             r["workload"], r["optimizer"],
             "" if r.get("value") is None else " %g" % r["value"],
+            " seed %d" % r["seed"] if len(seeds()) > 1 else "",
             r.get("error") or "%d steps, %.1f ms/step (CPU), final %.4f, "
             "best %.4f" % (r["steps"], r["ms_per_step_cpu"], r["final"],
                            r["best"])), flush=True)
@@ -432,6 +465,168 @@ def plot(results, path):
   plt.close(fig)
 
 
+def _seed_of(data):
+  """The seed of a results file's runs: recorded, or its command's --seed
+  (files written before runs recorded it), or the default 0."""
+  if "seed" in data:
+    return int(data["seed"])
+  for word in data.get("command", "").split():
+    if word.startswith("--seed="):
+      return int(word.split("=", 1)[1])
+  return 0
+
+
+def added_results(paths, tuned):
+  """The runs of earlier results files (--add_results), each marked with
+  its seed: of a --tune run's file, per (workload, optimizer) the run at
+  the value --tuned holds for it (the grid's best when --tuned has
+  none)."""
+  out = []
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    runs = [r for r in data["runs"] if r["workload"] in FLAGS.workloads and
+            r["optimizer"] in FLAGS.optimizers]
+    for r in runs:
+      r.setdefault("seed", _seed_of(data))
+      r["from"] = path
+    best = tuned_values(runs)
+    for r in runs:
+      peers = [q for q in runs if (q["workload"], q["optimizer"]) ==
+               (r["workload"], r["optimizer"])]
+      if len(peers) == 1:
+        out.append(r)
+        continue
+      entry = tuned.get(r["workload"], {}).get(r["optimizer"]) or best.get(
+          r["workload"], {}).get(r["optimizer"])
+      if entry and r.get("value") == entry["learning_rate"]:
+        r["untuned"] = False
+        out.append(r)
+  return out
+
+
+def _median(values):
+  values = sorted(values)
+  n = len(values)
+  if not n:
+    return float("nan")
+  return 0.5 * (values[(n - 1) // 2] + values[n // 2])
+
+
+def seed_summary(results, workload):
+  """The markdown summary of one workload across seeds: per optimizer its
+  best figure and its time to that seed's target over that seed's fastest
+  peer's, per seed, with the median and range; the step's CPU and wall
+  milliseconds (median over seeds) and the CPU ones over Adam's."""
+  runs = [r for r in results if r["workload"] == workload and "error" not in r]
+  seed_list = sorted({r["seed"] for r in runs})
+  per_seed = {}
+  for seed in seed_list:
+    mine = [r for r in runs if r["seed"] == seed]
+    target, setter = target_of(mine, workload)
+    times = {}
+    for r in mine:
+      hit = time_to(r, workload, target)
+      times[(r["optimizer"], r.get("value"))] = hit[0] if hit else None
+    peer_times = [t for (o, _), t in times.items()
+                  if o in vw.PEERS and t is not None]
+    per_seed[seed] = dict(target=target, setter=setter, times=times,
+                          fastest=min(peer_times) if peer_times else None)
+  metric = vw.metric_name(workload)
+  lines = ["### %s: %d seed(s) (%s)" % (workload, len(seed_list), ", ".join(
+      str(s) for s in seed_list)), "",
+           "Targets (the best %s any peer reached in its budget, per seed): "
+           "%s." % (metric, "; ".join(
+               "seed %d %.4f (%s)" % (seed, per_seed[seed]["target"],
+                                      label(per_seed[seed]["setter"])
+                                      if per_seed[seed]["setter"] else "-")
+               for seed in seed_list)), "",
+           "| optimizer | value | best %s per seed | time to target / fastest "
+           "peer's, per seed | median | reached | ms/step CPU (median) | ms/"
+           "step wall (median) | CPU ms/step / Adam's (median) |" % metric,
+           "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+  adam_ms = {r["seed"]: r["ms_per_step_cpu"] for r in runs
+             if r["optimizer"] == "adam"}
+  keys = []
+  for r in runs:
+    key = r["optimizer"]
+    if key not in keys:
+      keys.append(key)
+  summary = {}
+  for opt in keys:
+    mine = {r["seed"]: r for r in runs if r["optimizer"] == opt}
+    ratios, cells, bests = [], [], []
+    for seed in seed_list:
+      r = mine.get(seed)
+      if r is None:
+        cells.append("-")
+        bests.append("-")
+        continue
+      bests.append("%.4f" % r["best"])
+      t = per_seed[seed]["times"].get((opt, r.get("value")))
+      fastest = per_seed[seed]["fastest"]
+      if t is None or not fastest:
+        cells.append("not reached")
+        ratios.append(float("inf"))
+      else:
+        ratios.append(t / fastest)
+        cells.append("%.2fx" % (t / fastest))
+    values = sorted({r.get("value") for r in mine.values()},
+                    key=lambda v: -1 if v is None else v)
+    value = ", ".join("-" if v is None else "%g" % v for v in values)
+    if any(r.get("untuned") for r in mine.values()):
+      value += " (untuned)"
+    med = _median(ratios)
+    reached = sum(1 for x in ratios if math.isfinite(x))
+    ms_cpu = _median([r["ms_per_step_cpu"] for r in mine.values()])
+    ms_wall = _median([r["ms_per_step_wall"] for r in mine.values()])
+    vs_adam = _median([r["ms_per_step_cpu"] / adam_ms[seed]
+                       for seed, r in mine.items() if seed in adam_ms])
+    summary[opt] = dict(ratios=ratios, median=med, reached=reached,
+                        ms_cpu=ms_cpu, ms_wall=ms_wall, vs_adam=vs_adam)
+    lines.append("| %s | %s | %s | %s | %s | %d of %d | %.1f | %.1f | %s |" % (
+        opt, value, " / ".join(bests), " / ".join(cells),
+        "%.2fx" % med if math.isfinite(med) else "not reached",
+        reached, len(ratios), ms_cpu, ms_wall,
+        "%.2fx" % vs_adam if math.isfinite(vs_adam) else "-"))
+  return "\n".join(lines) + "\n", summary
+
+
+def plot_seeds(summaries, path):
+  """Time to target over the fastest peer's, one dot per seed, a panel per
+  workload (not reached: drawn at the top, hollow)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  workloads = [w for w in FLAGS.workloads if summaries.get(w)]
+  if not workloads:
+    return
+  fig, axes = plt.subplots(1, len(workloads), squeeze=False,
+                           figsize=(4.5 * len(workloads), 3.6))
+  for col, workload in enumerate(workloads):
+    ax = axes[0][col]
+    names = list(summaries[workload])
+    finite = [x for n in names for x in summaries[workload][n]["ratios"]
+              if math.isfinite(x)]
+    top = max(finite + [1.0]) * 1.15
+    for i, name in enumerate(names):
+      for x in summaries[workload][name]["ratios"]:
+        if math.isfinite(x):
+          ax.plot(i, x, "o", color="C0" if name.startswith("kfac") else "C1")
+        else:
+          ax.plot(i, top, "o", mfc="none",
+                  color="C0" if name.startswith("kfac") else "C1")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.axhline(0.65, color="green", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("time to target / fastest peer's")
+    ax.set_title("%s (hollow at top: not reached)" % workload, fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
 def tuned_values(results):
   """{workload: {optimizer: {learning_rate, best}}}: each peer's grid value
   with the best validation figure."""
@@ -464,10 +659,18 @@ def main(argv):
     if o not in vw.optimizer_names():
       raise app.UsageError("unknown optimizer %r; one of %s" % (
           o, ", ".join(vw.optimizer_names())))
+  if FLAGS.tune and (len(seeds()) > 1 or FLAGS.add_results):
+    raise app.UsageError("--tune tunes at one seed (--seed); --seeds and "
+                         "--add_results are for the runs with its values")
   tuned = {}
   if not FLAGS.tune and os.path.exists(FLAGS.tuned):
     with open(FLAGS.tuned) as f:
       tuned = json.load(f)["best"]
+  added = added_results(FLAGS.add_results, tuned)
+  clash = sorted({r["seed"] for r in added} & set(seeds()))
+  if clash:
+    raise app.UsageError("--add_results has runs at seed(s) %s, which this "
+                         "run trains too" % clash)
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   machine = machine_line()
   started = datetime.datetime.now(datetime.timezone.utc)
@@ -482,9 +685,12 @@ def main(argv):
               if FLAGS.max_steps else "", FLAGS.eval_every, FLAGS.batch_size,
               FLAGS.train_examples, FLAGS.val_examples, FLAGS.size))
   stem = "keras_validation_tune" if FLAGS.tune else "keras_validation"
+  all_seeds = sorted(set(seeds()) | {r["seed"] for r in added})
   with open(os.path.join(FLAGS.output_dir, stem + ".json"), "w") as f:
     json.dump({"machine": machine, "command": command, "head": head,
-               "date": started.isoformat(), "runs": results}, f, indent=1)
+               "date": started.isoformat(), "seed": seeds()[0],
+               "seeds": all_seeds, "runs": results, "added_runs": added},
+              f, indent=1)
   if FLAGS.tune:
     # Merged into the file: the pairs tuned here replace theirs, the others
     # stay (each pair records the run that tuned it).
@@ -502,10 +708,32 @@ def main(argv):
     tuned_file["grids"] = vw.GRIDS
     with open(FLAGS.tuned, "w") as f:
       json.dump(tuned_file, f, indent=1, sort_keys=True)
-  text = head + "\n".join(table(results, w) for w in FLAGS.workloads)
+  if len(all_seeds) == 1:
+    text = head + "\n".join(table(results, w) for w in FLAGS.workloads)
+  else:
+    both = results + added
+    parts, summaries = [], {}
+    for w in FLAGS.workloads:
+      part, summaries[w] = seed_summary(both, w)
+      parts.append(part)
+    text = (head + "## Across seeds\n\nSeeds %s%s; each seed's target "
+            "and fastest peer are that seed's own.\n\n" % (
+                ", ".join(str(s) for s in all_seeds),
+                " (seed(s) %s from %s)" % (
+                    ", ".join(str(s) for s in sorted({r["seed"]
+                                                      for r in added})),
+                    ", ".join(FLAGS.add_results)) if added else "") +
+            "\n".join(parts))
+    for seed in all_seeds:
+      text += "\n## Seed %d\n\n" % seed + "\n".join(
+          table([r for r in both if r["seed"] == seed], w)
+          for w in FLAGS.workloads)
+    plot_seeds(summaries, os.path.join(FLAGS.output_dir,
+                                       stem + "_seeds.png"))
   with open(os.path.join(FLAGS.output_dir, stem + ".md"), "w") as f:
     f.write(text)
-  plot(results, os.path.join(FLAGS.output_dir, stem + ".png"))
+  plot([r for r in results if r["seed"] == seeds()[0]],
+       os.path.join(FLAGS.output_dir, stem + ".png"))
   print(text, flush=True)
   failed = [r for r in results if "error" in r]
   if failed:

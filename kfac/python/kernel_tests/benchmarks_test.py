@@ -542,6 +542,53 @@ def test_keras_validation_tune_then_run(tmp_path):
       [p["metric"] for p in best["points"]], rel=1e-4)
 
 
+def test_keras_validation_seeds(tmp_path):
+  """--seeds runs every (workload, optimizer) once per seed and
+  --add_results adds an earlier run's seed: the summary across seeds has
+  each optimizer's time to its seed's target per seed (Adam, the only
+  peer, sets every target: 1.00x on each), a table per seed and its plot;
+  --tune with --seeds and a seed trained twice are refused."""
+  flags = ["--workloads=autoencoder", "--optimizers=kfac,adam",
+           "--tuned=%s" % (tmp_path / "absent.json")]
+  first = tmp_path / "seed0"
+  _keras_validation(first, flags + ["--seed=0"])
+  stdout = _keras_validation(tmp_path, flags + [
+      "--seeds=1,2", "--add_results=%s" % (first / "keras_validation.json")])
+  assert "done autoencoder adam 0.001 seed 2:" in stdout, stdout[-2000:]
+  with open(tmp_path / "keras_validation.json") as f:
+    out = json.load(f)
+  assert out["seeds"] == [0, 1, 2]
+  assert sorted((r["seed"], r["optimizer"]) for r in out["runs"]) == [
+      (1, "adam"), (1, "kfac"), (2, "adam"), (2, "kfac")]
+  assert sorted((r["seed"], r["optimizer"]) for r in out["added_runs"]) == [
+      (0, "adam"), (0, "kfac")]
+  before = {}
+  for r in out["runs"] + out["added_runs"]:
+    before.setdefault(r["seed"], set()).add(r["points"][0]["metric"])
+  # The same initial weights within a seed, other ones across seeds.
+  assert all(len(v) == 1 for v in before.values()), before
+  assert len({v.pop() for v in before.values()}) == 3, before
+  table = (tmp_path / "keras_validation.md").read_text()
+  assert "### autoencoder: 3 seed(s) (0, 1, 2)" in table, table
+  assert ("| adam | 0.001 (untuned) | " in table and
+          "| 1.00x / 1.00x / 1.00x | 1.00x | 3 of 3 |" in table), table
+  assert "| kfac | - | " in table, table
+  for seed in (0, 1, 2):
+    assert "## Seed %d" % seed in table, table
+  _png(tmp_path / "keras_validation_seeds.png")
+  for bad in (["--tune", "--seeds=1,2"],
+              ["--seeds=0,1", "--add_results=%s" % (
+                  first / "keras_validation.json")]):
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "keras_validation.py"),
+         "--output_dir=%s" % (tmp_path / "bad")] + flags + bad,
+        cwd=str(BENCHMARKS), capture_output=True, text=True, timeout=600,
+        check=False)
+    assert proc.returncode != 0, bad
+    assert ("--tune tunes at one seed" in proc.stderr or
+            "has runs at seed(s) [0]" in proc.stderr), proc.stderr[-2000:]
+
+
 def test_keras_validation_variant_errors():
   """A K-FAC variant whose keyword arguments Kfac rejects fails with the
   variant's name and Kfac's reason; an unknown name lists the choices."""
