@@ -1,6 +1,7 @@
 """The first `train_on_batch` of a keras.applications model (trace + first
-step) with Kfac(adaptive=True) (kfac_no_noise: without the gradient noise
-scale's measurement) or Adam: wall and process CPU seconds, the
+step) with Kfac(adaptive=True) (kfac_noise: with the gradient noise
+scale's measurement, kfac_no_noise: without it, as the default now;
+kfac_blocksB: with factor_block_size=B) or Adam: wall and process CPU seconds, the
 mean of the next 3 steps (wall and CPU ms), and the peak resident memory
 (after the first call and at the end). One model and optimizer per
 process; run them one at a time (a K-FAC run takes minutes and GBs):
@@ -21,10 +22,12 @@ import numpy as np
 
 
 def main(argv):
-  if len(argv) != 3 or argv[1] not in BUILDERS or argv[2] not in (
-      "adam", "kfac", "kfac_no_noise"):
-    sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_no_noise}" %
-             ",".join(sorted(BUILDERS)))
+  blocks = argv[2][len("kfac_blocks"):] if len(argv) == 3 else ""
+  if len(argv) != 3 or argv[1] not in BUILDERS or not (
+      argv[2] in ("adam", "kfac", "kfac_noise", "kfac_no_noise") or
+      (argv[2].startswith("kfac_blocks") and blocks.isdigit())):
+    sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_noise,"
+             "kfac_no_noise,kfac_blocksB}" % ",".join(sorted(BUILDERS)))
   import keras  # pylint: disable=g-import-not-at-top
   import kfac  # pylint: disable=g-import-not-at-top
   name, opt_name = argv[1], argv[2]
@@ -37,6 +40,12 @@ def main(argv):
     opt = keras.optimizers.Adam(1e-3)
   elif opt_name == "kfac":
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True)
+  elif opt_name == "kfac_noise":  # measuring the gradient noise scale
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     noise_scale_steps=5)
+  elif blocks:  # factors wider than B rows as their diagonal blocks
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     factor_block_size=int(blocks))
   else:  # the default without the gradient noise scale's measurement
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                      noise_scale_steps=0,

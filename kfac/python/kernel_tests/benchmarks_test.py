@@ -435,6 +435,16 @@ def test_keras_zoo_step_time_split_configurations():
       assert got["learning_rate"] == pytest.approx(0.05), config
     assert (got.get("recipe") == "minibatch") == (
         config == "kfac_minibatch"), config
+    assert "factor_block_size" not in got, config
+  # The suffix _blocksB adds factor_block_size=B to its configuration.
+  assert zst.split_blocks("kfac_minibatch_blocks256") == ("kfac_minibatch",
+                                                          256)
+  assert zst.split_blocks("kfac_blocksx") == ("kfac_blocksx", None)
+  got = zst.make(keras, kfac_keras, "gpt",
+                 "kfac_minibatch_blocks128").optimizer.get_config()
+  assert got["factor_block_size"] == 128 and got["recipe"] == "minibatch"
+  with pytest.raises(ValueError, match="unknown configuration"):
+    zst.make(keras, kfac_keras, "gpt", "kfac_blocksx")
 
 
 def test_recurrent_step_time_quick(tmp_path):
