@@ -351,12 +351,12 @@ def test_keras_zoo_tiny(tmp_path):
   training are keras_zoo_test's; with the BN ResNet too this took 208 s of
   CI's slow tier.)"""
   _run("keras_zoo.py", ["--size=tiny", "--steps=8", "--val_examples=64",
-                        "--models=gpt", "--optimizers=kfac,adam"],
+                        "--models=gpt", "--optimizers=kfac,adam,kfac_auto"],
        tmp_path)
   with open(tmp_path / "keras_zoo.json") as f:
     runs = json.load(f)
   assert [(r["model"], r["optimizer"]) for r in runs] == [
-      ("gpt", "kfac"), ("gpt", "adam")]
+      ("gpt", "kfac"), ("gpt", "adam"), ("gpt", "kfac_auto")]
   for r in runs:
     assert "error" not in r, r
     assert len(r["losses"]) == len(r["elapsed"]) == 8, r
@@ -366,8 +366,12 @@ def test_keras_zoo_tiny(tmp_path):
     if r["optimizer"] == "kfac":
       assert r["kron_share"] == pytest.approx(1.0), r["report"]
       assert r["fallbacks"] == [] and r["diagonal"] == [], r["report"]
+    if r["optimizer"] == "kfac_auto":  # its noise scale and choice
+      assert r["noise_scale"] > 0 and r["switched_at"] in (-1, 4), r
   table = (tmp_path / "keras_zoo.md").read_text()
   assert "| gpt |" in table
+  assert "recipe='auto' (the gradient noise scale it measured, at batch " \
+      "64, and the recipe it chose): gpt B_simple " in table, table
   _png(tmp_path / "keras_zoo.png")
 
 
