@@ -273,7 +273,7 @@ TF215_CORE := $(addprefix $(KT)/,optimizer_test.py layer_collection_test.py \
   counter_random_test.py data_reader_test.py \
   async_inv_cov_update_kfac_opt_test.py distribute_guard_test.py \
   forward_mode_test.py lazy_statistics_test.py factored_grads_test.py \
-  recipe_switch_test.py)
+  recipe_switch_test.py block_diagonal_test.py)
 
 venv-tf215: $(STAMP215)
 

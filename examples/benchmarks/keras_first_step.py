@@ -1,11 +1,18 @@
 """The first `train_on_batch` of a keras.applications model (trace + first
-step) with Kfac(adaptive=True) (kfac_no_noise: without the gradient noise
-scale's measurement) or Adam: wall and process CPU seconds, the
+step) with Kfac(adaptive=True) (kfac_noise: with the gradient noise
+scale's measurement, kfac_no_noise: without it, as the default now;
+kfac_blocksB: with factor_block_size=B) or Adam: wall and process CPU seconds, the
 mean of the next 3 steps (wall and CPU ms), and the peak resident memory
 (after the first call and at the end). One model and optimizer per
 process; run them one at a time (a K-FAC run takes minutes and GBs):
 
-  .venv/bin/python examples/benchmarks/keras_first_step.py effnet kfac
+  .venv/bin/python examples/benchmarks/keras_first_step.py effnet kfac \
+      [OUTPUT_DIR]
+  .venv/bin/python examples/benchmarks/keras_first_step.py --table OUTPUT_DIR
+
+With OUTPUT_DIR the run is also added to OUTPUT_DIR/keras_first_step.json
+(a list of runs); --table writes OUTPUT_DIR/keras_first_step.md from it
+(per model, the latest run of each configuration, ratios to Adam's).
 
 Models: effnet (EfficientNetB0), resnet50 (ResNet50), mobilenetv2
 (MobileNetV2, alpha 0.35); all weights=None, 32x32x3 inputs, 10 classes,
@@ -13,6 +20,9 @@ batch 64 of random data. Results: docs/benchmarks.md ("First step on
 keras.applications models").
 """
 
+import datetime
+import json
+import os
 import resource
 import sys
 import time
@@ -21,10 +31,18 @@ import numpy as np
 
 
 def main(argv):
-  if len(argv) != 3 or argv[1] not in BUILDERS or argv[2] not in (
-      "adam", "kfac", "kfac_no_noise"):
-    sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_no_noise}" %
-             ",".join(sorted(BUILDERS)))
+  if len(argv) == 3 and argv[1] == "--table":
+    print(write_table(argv[2]))
+    return
+  out_dir = argv[3] if len(argv) == 4 else None
+  argv = argv[:3]
+  blocks = argv[2][len("kfac_blocks"):] if len(argv) == 3 else ""
+  if len(argv) != 3 or argv[1] not in BUILDERS or not (
+      argv[2] in ("adam", "kfac", "kfac_noise", "kfac_no_noise") or
+      (argv[2].startswith("kfac_blocks") and blocks.isdigit())):
+    sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_noise,"
+             "kfac_no_noise,kfac_blocksB} [OUTPUT_DIR] | --table OUTPUT_DIR"
+             % ",".join(sorted(BUILDERS)))
   import keras  # pylint: disable=g-import-not-at-top
   import kfac  # pylint: disable=g-import-not-at-top
   name, opt_name = argv[1], argv[2]
@@ -37,6 +55,12 @@ def main(argv):
     opt = keras.optimizers.Adam(1e-3)
   elif opt_name == "kfac":
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True)
+  elif opt_name == "kfac_noise":  # measuring the gradient noise scale
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     noise_scale_steps=5)
+  elif blocks:  # factors wider than B rows as their diagonal blocks
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     factor_block_size=int(blocks))
   else:  # the default without the gradient noise scale's measurement
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                      noise_scale_steps=0,
@@ -49,6 +73,22 @@ def main(argv):
   for _ in range(3):
     model.train_on_batch(x, y)
   wall2, cpu2 = time.time(), time.process_time()
+  record = dict(
+      model=name, config=opt_name, first_call_wall_s=wall1 - wall0,
+      first_call_cpu_s=cpu1 - cpu0, next_steps_ms=(wall2 - wall1) / 3 * 1000,
+      next_steps_cpu_ms=(cpu2 - cpu1) / 3 * 1000, peak_rss_gb=_peak_rss_gb(),
+      peak_rss_after_first_call_gb=rss_first,
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      machine=_machine())
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "keras_first_step.json")
+    runs = []
+    if os.path.exists(path):
+      with open(path) as f:
+        runs = json.load(f)
+    with open(path, "w") as f:
+      json.dump(runs + [record], f, indent=1)
   print("RESULT %s %s first_call_wall=%.1f s first_call_cpu=%.1f s "
         "next_steps_ms=%.0f next_steps_cpu_ms=%.0f peak_rss=%.2f GB "
         "peak_rss_after_first_call=%.2f GB" % (
@@ -56,6 +96,56 @@ def main(argv):
             (wall2 - wall1) / 3 * 1000, (cpu2 - cpu1) / 3 * 1000,
             _peak_rss_gb(), rss_first),
         flush=True)
+
+
+def _machine():
+  cpu = "?"
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  return "%s, %d cores" % (cpu, os.cpu_count() or 0)
+
+
+def write_table(out_dir):
+  """OUTPUT_DIR/keras_first_step.md from its JSON: per model, Adam's first
+  call (CPU s, peak GB after it) and each K-FAC configuration's with its
+  ratios to Adam's, and the mean of the next 3 steps (CPU ms); the latest
+  run of each (model, configuration)."""
+  with open(os.path.join(out_dir, "keras_first_step.json")) as f:
+    runs = json.load(f)
+  latest = {}
+  for r in runs:
+    latest[(r["model"], r["config"])] = r
+  lines = ["First `train_on_batch` of keras.applications models (32x32x3, "
+           "batch 64; `keras_first_step.py MODEL CONFIG DIR`, one process at "
+           "a time; %s): CPU seconds and peak resident memory after the "
+           "first call, ratios to Adam's; next steps: the mean CPU ms of the "
+           "3 calls after it (K-FAC's burn-in steps)." % (
+               runs[-1]["machine"] if runs else "?"), "",
+           "| model | configuration | first call CPU s | / Adam | peak GB | "
+           "/ Adam | next steps CPU ms |", "|---|---|---:|---:|---:|---:|---:|"]
+  for model in sorted({m for m, _ in latest}):
+    adam = latest.get((model, "adam"))
+    configs = sorted((c for m, c in latest if m == model),
+                     key=lambda c: (c != "adam", c))
+    for config in configs:
+      r = latest[(model, config)]
+
+      def ratio(key, r=r):
+        return "%.2fx" % (r[key] / adam[key]) if adam else "-"
+      lines.append("| %s | %s | %.1f | %s | %.2f | %s | %.0f |" % (
+          model, config, r["first_call_cpu_s"], ratio("first_call_cpu_s"),
+          r["peak_rss_after_first_call_gb"],
+          ratio("peak_rss_after_first_call_gb"), r["next_steps_cpu_ms"]))
+  text = "\n".join(lines) + "\n"
+  with open(os.path.join(out_dir, "keras_first_step.md"), "w") as f:
+    f.write(text)
+  return text
 
 
 def _peak_rss_gb():

@@ -11,6 +11,14 @@ optimizer
   kfac_fixed_rate  (only when asked) the recipe at a fixed learning rate
          0.05 and momentum 0.9: Kfac(model=model, adaptive=True,
          momentum_type="regular", learning_rate=0.05, momentum=0.9)
+  kfac_minibatch   (only when asked) Kfac(model=model, adaptive=True,
+         recipe="minibatch", learning_rate=0.05)
+  kfac_auto        (only when asked) Kfac(model=model, adaptive=True,
+         recipe="auto"): its measured gradient noise scale and the step it
+         switched to the minibatch recipe at (if it did) are recorded
+  kfac_blocks512   (only when asked) Kfac(model=model, adaptive=True,
+         factor_block_size=512): factors wider than 512 rows as their
+         diagonal blocks
 
 one fresh worker process builds the model from the same seed (so the same
 initial weights), compiles it and measures, with batch --batch_size:
@@ -53,7 +61,8 @@ sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import zoo_models
 
-OPTIMIZERS = ("kfac", "adam", "muon", "kfac_fixed_rate")
+OPTIMIZERS = ("kfac", "adam", "muon", "kfac_fixed_rate", "kfac_minibatch",
+              "kfac_auto", "kfac_blocks512")
 DEFAULT_OPTIMIZERS = ("kfac", "adam", "muon")
 
 flags.DEFINE_list("models", list(zoo_models.NAMES), "Zoo models to run.")
@@ -80,6 +89,12 @@ def make_optimizer(name, model):
     return kfac.keras.optimizers.Kfac(
         model=model, adaptive=True, momentum_type="regular",
         learning_rate=0.05, momentum=0.9)
+  if name in ("kfac_minibatch", "kfac_auto", "kfac_blocks512"):
+    import kfac.keras
+    kwargs = {"kfac_minibatch": dict(recipe="minibatch", learning_rate=0.05),
+              "kfac_auto": dict(recipe="auto"),
+              "kfac_blocks512": dict(factor_block_size=512)}[name]
+    return kfac.keras.optimizers.Kfac(model=model, adaptive=True, **kwargs)
   if name == "adam":
     return keras.optimizers.Adam(1e-3)
   if name == "muon":
@@ -145,6 +160,10 @@ def run_worker(model_name, opt_name):
   val = model.evaluate(vx, vy, batch_size=b, verbose=0, return_dict=True)
   result["val_loss"] = float(val["loss"])
   result["val_accuracy"] = float(val["accuracy"])
+  if opt_name == "kfac_auto":
+    noise = float(opt.noise_scale)
+    result["noise_scale"] = noise if np.isfinite(noise) else None
+    result["switched_at"] = int(opt.recipe_switched_at)
   if opt_name == "kfac":
     report = opt.registration_report
     kron, generic, fallbacks, diagonal = zoo_models.weight_shares(
@@ -241,6 +260,18 @@ def table(results):
                      " / ".join(_fmt(get(o, "val_accuracy")) for o in
                                 names),
                      (" errors: " + "; ".join(errors)) if errors else ""))
+  notes = []
+  for r in results:
+    if r.get("optimizer") == "kfac_auto" and "error" not in r:
+      noise = r.get("noise_scale")
+      notes.append("%s B_simple %s, %s" % (
+          r["model"], "-" if noise is None else "%.4g" % noise,
+          "the minibatch recipe from step %d" % r["switched_at"]
+          if r.get("switched_at", -1) >= 0 else "the exact recipe throughout"))
+  if notes:
+    lines += ["", "recipe='auto' (the gradient noise scale it measured, at "
+              "batch %d, and the recipe it chose): %s." % (
+                  FLAGS.batch_size, "; ".join(notes))]
   return "\n".join(lines)
 
 

@@ -23,7 +23,10 @@ inverses every 30 steps (not 10) and its statistics every 4 (not 2);
 fixed rate, and `kfac_fixed_rate_frozen` that with the inverses stopped
 too (invert_every=10**6: preconditioning and bookkeeping only, with the
 burn-in's factors): what each part of a step costs (docs/recipe.md,
-"Where a step goes").
+"Where a step goes"). Any K-FAC configuration with the suffix `_blocksB`
+(e.g. `kfac_minibatch_blocks256`) is that configuration with
+factor_block_size=B (factors wider than B rows as their diagonal blocks,
+docs/approximations.md).
 
 Measurement: one process per model, TensorFlow limited to one thread
 (intra- and inter-op), so that the CPU time of a step does not depend on
@@ -92,7 +95,17 @@ def data(name, n):
   return zoo_models.data(name, n, seed=0)
 
 
+def split_blocks(config):
+  """(the configuration, B) of "<configuration>_blocksB"; (config, None)
+  without the suffix."""
+  head, sep, size = config.rpartition("_blocks")
+  if sep and head in CONFIGS and size.isdigit():
+    return head, int(size)
+  return config, None
+
+
 def make(keras, kfac_keras, name, config):
+  config, block_size = split_blocks(config)
   keras.utils.set_random_seed(0)
   model = zoo_models.build(name)
   loss = zoo_models.loss(name)
@@ -127,6 +140,8 @@ def make(keras, kfac_keras, name, config):
       kwargs["fisher_approx"] = {
           keras.layers.DepthwiseConv2D: "diagonal",
           keras.layers.BatchNormalization: "diagonal"}
+    if block_size:
+      kwargs["factor_block_size"] = block_size
     if config == "kfac_dw_all_patches":
       kwargs["registration_options"] = {
           keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}}

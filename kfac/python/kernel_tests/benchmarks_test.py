@@ -351,12 +351,12 @@ def test_keras_zoo_tiny(tmp_path):
   training are keras_zoo_test's; with the BN ResNet too this took 208 s of
   CI's slow tier.)"""
   _run("keras_zoo.py", ["--size=tiny", "--steps=8", "--val_examples=64",
-                        "--models=gpt", "--optimizers=kfac,adam"],
+                        "--models=gpt", "--optimizers=kfac,adam,kfac_auto"],
        tmp_path)
   with open(tmp_path / "keras_zoo.json") as f:
     runs = json.load(f)
   assert [(r["model"], r["optimizer"]) for r in runs] == [
-      ("gpt", "kfac"), ("gpt", "adam")]
+      ("gpt", "kfac"), ("gpt", "adam"), ("gpt", "kfac_auto")]
   for r in runs:
     assert "error" not in r, r
     assert len(r["losses"]) == len(r["elapsed"]) == 8, r
@@ -366,8 +366,12 @@ def test_keras_zoo_tiny(tmp_path):
     if r["optimizer"] == "kfac":
       assert r["kron_share"] == pytest.approx(1.0), r["report"]
       assert r["fallbacks"] == [] and r["diagonal"] == [], r["report"]
+    if r["optimizer"] == "kfac_auto":  # its noise scale and choice
+      assert r["noise_scale"] > 0 and r["switched_at"] in (-1, 4), r
   table = (tmp_path / "keras_zoo.md").read_text()
   assert "| gpt |" in table
+  assert "recipe='auto' (the gradient noise scale it measured, at batch " \
+      "64, and the recipe it chose): gpt B_simple " in table, table
   _png(tmp_path / "keras_zoo.png")
 
 
@@ -435,6 +439,16 @@ def test_keras_zoo_step_time_split_configurations():
       assert got["learning_rate"] == pytest.approx(0.05), config
     assert (got.get("recipe") == "minibatch") == (
         config == "kfac_minibatch"), config
+    assert "factor_block_size" not in got, config
+  # The suffix _blocksB adds factor_block_size=B to its configuration.
+  assert zst.split_blocks("kfac_minibatch_blocks256") == ("kfac_minibatch",
+                                                          256)
+  assert zst.split_blocks("kfac_blocksx") == ("kfac_blocksx", None)
+  got = zst.make(keras, kfac_keras, "gpt",
+                 "kfac_minibatch_blocks128").optimizer.get_config()
+  assert got["factor_block_size"] == 128 and got["recipe"] == "minibatch"
+  with pytest.raises(ValueError, match="unknown configuration"):
+    zst.make(keras, kfac_keras, "gpt", "kfac_blocksx")
 
 
 def test_recurrent_step_time_quick(tmp_path):
@@ -774,3 +788,37 @@ def test_noise_scale_trace_tiny(tmp_path):
           r["trace_sigma_sum"] / r["grad_sq_sum"]), r
   table = (tmp_path / "noise_scale_trace.md").read_text()
   assert "| step | train loss | B_simple | B_simple / batch |" in table
+
+
+def test_keras_first_step_records_and_tables(tmp_path):
+  """keras_first_step.py adds its run to OUTPUT_DIR/keras_first_step.json
+  (MobileNetV2 with Adam here) and --table writes the table of the latest
+  run of each (model, configuration) with its ratios to Adam's (checked on
+  records written here); a bad configuration is named."""
+  _run_first = lambda *args: subprocess.run(  # pylint: disable=g-long-lambda
+      [sys.executable, str(BENCHMARKS / "keras_first_step.py")] + list(args),
+      cwd=str(BENCHMARKS), capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), check=False)
+  proc = _run_first("mobilenetv2", "adam", str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / "keras_first_step.json") as f:
+    (run,) = json.load(f)
+  assert run["model"] == "mobilenetv2" and run["config"] == "adam"
+  assert run["first_call_cpu_s"] > 0 and run["peak_rss_after_first_call_gb"] > 0
+  made = dict(run, model="m", date="x")
+  runs = [dict(made, config="adam", first_call_cpu_s=10.0,
+               peak_rss_after_first_call_gb=2.0),
+          dict(made, config="kfac", first_call_cpu_s=99.0),
+          dict(made, config="kfac", first_call_cpu_s=25.0,
+               peak_rss_after_first_call_gb=5.0, next_steps_cpu_ms=1234.0)]
+  (tmp_path / "made").mkdir()
+  with open(tmp_path / "made" / "keras_first_step.json", "w") as f:
+    json.dump(runs, f)
+  proc = _run_first("--table", str(tmp_path / "made"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  table = (tmp_path / "made" / "keras_first_step.md").read_text()
+  assert "| m | adam | 10.0 | 1.00x | 2.00 | 1.00x |" in table, table
+  assert "| m | kfac | 25.0 | 2.50x | 5.00 | 2.50x | 1234 |" in table, table
+  assert "| m | kfac | 99.0" not in table, table
+  proc = _run_first("mobilenetv2", "kfac_blocksx")
+  assert proc.returncode != 0 and "kfac_blocksB" in proc.stderr, proc.stderr

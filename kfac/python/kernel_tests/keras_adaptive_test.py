@@ -57,11 +57,12 @@ def _adaptive(model, **kwargs):
   return model, opt
 
 
-def _tf1_adaptive_reference(steps, qmodel_rows=None, **core_kwargs):
+def _tf1_adaptive_reference(steps, qmodel_rows=None, curvature_options=None,
+                            **core_kwargs):
   """Weights, damping, learning rate and rho after `steps` adaptive steps
   of the core optimizer on the same model in a TF1 graph (qmodel_rows: the
   quadratic model's curvature on the batch's first rows, through a
-  qmodel_layer_collection)."""
+  qmodel_layer_collection; curvature_options: the LayerCollection's)."""
   x_all, y_all = base._data()  # pylint: disable=protected-access
   batch = base.BATCH
   graph = tf.Graph()
@@ -81,7 +82,7 @@ def _tf1_adaptive_reference(steps, qmodel_rows=None, **core_kwargs):
           labels=labels, logits=logits))
 
     pre1, hidden, logits = forward(x)
-    lc = kfac.LayerCollection()
+    lc = kfac.LayerCollection(curvature_options=curvature_options)
     lc.register_fully_connected((w1, b1), x, pre1)
     lc.register_fully_connected((w2, b2), hidden, logits)
     lc.register_categorical_predictive_distribution(logits)

@@ -553,14 +553,19 @@ mirrored = tf.distribute.MirroredStrategy(["/cpu:%d" % i for i in range(R)])
 # placed round robin over the replicas.
 OPTIONS = dict(lazy_statistics_sync=True,
                placement_strategy="replica_round_robin")
-for label in ("dense", "conv", "gru", "options"):
-  kind = "dense" if label == "options" else label
-  extra = OPTIONS if label == "options" else {}
+# "blocks": the conv model with its factors wider than 4 rows as their
+# diagonal blocks (both runs).
+BLOCKS = dict(factor_block_size=4)
+for label in ("dense", "conv", "gru", "options", "blocks"):
+  kind = {"options": "dense", "blocks": "conv"}.get(label, label)
+  extra = {"options": OPTIONS, "blocks": BLOCKS}.get(label, {})
   many = fit(mirrored, kind, **extra)
   if extra:  # the options reached the K-FAC core
     names = list(many.optimizer.state_store.variables_by_name)
-    assert any("/local_stat" in n for n in names), names
-  one = fit(tf.distribute.get_strategy(), kind)
+    assert any(("/A_blocks/" if label == "blocks" else "/local_stat") in n
+               for n in names), names
+  one = fit(tf.distribute.get_strategy(), kind,
+            **(BLOCKS if label == "blocks" else {}))
   init = build(kind)
   rel = moved = 0.0
   identical = True
@@ -587,7 +592,7 @@ def test_fit_under_mirrored_strategy_equals_one_replica(replicas):
   steps (a dense, a conv and a GRU model): 1e-5 relative (measured
   1.7e-7 / 2.5e-7; the GRU 2.1e-7 on 2 replicas), every replica's copy
   bit-identical, also with lazy_statistics_sync and replica_round_robin
-  inverses; adaptive=True is refused with a clear error. Subprocess:
+  inverses, and with block-diagonal factors (factor_block_size); adaptive=True is refused with a clear error. Subprocess:
   logical devices must be set before TensorFlow starts."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__)))))
@@ -599,7 +604,8 @@ def test_fit_under_mirrored_strategy_equals_one_replica(replicas):
   out = result.stdout
   assert result.returncode == 0, out + result.stderr[-3000:]
   rows = [l.split() for l in out.splitlines() if l.startswith("RESULT ")]
-  assert [r[1] for r in rows] == ["dense", "conv", "gru", "options"], out
+  assert [r[1] for r in rows] == ["dense", "conv", "gru", "options",
+                                  "blocks"], out
   for _, kind, rel, moved, identical in rows:
     assert float(rel) <= 1e-5, (kind, rel)
     assert float(moved) > 0.01, (kind, moved)

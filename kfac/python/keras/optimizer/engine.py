@@ -33,6 +33,7 @@ from kfac.python.keras.optimizer import losses
 from kfac.python.ops.adaptive import noise_scale
 from kfac.python.ops.adaptive import recipe
 from kfac.python.ops.collection import layer_collection as lc_lib
+from kfac.python.ops.layers.base import curvature_options as options_lib
 from kfac.python.ops.distribute import collective
 from kfac.python.ops.optimizers import kfac_optimizer
 from kfac.python.ops.reliability import arguments as argument_rules
@@ -92,6 +93,10 @@ class KfacEngine:
     self.fixed_rate = fixed_rate(adaptive, kfac_kwargs)
     self.train_batch = train_batch
     self.fisher_approx = dict(fisher_approx or {})
+    # Kronecker factors wider than this keep their diagonal blocks
+    # (layers/base/block_diagonal.py; 0: off).
+    self.curvature_options = options_lib.CurvatureOptions(
+        factor_block_size=int(kfac_kwargs.get("factor_block_size") or 0))
     if seed is None:
       # Deterministic by default (a run and its resumed copy draw the same
       # samples); tf.random.set_seed / keras.utils.set_random_seed choose
@@ -852,6 +857,8 @@ class KerasStep:
     layer_registration.name_state_by_structure(self._engine.model)
     lc, rows, loss_lines = layer_registration.register_model_rows(
         self._engine.model, *self.losses(),
+        layer_collection=lc_lib.LayerCollection(
+            curvature_options=self._engine.curvature_options),
         fisher_approx=self._engine.fisher_approx, seed=seed,
         variables=variables, warn=self._warn,
         registration_options=self._engine.options,
@@ -951,7 +958,7 @@ RULES = {"damping": argument_rules.POSITIVE,
 # core's).
 KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
                        "noise_scale_every", "minibatch_learning_rate",
-                       "auto_switch_ratio")
+                       "auto_switch_ratio", "factor_block_size")
 # Core arguments that Kfac sets itself (adaptive=True / calibrate_damping).
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
@@ -1096,6 +1103,15 @@ def check_before_base(learning_rate, adaptive, kfac_kwargs):
           "qmodel_batch_fraction is used by the quadratic model only "
           "(adaptive=True, or momentum_type 'qmodel' / 'qmodel_fixedmu'); "
           "got momentum_type=%r." % (momentum_type,))
+  block_size = kfac_kwargs.get("factor_block_size")
+  if block_size is not None and (
+      not argument_rules.is_number(block_size) or
+      isinstance(block_size, bool) or int(block_size) != block_size or
+      block_size < 0 or block_size == 1):
+    raise ValueError("Kfac's factor_block_size must be 0 (off) or an integer "
+                     ">= 2 (the most rows a Kronecker factor keeps whole; "
+                     "wider ones keep their diagonal blocks), got %r." %
+                     (block_size,))
   for name, what in (("noise_scale_steps", "the first steps that measure "
                        "the gradient noise scale; 0: none"),
                      ("noise_scale_every", "then one step in this many "
@@ -1227,6 +1243,11 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
       of the model's forward and backward pass to the traced step, about
       half again the first call's time); given noise_scale_steps alone
       with adaptive=True, noise_scale_every is 50.
+      factor_block_size=b (default 0: off): the Kronecker factors of Dense
+      and convolution layers with more than b rows keep only their
+      diagonal blocks of at most b rows (state, statistics, inverses and
+      products about n*b instead of n^2: docs/approximations.md,
+      "Block-diagonal factors").
       registration_options={layer name or class: {option:
       value}} (convolution statistics options: sub_sample_inputs,
       sub_sample_patches, patch_mask; DepthwiseConv2D: sub_sample_patches),

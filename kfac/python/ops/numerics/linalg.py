@@ -88,6 +88,8 @@ def _with_float64_fallback(fn, mat, damping):
   # float32's range). Each computation is built once (one float32 and one
   # float64 copy: XLA compiles every branch).
   unsafe = _float32_is_unsafe(mat, damping)
+  if unsafe.shape.rank:  # a batch of matrices: all in float64 if one is
+    unsafe = tf.reduce_any(unsafe)
   native = tf.cond(unsafe, lambda: tf.zeros_like(mat),
                    lambda: fn(mat, utils.cast(damping, mat.dtype)))
   use_native = tf.logical_and(tf.logical_not(unsafe),

@@ -34,6 +34,16 @@ Fields (defaults are kfac 0.2.x's):
   multi-use conv blocks); True computes the input factor's statistic on
   ceil(inputs_to_extract_patches_factor * N) of the N examples, drawn
   uniformly without replacement at every statistics update.
+* factor_block_size b (0: off): a Kronecker factor of a dense or
+  convolution layer ("kron" blocks) with more than b rows is kept as its
+  diagonal blocks of at most b rows (layers/base/block_diagonal.py): k =
+  ceil(n / b) blocks of ceil(n / k) rows, their statistics, inverses and
+  products batched. Its state, statistics, inverses and products then cost
+  about n b instead of n^2 (n^3 / k^2 for the inverse): the factors of
+  wide layers (a 3x3 convolution over 512 channels has n = 4609) become
+  affordable, and the block approximates the factor by dropping the
+  covariances between its blocks of inputs (Shampoo's blocking applied to
+  K-FAC's factors). Not kfac 0.2.x's.
 (kfac 0.2.x's sub_sample_patches, max_num_patches and
 max_num_patches_per_dimension are not options here: sub-sampling of patch
 rows is chosen per layer, register_conv2d(sub_sample_patches=...).)
@@ -70,6 +80,7 @@ class CurvatureOptions:
   eigenvalue_decomposition_threshold: float = 4
   sub_sample_inputs: bool = False
   inputs_to_extract_patches_factor: float = 0.2
+  factor_block_size: int = 0
 
   def __post_init__(self):
     if self.pi_type not in _PI_TYPES:
@@ -82,6 +93,12 @@ class CurvatureOptions:
                   self.eigenvalue_decomposition_threshold, 0, low_ok=False)
     _check_number("inputs_to_extract_patches_factor",
                   self.inputs_to_extract_patches_factor, 0, low_ok=False)
+    if (isinstance(self.factor_block_size, bool) or
+        not isinstance(self.factor_block_size, numbers.Integral) or
+        self.factor_block_size < 0 or self.factor_block_size == 1):
+      raise ValueError("CurvatureOptions: factor_block_size must be 0 (off) "
+                       "or an integer >= 2, got %r." %
+                       (self.factor_block_size,))
     if not isinstance(self.sub_sample_inputs, bool):
       raise ValueError("CurvatureOptions: sub_sample_inputs must be a bool, "
                        "got %r." % (self.sub_sample_inputs,))

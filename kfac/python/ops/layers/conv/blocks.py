@@ -27,6 +27,7 @@ output locations per example.
 import numpy as np
 import tensorflow as tf
 
+from kfac.python.ops.layers.base import block_diagonal
 from kfac.python.ops.layers.base import blocks as block_base
 from kfac.python.ops.layers.conv import depthwise_factors
 from kfac.python.ops.layers.conv import factors as conv_factors
@@ -171,14 +172,16 @@ class ConvKFCBasicFB(_ConvLayerBlock, KroneckerProductFB):
       if sub_inputs is None and self.curvature_options.sub_sample_inputs:
         sub_inputs = True
       filter_shape, padding, strides, dilations, fmt = self._conv_args()
-      self._input_factor = self._make_factor(
-          conv_factors.ConvInputKroneckerFactor,
+      # (Kept as its diagonal blocks when the CurvatureOptions'
+      # factor_block_size says so: layers/base/block_diagonal.py.)
+      self._input_factor = block_diagonal.block_diagonal_factor(
+          self, conv_factors.ConvInputKroneckerFactor,
           (inputs, filter_shape, padding, strides, dilations, fmt, None,
            self._has_bias, sub_inputs, self._sub_sample_patches,
            self._patch_mask), "A")
     weights = None if weights is None else tuple(weights)
-    self._output_factor = self._make_factor(
-        conv_factors.ConvOutputKroneckerFactor,
+    self._output_factor = block_diagonal.block_diagonal_factor(
+        self, conv_factors.ConvOutputKroneckerFactor,
         (self._output_grads(grads_list), self._data_format, weights), "G")
     self._setup_damping(damping)
 

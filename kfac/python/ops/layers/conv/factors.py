@@ -128,6 +128,24 @@ class ConvInputKroneckerFactor(DenseSquareFactor):
     Example indices index the concatenated towers; row indices index the
     [n_kept * L, K*C] patch matrix of the kept examples (row r is kept
     example r // L at output location r % L)."""
+    rows, example_idx, row_idx = self._sampled_rows()
+    stat = mean_outer_with_ones(rows) if self._has_bias else mean_outer(rows)
+    return stat, example_idx, row_idx
+
+  row_weights = (1.0,)
+
+  def statistic_rows(self):
+    """[the (sampled, masked) patch rows [r, n]], with the ones column of
+    a bias: the statistic is their mean outer product
+    (layers/base/block_diagonal.py builds its blocks from them)."""
+    rows = self._sampled_rows()[0]
+    if self._has_bias:
+      rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)
+    return [rows]
+
+  def _sampled_rows(self):
+    """(patch rows, example indices or None, patch row indices or None):
+    compute_sampled_statistic's rows, masked."""
     x = concat_channels_last(self._inputs, self._spec.channels_first)
     x, example_idx = sample_examples(x, self._sub_sample_inputs,
                                      self.curvature_options)
@@ -143,8 +161,7 @@ class ConvInputKroneckerFactor(DenseSquareFactor):
     mask = flat_mask(self._patch_mask, self._patch_size, rows.dtype)
     if mask is not None:
       rows = rows * mask
-    stat = mean_outer_with_ones(rows) if self._has_bias else mean_outer(rows)
-    return stat, example_idx, row_idx
+    return rows, example_idx, row_idx
 
   def _compute_new_cov(self):
     return self.compute_sampled_statistic()[0]
@@ -169,6 +186,16 @@ class _ConvOutputSquareFactor(DenseSquareFactor):
 
 class ConvOutputKroneckerFactor(_ConvOutputSquareFactor):
   """G = sum_s w_s mean over (n, t) of g g^T ([O, O])."""
+
+  @property
+  def row_weights(self):
+    return self._weights
+
+  def statistic_rows(self):
+    """[the [N * L, O] output gradients] per source (weights row_weights;
+    layers/base/block_diagonal.py builds its blocks from them)."""
+    return [tf.reshape(g, [-1, self._out])
+            for g in self._output_grads.tensors()]
 
   def _compute_new_cov(self):
     terms = [mean_outer(tf.reshape(g, [-1, self._out]))

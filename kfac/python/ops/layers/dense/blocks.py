@@ -3,6 +3,7 @@ diagonal."""
 
 import tensorflow as tf
 
+from kfac.python.ops.layers.base import block_diagonal
 from kfac.python.ops.layers.base import damping as damping_lib
 from kfac.python.ops.layers.dense import factors as dense_factors
 from kfac.python.ops.layers.dense import factored_grads
@@ -71,11 +72,18 @@ class _DenseLayerBlock(LayerTowersFB):
               dense_factors.FullyConnectedKroneckerFactor)
     out_cls = (dense_factors.DiagonalKroneckerFactor if self._diag_out else
                dense_factors.FullyConnectedKroneckerFactor)
-    self._input_factor = self._make_factor(
+    self._input_factor = self._kronecker_factor(
         in_cls, (inputs, self._has_bias), "A")
     weights = None if weights is None else tuple(weights)
-    self._output_factor = self._make_factor(
+    self._output_factor = self._kronecker_factor(
         out_cls, self._grads_factor_args(grads, False, weights), "G")
+
+  def _kronecker_factor(self, cls, args, role):
+    """A full factor `cls(*args)`, kept as its diagonal blocks when the
+    CurvatureOptions' factor_block_size says so (block_diagonal.py)."""
+    if cls is dense_factors.FullyConnectedKroneckerFactor:
+      return block_diagonal.block_diagonal_factor(self, cls, args, role)
+    return self._make_factor(cls, args, role)
 
 
 class FullyConnectedKFACBasicFB(_DenseLayerBlock, KroneckerProductFB):

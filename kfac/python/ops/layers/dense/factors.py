@@ -62,6 +62,17 @@ class FullyConnectedKroneckerFactor(DenseSquareFactor):
   def _source_matrices(self):
     return self._moments.matrices()
 
+  @property
+  def row_weights(self):
+    """The weights of statistic_rows' matrices."""
+    return self._weights
+
+  def statistic_rows(self):
+    """[rows [r, n]] per source (with the ones column of a bias): the
+    statistic is sum_s row_weights[s] rows_s^T rows_s / r_s
+    (layers/base/block_diagonal.py builds its blocks from them)."""
+    return self._source_matrices()
+
   def _compute_new_cov(self):
     terms = []
     for x in self._source_matrices():
