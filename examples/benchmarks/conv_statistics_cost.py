@@ -29,7 +29,6 @@ patch matrix that the full kron statistic materialises.
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +38,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 import tensorflow as tf
+
+import machine  # (examples/benchmarks, the script's folder)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -62,17 +63,6 @@ def _interleaved_medians(fns, repeats, warmup):
       fn()
       out.append(time.perf_counter() - start)
   return [statistics.median(t) for t in times]
-
-
-def _cpu_name():
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown CPU"
 
 
 def main(argv=None):
@@ -183,8 +173,8 @@ def main(argv=None):
 
   print("Machine: %s, %d logical CPUs; TensorFlow %s; batch %d, %dx%dx%d "
         "inputs, 3x3 SAME conv to %d channels, float32; median of %d calls."
-        % (_cpu_name(), os.cpu_count(), tf.__version__, n, side, side, c, c,
-           args.repeats))
+        % (machine.cpu_name(), os.cpu_count(), tf.__version__, n, side,
+           side, c, c, args.repeats))
   print()
   print("| piece | ms | x gradient step |")
   print("|---|---:|---:|")

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+import machine  # (examples/benchmarks, the script's folder)
+
 
 def main(argv):
   if len(argv) == 3 and argv[1] == "--table":
@@ -99,16 +101,7 @@ def main(argv):
 
 
 def _machine():
-  cpu = "?"
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  return "%s, %d cores" % (cpu, os.cpu_count() or 0)
+  return "%s, %d cores" % (machine.cpu_name(), os.cpu_count() or 0)
 
 
 def write_table(out_dir):

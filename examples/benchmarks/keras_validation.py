@@ -71,6 +71,7 @@ from absl import flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import machine
 import val_workloads as vw
 
 DEFAULT_OPTIMIZERS = ("kfac",) + vw.PEERS
@@ -412,15 +413,7 @@ def table(results, workload):
 
 
 def machine_line():
-  cpu = platform.processor() or "?"
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
+  cpu = machine.cpu_name()
   import keras
   import tensorflow as tf
   return ("%s, %d cores, %s, TF %s, Keras %s, load average %.2f at start; "
