@@ -494,8 +494,10 @@ def added_results(paths, tuned):
       r["from"] = path
     best = tuned_values(runs)
     for r in runs:
-      peers = [q for q in runs if (q["workload"], q["optimizer"]) ==
-               (r["workload"], r["optimizer"])]
+      # A grid is one (workload, optimizer) at one seed: a file of several
+      # seeds holds one run of each per seed.
+      peers = [q for q in runs if (q["workload"], q["optimizer"], q["seed"])
+               == (r["workload"], r["optimizer"], r["seed"])]
       if len(peers) == 1:
         out.append(r)
         continue
