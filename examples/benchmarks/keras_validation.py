@@ -37,8 +37,11 @@ steps, a column per workload). Progress lines while it runs.
 
   --seeds=1,2    every (workload, optimizer) once per seed (weights, subset
                  and batch order), with the tuned values
-  --add_results  earlier runs' JSON at other seeds (of a --tune run: the run
-                 at each peer's tuned value) joining the summary
+  --add_results  earlier runs' JSON (of a --tune run: the run at each
+                 peer's tuned value) joining the summary: other seeds, or
+                 other optimizers at this run's seeds (every optimizer of
+                 the file joins; a (seed, workload, optimizer) this run
+                 trains too is refused)
 
 With more than one seed, keras_validation.md starts with the summary across
 seeds (per workload and optimizer: the best figure and the time to that
@@ -101,8 +104,9 @@ flags.DEFINE_list("seeds", [], "Several seeds in one run (instead of --seed): "
                   "every (workload, optimizer) once per seed, a table per "
                   "seed and the summary across seeds.")
 flags.DEFINE_list("add_results", [], "keras_validation JSON files of earlier "
-                  "runs at other seeds to add to the summary (a --tune run's "
-                  "file gives the run at each peer's tuned value).")
+                  "runs (other seeds, or other optimizers at these seeds) "
+                  "to add to the summary (a --tune run's file gives the run "
+                  "at each peer's tuned value).")
 flags.DEFINE_string("output_dir", "bench_results", "Where to write.")
 flags.DEFINE_string("worker", None, "(internal) workload,optimizer[,value].")
 FLAGS = flags.FLAGS
@@ -147,9 +151,10 @@ def run_worker(workload, opt_name, value):
             "kwargs": vw.KFAC_VARIANTS.get(opt_name),
             "parameters": int(model.count_params()), "points": []}
   state = {"step": 0, "cpu": 0.0, "wall": 0.0, "mark": None}
+  average = vw.WeightAverage(model) if vw.averaged(opt_name) else None
 
   def evaluate(train_loss):
-    with vw.schedule_free_eval(model, opt, bn_batches):
+    with vw.schedule_free_eval(model, opt, bn_batches, average):
       logs = model.evaluate(val, verbose=0, return_dict=True)
     metric = float(logs[key])
     point = dict(step=state["step"], cpu_s=state["cpu"], wall_s=state["wall"],
@@ -173,6 +178,8 @@ def run_worker(workload, opt_name, value):
     the end of the run, less the validations."""
 
     def on_train_batch_end(self, batch, logs=None):
+      if average is not None:  # counted in this step's time
+        average.update()
       state["step"] += 1
       cpu, wall = time.process_time(), time.perf_counter()
       if state["mark"] is None:  # the end of the first (tracing) step
@@ -182,6 +189,9 @@ def run_worker(workload, opt_name, value):
         state["cpu"] += cpu - state["mark"][0]
         state["wall"] += wall - state["mark"][1]
       state["mark"] = (cpu, wall)
+      rate = vw.linear_decay(opt_name, value, state["cpu"], FLAGS.budget_s)
+      if rate is not None:  # kfac_minibatch_linear's schedule
+        opt.learning_rate = rate
       loss = float((logs or {}).get("loss", 0.0))
       if not math.isfinite(loss):
         result["diverged_at_step"] = state["step"]
@@ -478,15 +488,16 @@ def added_results(paths, tuned):
   for path in paths:
     with open(path) as f:
       data = json.load(f)
-    runs = [r for r in data["runs"] if r["workload"] in FLAGS.workloads and
-            r["optimizer"] in FLAGS.optimizers]
+    runs = [r for r in data["runs"] if r["workload"] in FLAGS.workloads]
     for r in runs:
       r.setdefault("seed", _seed_of(data))
       r["from"] = path
     best = tuned_values(runs)
     for r in runs:
-      peers = [q for q in runs if (q["workload"], q["optimizer"]) ==
-               (r["workload"], r["optimizer"])]
+      # A grid is one (workload, optimizer) at one seed: a file of several
+      # seeds holds one run of each per seed.
+      peers = [q for q in runs if (q["workload"], q["optimizer"], q["seed"])
+               == (r["workload"], r["optimizer"], r["seed"])]
       if len(peers) == 1:
         out.append(r)
         continue
@@ -660,10 +671,13 @@ def main(argv):
     with open(FLAGS.tuned) as f:
       tuned = json.load(f)["best"]
   added = added_results(FLAGS.add_results, tuned)
-  clash = sorted({r["seed"] for r in added} & set(seeds()))
+  clash = sorted({(r["seed"], r["workload"], r["optimizer"]) for r in added}
+                 & {(s, w, o) for s in seeds() for w in FLAGS.workloads
+                    for o in FLAGS.optimizers})
   if clash:
-    raise app.UsageError("--add_results has runs at seed(s) %s, which this "
-                         "run trains too" % clash)
+    raise app.UsageError(
+        "--add_results has runs that this run trains too: %s" % ", ".join(
+            "seed %d %s %s" % c for c in clash))
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   machine = machine_line()
   started = datetime.datetime.now(datetime.timezone.utc)
@@ -702,7 +716,8 @@ def main(argv):
     with open(FLAGS.tuned, "w") as f:
       json.dump(tuned_file, f, indent=1, sort_keys=True)
   if len(all_seeds) == 1:
-    text = head + "\n".join(table(results, w) for w in FLAGS.workloads)
+    text = head + "\n".join(table(results + added, w)
+                            for w in FLAGS.workloads)
   else:
     both = results + added
     parts, summaries = [], {}
@@ -725,7 +740,7 @@ def main(argv):
                                        stem + "_seeds.png"))
   with open(os.path.join(FLAGS.output_dir, stem + ".md"), "w") as f:
     f.write(text)
-  plot([r for r in results if r["seed"] == seeds()[0]],
+  plot([r for r in results + added if r["seed"] == seeds()[0]],
        os.path.join(FLAGS.output_dir, stem + ".png"))
   print(text, flush=True)
   failed = [r for r in results if "error" in r]

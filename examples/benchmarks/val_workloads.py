@@ -47,6 +47,8 @@ GRIDS = {
     "schedulefree": (1e-3, 2.5e-3, 5e-3),  # Keras default 2.5e-3
     "kfac_minibatch": (0.02, 0.05, 0.1),  # the fixed-rate recipe's 0.05
     "kfac_minibatch_decay95": (0.02, 0.05, 0.1),
+    "kfac_minibatch_ema": (0.02, 0.05, 0.1),
+    "kfac_minibatch_linear": (0.02, 0.05, 0.1),
 }
 
 PEER_NOTES = {
@@ -107,7 +109,61 @@ KFAC_VARIANTS = {
 # are: Kfac(model=..., adaptive=True, recipe="minibatch", learning_rate=v).
 # kfac_minibatch_decay95: the recipe with kfac 0.2.x's damping decay 0.95
 # (what it had before recipe.MINIBATCH_DAMPING_DECAY; docs/recipe.md).
-TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95")
+# kfac_minibatch_ema: the minibatch recipe evaluated at an exponential
+# moving average of its weights (WeightAverage; the averaging Schedule-Free
+# does, taken as Polyak averaging on top of the recipe).
+# kfac_minibatch_linear: the minibatch recipe with its learning rate decayed
+# linearly over the run's training budget (linear_decay: the schedule
+# kfac-jax's and AlgoPerf's fixed-budget runs use, on the budget's clock).
+TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95",
+              "kfac_minibatch_ema", "kfac_minibatch_linear")
+# The smallest fraction of its rate kfac_minibatch_linear decays to.
+LINEAR_DECAY_FLOOR = 1e-3
+# Decay of kfac_minibatch_ema's average (Keras's ema_momentum default).
+EMA_DECAY = 0.99
+
+
+def linear_decay(name, value, used, budget):
+  """The learning rate of `name` (grid value `value`) after `used` of
+  `budget` training seconds: value * (1 - used / budget), at least
+  LINEAR_DECAY_FLOOR * value, for kfac_minibatch_linear; None for the
+  others (their rate stays)."""
+  if not name.endswith("_linear"):
+    return None
+  return value * max(LINEAR_DECAY_FLOOR, 1.0 - used / budget)
+
+
+def averaged(name):
+  """True when `name` is evaluated at a moving average of its weights."""
+  return name.endswith("_ema")
+
+
+class WeightAverage(object):
+  """An exponential moving average of a model's trainable weights, updated
+  by `update()` after each step with decay min(decay, (1 + t) / (10 + t))
+  at the t-th update (so that the first updates are not pulled towards the
+  initial weights); `values()` gives the averages as numpy arrays."""
+
+  def __init__(self, model, decay=EMA_DECAY):
+    import tensorflow as tf
+    self.decay = decay
+    self.vars = list(model.trainable_variables)
+    self.avg = [tf.Variable(tf.convert_to_tensor(v), trainable=False)
+                for v in self.vars]
+    self.count = tf.Variable(0.0, trainable=False)
+
+    @tf.function
+    def update():
+      t = self.count
+      d = tf.minimum(tf.constant(decay, tf.float32), (1.0 + t) / (10.0 + t))
+      for a, v in zip(self.avg, self.vars):
+        a.assign(d * a + (1.0 - d) * tf.cast(v, a.dtype))
+      self.count.assign_add(1.0)
+
+    self.update = update
+
+  def values(self):
+    return [a.numpy() for a in self.avg]
 
 
 def one_thread_run(workload, size, train_examples, val_examples, seed=0):
@@ -359,15 +415,26 @@ class schedule_free_eval(object):  # pylint: disable=invalid-name
   x = (y - (1 - beta_1) z) / beta_1, and the batch-norm moving statistics
   are recomputed at x (a forward pass in training mode over `bn_batches`,
   as a cumulative average); on exit y and the moving statistics that
-  training left are restored. Does nothing for other optimizers.
+  training left are restored. With `average` (a WeightAverage) the
+  weights are its averages instead, whatever the optimizer, with the
+  batch-norm statistics recomputed the same way. Does nothing for other
+  optimizers without one.
   """
 
-  def __init__(self, model, optimizer, bn_batches=()):
+  def __init__(self, model, optimizer, bn_batches=(), average=None):
     self.model, self.opt, self.bn_batches = model, optimizer, bn_batches
+    self.average = average
     self.saved = []
 
   def __enter__(self):
     import keras
+    if self.average is not None:
+      # A WeightAverage: the model evaluated at its averages.
+      for var, avg in zip(self.average.vars, self.average.values()):
+        self.saved.append((var, np.array(var.numpy())))
+        var.assign(avg)
+      self._recompute_batch_norm()
+      return self
     if not isinstance(self.opt, keras.optimizers.ScheduleFreeAdamW):
       return self
     if not self.opt.built:
@@ -378,6 +445,11 @@ class schedule_free_eval(object):  # pylint: disable=invalid-name
       y = np.array(var.numpy())
       self.saved.append((var, y))
       var.assign((y - (1.0 - beta_1) * np.array(z.numpy())) / beta_1)
+    self._recompute_batch_norm()
+    return self
+
+  def _recompute_batch_norm(self):
+    import keras
     bns = [l for l in self.model._flatten_layers()  # pylint: disable=protected-access
            if isinstance(l, keras.layers.BatchNormalization)]
     if bns and len(self.bn_batches):
@@ -391,7 +463,6 @@ class schedule_free_eval(object):  # pylint: disable=invalid-name
         self.model(batch, training=True)
       for bn, m in zip(bns, momenta):
         bn.momentum = m
-    return self
 
   def __exit__(self, *unused):
     for var, value in self.saved:

@@ -561,7 +561,8 @@ def test_keras_validation_seeds(tmp_path):
   --add_results adds an earlier run's seed: the summary across seeds has
   each optimizer's time to its seed's target per seed (Adam, the only
   peer, sets every target: 1.00x on each), a table per seed and its plot;
-  --tune with --seeds and a seed trained twice are refused."""
+  another optimizer at seeds already run joins their runs; --tune with
+  --seeds and a (seed, workload, optimizer) trained twice are refused."""
   flags = ["--workloads=autoencoder", "--optimizers=kfac,adam",
            "--tuned=%s" % (tmp_path / "absent.json")]
   first = tmp_path / "seed0"
@@ -590,6 +591,21 @@ def test_keras_validation_seeds(tmp_path):
   for seed in (0, 1, 2):
     assert "## Seed %d" % seed in table, table
   _png(tmp_path / "keras_validation_seeds.png")
+  # Another optimizer at seeds already run joins them: its runs are added
+  # to theirs in one summary.
+  other = tmp_path / "other"
+  _keras_validation(other, [
+      "--workloads=autoencoder", "--optimizers=lion", "--seeds=0,1",
+      "--tuned=%s" % (tmp_path / "absent.json"),
+      "--add_results=%s,%s" % (first / "keras_validation.json",
+                               tmp_path / "keras_validation.json")])
+  with open(other / "keras_validation.json") as f:
+    out = json.load(f)
+  assert sorted((r["seed"], r["optimizer"]) for r in out["runs"]) == [
+      (0, "lion"), (1, "lion")]
+  assert len(out["added_runs"]) == 6 and out["seeds"] == [0, 1, 2]
+  table = (other / "keras_validation.md").read_text()
+  assert "| lion | 0.0003 (untuned) | " in table, table
   for bad in (["--tune", "--seeds=1,2"],
               ["--seeds=0,1", "--add_results=%s" % (
                   first / "keras_validation.json")]):
@@ -600,7 +616,8 @@ def test_keras_validation_seeds(tmp_path):
         check=False)
     assert proc.returncode != 0, bad
     assert ("--tune tunes at one seed" in proc.stderr or
-            "has runs at seed(s) [0]" in proc.stderr), proc.stderr[-2000:]
+            "has runs that this run trains too: seed 0 autoencoder adam, "
+            "seed 0 autoencoder kfac" in proc.stderr), proc.stderr[-2000:]
 
 
 def test_keras_validation_variant_errors():
@@ -689,6 +706,61 @@ def test_keras_validation_schedule_free_matches_reference():
   # Built by fit, z started at the weights: the first step is
   # Adam's (lr sign(g)), not a jump to -lr sign(g).
   assert np.all(np.abs(y_now - w0.reshape(3, 1)) < 0.35), y_now
+
+
+def test_keras_validation_weight_average_and_linear_decay():
+  """kfac_minibatch_ema's WeightAverage = a float64 moving average with
+  decay min(0.99, (1 + t) / (10 + t)) at its t-th update, over 5 SGD steps
+  of a model with batch norm; schedule_free_eval with it holds the averages
+  and batch-norm statistics recomputed at them, and restores the weights
+  and statistics that training left; kfac_minibatch_linear's rate."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import val_workloads  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                            keras.layers.BatchNormalization(),
+                            keras.layers.Dense(1)])
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  average = val_workloads.WeightAverage(model)
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(16, 3).astype("float32"), rng.randn(16, 1).astype(
+      "float32")
+  ref = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+  for t in range(5):
+    model.train_on_batch(x, y)
+    average.update()
+    d = min(0.99, (1.0 + t) / (10.0 + t))
+    ref = [d * a + (1 - d) * v.numpy() for a, v in
+           zip(ref, model.trainable_variables)]
+  for got, want in zip(average.values(), ref):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  trained = [v.numpy().copy() for v in model.weights]
+  bn = model.layers[1]
+  with val_workloads.schedule_free_eval(model, None, [x], average):
+    for v, want in zip(model.trainable_variables, ref):
+      np.testing.assert_allclose(v.numpy(), want, rtol=1e-6, atol=1e-7)
+    # One batch at momentum 0: the statistics of x under the averages.
+    hidden = x @ ref[0] + ref[1]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), hidden.mean(0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), hidden.var(0),
+                               rtol=1e-4, atol=1e-6)
+  for v, want in zip(model.weights, trained):
+    np.testing.assert_array_equal(v.numpy(), want)
+  assert val_workloads.averaged("kfac_minibatch_ema")
+  assert not val_workloads.averaged("kfac_minibatch")
+  # kfac_minibatch_linear's rate: linear over the budget, with a floor.
+  decay = val_workloads.linear_decay
+  assert decay("kfac_minibatch_linear", 0.1, 15.0, 60.0) == pytest.approx(
+      0.075)
+  assert decay("kfac_minibatch_linear", 0.1, 75.0, 60.0) == pytest.approx(
+      1e-4)
+  assert decay("kfac_minibatch", 0.1, 15.0, 60.0) is None
 
 
 def test_products_step_time_quick(tmp_path):
@@ -822,3 +894,37 @@ def test_keras_first_step_records_and_tables(tmp_path):
   assert "| m | kfac | 99.0" not in table, table
   proc = _run_first("mobilenetv2", "kfac_blocksx")
   assert proc.returncode != 0 and "kfac_blocksB" in proc.stderr, proc.stderr
+
+
+def test_batched_blocks_cost_forms_agree_and_tables(tmp_path):
+  """batched_blocks_cost.py: the per-block and the batched preconditioning
+  both equal A^-1 G B^-1 / 2 computed in numpy (float64) for blocks of
+  repeated and unique shapes; the zoo's transformers give the Kronecker
+  blocks counted by hand (the ViT: patch conv, 2 x 2 MLP layers, head = 6;
+  the GPT: 2 x 2 MLP layers, head = 5; MultiHeadAttention's EinsumDense
+  projections are not Dense); the program writes its JSON and table."""
+  import numpy as np
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import batched_blocks_cost as bbc  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  shapes = [(3, 4), (5, 2), (3, 4), (3, 4), (5, 2), (2, 7)]
+  per_block, batched, groups, (a_inv, b_inv, grads) = bbc.build_forms(
+      shapes, seed=3)
+  assert groups == 3
+  for k, ((i, o), x, y) in enumerate(zip(shapes, per_block(), batched())):
+    want = (a_inv[k].astype(np.float64) @ grads[k].reshape(i, o).astype(
+        np.float64) @ b_inv[k].astype(np.float64) / 2).ravel()
+    np.testing.assert_allclose(x.numpy(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6)
+  out = _run("batched_blocks_cost.py",
+             ["--models=vit,gpt", "--rounds=1", "--calls=1"], tmp_path)
+  with open(tmp_path / "batched_blocks_cost.json") as f:
+    rows = {r["model"]: r for r in json.load(f)["rows"]}
+  assert rows["vit"]["blocks"] == 6 and rows["gpt"]["blocks"] == 5, rows
+  for r in rows.values():
+    assert r["cpu_ms_per_block"] > 0 and r["cpu_ms_batched"] > 0
+    assert r["ops_batched_form"] < r["ops_per_block_form"], r
+  table = (tmp_path / "batched_blocks_cost.md").read_text()
+  assert "| vit | 6 |" in table and "| gpt | 5 |" in table, out
