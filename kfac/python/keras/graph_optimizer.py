@@ -48,12 +48,20 @@ _DOC = __doc__
 # The hyperparameters Keras keeps (kfac 0.2.x: _MUTABLE_HYPER_PARAMS).
 MUTABLE_HYPER_PARAMS = frozenset({"learning_rate", "momentum", "damping",
                                   "weight_decay_coeff", "norm_constraint"})
+_EMA_MESSAGE = (
+    "Argument \"%s\" is not supported by the graph-mode Kfac (tf_keras's "
+    "v1 engine keeps no moving average of the weights). Use the TF2 Kfac "
+    "(use_ema=True there), or tf.compat.v1.train.ExponentialMovingAverage "
+    "over model.trainable_weights.")
 _REJECTED = {
     "clipvalue": "Argument \"clipvalue\" is not supported.",
     "clipnorm": "Argument \"clipnorm\" is not supported. Use "
                 "\"norm_constraint\" instead.",
     "global_clipnorm": "Argument \"global_clipnorm\" is not supported. Use "
                        "\"norm_constraint\" instead.",
+    "use_ema": _EMA_MESSAGE % "use_ema",
+    "ema_momentum": _EMA_MESSAGE % "ema_momentum",
+    "ema_overwrite_frequency": _EMA_MESSAGE % "ema_overwrite_frequency",
 }
 # Core arguments that are structure, not configuration.
 _NOT_IN_CONFIG = ("layer_collection", "var_list", "loss", "loss_fn",

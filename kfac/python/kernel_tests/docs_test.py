@@ -32,9 +32,9 @@ _FMNIST = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
 # the fast tier. test_slow_snippets_exist keeps every name here a snippet.
 SLOW_SNIPPETS = ("adaptive-0", "adaptive-2", "convolutions-0", "distributed-1",
                  "ekfac-0", "graph_search-1", "keras-0", "keras-2", "keras-4",
-                 "keras-5", "normalization_layers-0", "recipe-0", "recipe-1",
-                 "recipe-2", "recipe-3", "recipe-4", "approximations-4",
-                 "reliability-2", "tf2-0")
+                 "keras-5", "keras-6", "normalization_layers-0", "recipe-0",
+                 "recipe-1", "recipe-2", "recipe-3", "recipe-4",
+                 "approximations-4", "reliability-2", "tf2-0")
 
 
 def _blocks(pages):

@@ -343,6 +343,36 @@ class KfacOptimizerBase:
     return self._kfac_engine.step.apply(grads, variables, iteration,
                                         self._use_weight_decay)
 
+  def _kfac_update_average(self, variables):
+    """use_ema=True: Keras's moving average of the weights after the K-FAC
+    step (and, every ema_overwrite_frequency steps, the weights set to it),
+    as Keras's own optimizers do after theirs: the Keras base class keeps
+    the average (`_model_variables_moving_average`, which
+    keras.callbacks.SwapEMAWeights and finalize_variable_values read) and
+    updates it (`_update_model_variables_moving_average`). Called before
+    `iterations` counts the step, as Keras does (Keras 3 takes the step
+    with iterations == 0 as the first, whose average is the weights).
+
+    Under a tf.distribute strategy both run in cross-replica context
+    (merge_call), where the weights are one mirrored value and the
+    overwrite's per-device updates may sit in a conditional (Keras 3's own
+    optimizers fail there with ema_overwrite_frequency under
+    MirroredStrategy)."""
+    frequency = self.ema_overwrite_frequency
+
+    def update(strategy, variables):
+      del strategy
+      self._update_model_variables_moving_average(variables)
+      if frequency:
+        def overwrite():
+          self._overwrite_model_variables_with_average_value(variables)
+          return tf.no_op()
+        now = tf.equal(
+            (tf.cast(self.iterations, tf.int64) + 1) % int(frequency), 0)
+        kfac_utils.cond_op(now, overwrite)
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        update, self._distribution_strategy, list(variables))
+
   # (Read by weight_decay_test; build_cost_test wraps _kfac_apply.)
   def _kfac_lr_tensor(self):
     return self._kfac_engine.learning_rate_tensor()
@@ -517,8 +547,12 @@ class KfacOptimizerBase:
 
   # ------------------------------------------------ Keras's saving API
   def get_config(self):
-    return config_lib.get_config(self._kfac_engine, self.name,
-                                 float(self._kfac_lr_tensor().numpy()))
+    config = config_lib.get_config(self._kfac_engine, self.name,
+                                   float(self._kfac_lr_tensor().numpy()))
+    if self.use_ema:
+      config.update(use_ema=True, ema_momentum=float(self.ema_momentum),
+                    ema_overwrite_frequency=self.ema_overwrite_frequency)
+    return config
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
@@ -944,10 +978,14 @@ MUTABLE_HYPERPARAMETERS = ("learning_rate", "damping", "momentum",
                            "weight_decay")
 CORE_DEFAULTS = {"momentum": 0.9, "weight_decay_coeff": 0.1}
 # Keras optimizer options that do not make sense for K-FAC: rejected.
-KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
-                      "ema_momentum", "ema_overwrite_frequency",
+KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm",
                       "loss_scale_factor", "gradient_accumulation_steps",
                       "jit_compile", "is_legacy_optimizer")
+# Keras's moving average of the weights: options of the Keras base class,
+# which keeps the average; Kfac updates it after each K-FAC step
+# (KfacOptimizerBase._kfac_update_average). Their Keras defaults.
+KERAS_AVERAGE_OPTIONS = {"use_ema": False, "ema_momentum": 0.99,
+                         "ema_overwrite_frequency": None}
 # What the hyperparameters must satisfy (reliability/arguments.py).
 RULES = {"damping": argument_rules.POSITIVE,
          "momentum": argument_rules.MOMENTUM,
@@ -963,6 +1001,32 @@ KFAC_ONLY_ARGUMENTS = ("qmodel_batch_fraction", "recipe", "noise_scale_steps",
 OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
                         "adapt_damping", "use_passed_loss",
                         "update_damping_immediately")
+
+
+def split_average_options(kfac_kwargs):
+  """(Keras's averaging options for the base class, the other kwargs).
+
+  The options are checked here (Keras checks their ranges): an averaging
+  option other than its default without use_ema=True has no effect in
+  Keras, so it is an error here."""
+  average = {k: kfac_kwargs[k] for k in KERAS_AVERAGE_OPTIONS
+             if k in kfac_kwargs}
+  rest = {k: v for k, v in kfac_kwargs.items()
+          if k not in KERAS_AVERAGE_OPTIONS}
+  use_ema = average.get("use_ema", False)
+  if not isinstance(use_ema, bool):
+    raise ValueError("Kfac(use_ema=%r): use_ema must be True or False."
+                     % (use_ema,))
+  if not use_ema:
+    ignored = sorted(k for k, v in average.items()
+                     if k != "use_ema" and v != KERAS_AVERAGE_OPTIONS[k])
+    if ignored:
+      raise ValueError(
+          "Kfac(%s) sets the moving average of the weights, which needs "
+          "use_ema=True (without it Keras ignores it)." % ", ".join(
+              "%s=%r" % (k, average[k]) for k in ignored))
+    return {}, rest
+  return average, rest
 
 
 def _check_kwargs(kfac_kwargs):

@@ -2,6 +2,7 @@
 is Keras 3). Imported only where that flavour is used (classes.py)."""
 
 import keras
+import tensorflow as tf
 
 from kfac.python.keras import keras_flavor
 from kfac.python.keras.optimizer import engine as engine_lib
@@ -22,8 +23,10 @@ class Kfac(engine_lib.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint:
           "or inside a tf.compat.v1.Graph). For kfac 0.2.x graph-mode "
           "Keras code set TF_USE_LEGACY_KERAS=1 (tf_keras) before "
           "importing TensorFlow; or run in TF2 (eager + tf.function).")
+    average, kfac_kwargs = engine_lib.split_average_options(kfac_kwargs)
     engine_lib.check_before_base(learning_rate, adaptive, kfac_kwargs)
-    super().__init__(learning_rate=float(learning_rate or 0.0), name=name)
+    super().__init__(learning_rate=float(learning_rate or 0.0), name=name,
+                     **average)
     self._kfac_attach(engine_lib.KfacEngine(
         self.name, self._kfac_make_variable, lambda: self._learning_rate,
         learning_rate, damping, model, loss, loss_weights, fisher_approx,
@@ -35,8 +38,12 @@ class Kfac(engine_lib.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint:
     return keras_flavor.unwrap_variable(var)
 
   def _backend_apply_gradients(self, grads, trainable_variables):
-    self._kfac_apply(grads, trainable_variables,
-                     keras_flavor.unwrap_variable(self._iterations))
+    # (Keras's apply counts the step in `iterations` after this.)
+    op = self._kfac_apply(grads, trainable_variables,
+                          keras_flavor.unwrap_variable(self._iterations))
+    if self.use_ema:
+      with tf.control_dependencies([op]):
+        self._kfac_update_average(self._trainable_variables)
 
   def update_step(self, gradient, variable, learning_rate):
     raise NotImplementedError("Kfac updates all variables at once.")

@@ -66,8 +66,9 @@ class Kfac(engine_lib.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pyli
           "kfac.keras.optimizers import Kfac` above "
           "tf.compat.v1.disable_v2_behavior()) still names this class: "
           "disable v2 behaviour before that import, or look Kfac up after.")
+    average, kfac_kwargs = engine_lib.split_average_options(kfac_kwargs)
     engine_lib.check_before_base(learning_rate, adaptive, kfac_kwargs)
-    super().__init__(name=name, jit_compile=False)
+    super().__init__(name=name, jit_compile=False, **average)
     self._learning_rate = self._build_learning_rate(
         float(learning_rate or 0.0))
     self._kfac_attach(engine_lib.KfacEngine(
@@ -90,8 +91,19 @@ class Kfac(engine_lib.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pyli
       with tf.init_scope():
         self.build(list(variables))
     op = self._kfac_apply(list(grads), list(variables), self.iterations)
+    if self.use_ema:
+      with tf.control_dependencies([op]):
+        self._kfac_update_average(variables)
     with tf.control_dependencies([op]):
       return self.iterations.assign_add(1)
+
+  def build(self, var_list):
+    # (As tf_keras's own optimizers: built once, for the first step's
+    # variables; the base class builds the moving average of use_ema.)
+    if getattr(self, "_built", False):
+      return
+    super().build(var_list)
+    self._built = True
 
   def update_step(self, gradient, variable):
     raise NotImplementedError("Kfac updates all variables at once.")
