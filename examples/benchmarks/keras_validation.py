@@ -151,7 +151,7 @@ def run_worker(workload, opt_name, value):
             "kwargs": vw.KFAC_VARIANTS.get(opt_name),
             "parameters": int(model.count_params()), "points": []}
   state = {"step": 0, "cpu": 0.0, "wall": 0.0, "mark": None}
-  average = vw.WeightAverage(model) if vw.averaged(opt_name) else None
+  average = vw.weight_average(opt_name, model, opt)
 
   def evaluate(train_loss):
     with vw.schedule_free_eval(model, opt, bn_batches, average):

@@ -49,6 +49,7 @@ GRIDS = {
     "kfac_minibatch_decay95": (0.02, 0.05, 0.1),
     "kfac_minibatch_ema": (0.02, 0.05, 0.1),
     "kfac_minibatch_linear": (0.02, 0.05, 0.1),
+    "kfac_minibatch_keras_ema": (0.02, 0.05, 0.1),
 }
 
 PEER_NOTES = {
@@ -115,8 +116,12 @@ KFAC_VARIANTS = {
 # kfac_minibatch_linear: the minibatch recipe with its learning rate decayed
 # linearly over the run's training budget (linear_decay: the schedule
 # kfac-jax's and AlgoPerf's fixed-budget runs use, on the budget's clock).
+# kfac_minibatch_keras_ema: the same averaging done by Kfac itself
+# (Kfac(use_ema=True), Keras's ema_momentum 0.99, updated inside the traced
+# step), evaluated at the optimizer's average (OptimizerAverage).
 TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95",
-              "kfac_minibatch_ema", "kfac_minibatch_linear")
+              "kfac_minibatch_ema", "kfac_minibatch_linear",
+              "kfac_minibatch_keras_ema")
 # The smallest fraction of its rate kfac_minibatch_linear decays to.
 LINEAR_DECAY_FLOOR = 1e-3
 # Decay of kfac_minibatch_ema's average (Keras's ema_momentum default).
@@ -133,9 +138,40 @@ def linear_decay(name, value, used, budget):
   return value * max(LINEAR_DECAY_FLOOR, 1.0 - used / budget)
 
 
-def averaged(name):
-  """True when `name` is evaluated at a moving average of its weights."""
-  return name.endswith("_ema")
+def weight_average(name, model, optimizer):
+  """What `name` is evaluated at when not at its weights: a WeightAverage
+  of the model's weights (kfac_minibatch_ema), the optimizer's own
+  average (kfac_minibatch_keras_ema: OptimizerAverage), else None."""
+  if name.endswith("_keras_ema"):
+    return OptimizerAverage(optimizer, model)
+  if name.endswith("_ema"):
+    return WeightAverage(model)
+  return None
+
+
+class OptimizerAverage(object):
+  """The moving average a Keras optimizer with use_ema=True keeps (the
+  one keras.callbacks.SwapEMAWeights evaluates at), in WeightAverage's
+  interface (before the optimizer's first step: the model's weights); the
+  optimizer updates it in its step (`update` does nothing)."""
+
+  def __init__(self, optimizer, model):
+    self.optimizer, self.model = optimizer, model
+
+  @property
+  def vars(self):
+    if not self.optimizer.built:
+      return list(self.model.trainable_variables)
+    return list(self.optimizer._trainable_variables)  # pylint: disable=protected-access
+
+  def values(self):
+    if not self.optimizer.built:
+      return [v.numpy() for v in self.model.trainable_variables]
+    return [a.numpy() for a in
+            self.optimizer._model_variables_moving_average]  # pylint: disable=protected-access
+
+  def update(self):
+    pass
 
 
 class WeightAverage(object):
@@ -332,7 +368,9 @@ def make_optimizer(name, model, value=None):
   if name in TUNED_KFAC:
     import kfac.keras  # pylint: disable=g-import-not-at-top
     extra = ({"damping_adaptation_decay": 0.95}
-             if name == "kfac_minibatch_decay95" else {})
+             if name == "kfac_minibatch_decay95" else
+             {"use_ema": True, "ema_momentum": EMA_DECAY}
+             if name == "kfac_minibatch_keras_ema" else {})
     return kfac.keras.optimizers.Kfac(model=model, adaptive=True,
                                       recipe="minibatch", learning_rate=lr,
                                       **extra)

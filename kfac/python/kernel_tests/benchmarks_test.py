@@ -752,8 +752,24 @@ def test_keras_validation_weight_average_and_linear_decay():
                                rtol=1e-4, atol=1e-6)
   for v, want in zip(model.weights, trained):
     np.testing.assert_array_equal(v.numpy(), want)
-  assert val_workloads.averaged("kfac_minibatch_ema")
-  assert not val_workloads.averaged("kfac_minibatch")
+  assert isinstance(val_workloads.weight_average(
+      "kfac_minibatch_ema", model, None), val_workloads.WeightAverage)
+  assert val_workloads.weight_average("kfac_minibatch", model, None) is None
+  # kfac_minibatch_keras_ema: Kfac's own average (use_ema), evaluated
+  # through the same context; the weights before the first step.
+  kfac_model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  opt = val_workloads.make_optimizer("kfac_minibatch_keras_ema", kfac_model,
+                                     0.05)
+  assert opt.use_ema and opt.ema_momentum == pytest.approx(0.99)
+  kfac_model.compile(optimizer=opt, loss="mse")
+  own = val_workloads.weight_average("kfac_minibatch_keras_ema", kfac_model,
+                                     opt)
+  for got, want in zip(own.values(), kfac_model.get_weights()):
+    np.testing.assert_array_equal(got, want)  # (not built yet)
+  kfac_model.fit(x, rng.randn(16, 2).astype("float32"), batch_size=8,
+                 epochs=1, verbose=0)
+  for got, want in zip(own.values(), opt._model_variables_moving_average):  # pylint: disable=protected-access
+    np.testing.assert_array_equal(got, want.numpy())
   # kfac_minibatch_linear's rate: linear over the budget, with a floor.
   decay = val_workloads.linear_decay
   assert decay("kfac_minibatch_linear", 0.1, 15.0, 60.0) == pytest.approx(
