@@ -50,6 +50,7 @@ GRIDS = {
     "kfac_minibatch_ema": (0.02, 0.05, 0.1),
     "kfac_minibatch_linear": (0.02, 0.05, 0.1),
     "kfac_minibatch_keras_ema": (0.02, 0.05, 0.1),
+    "kfac_minibatch_keras_ema_warmup": (0.02, 0.05, 0.1),
 }
 
 PEER_NOTES = {
@@ -116,12 +117,14 @@ KFAC_VARIANTS = {
 # kfac_minibatch_linear: the minibatch recipe with its learning rate decayed
 # linearly over the run's training budget (linear_decay: the schedule
 # kfac-jax's and AlgoPerf's fixed-budget runs use, on the budget's clock).
-# kfac_minibatch_keras_ema: the same averaging done by Kfac itself
-# (Kfac(use_ema=True), Keras's ema_momentum 0.99, updated inside the traced
-# step), evaluated at the optimizer's average (OptimizerAverage).
+# kfac_minibatch_keras_ema: averaging done by Kfac itself (Kfac(use_ema=
+# True), Keras's fixed ema_momentum 0.99, updated inside the traced step),
+# evaluated at the optimizer's average (OptimizerAverage);
+# kfac_minibatch_keras_ema_warmup: the same with ema_warmup=True (decay
+# min(0.99, (1 + t) / (10 + t)), WeightAverage's rule).
 TUNED_KFAC = ("kfac_minibatch", "kfac_minibatch_decay95",
               "kfac_minibatch_ema", "kfac_minibatch_linear",
-              "kfac_minibatch_keras_ema")
+              "kfac_minibatch_keras_ema", "kfac_minibatch_keras_ema_warmup")
 # The smallest fraction of its rate kfac_minibatch_linear decays to.
 LINEAR_DECAY_FLOOR = 1e-3
 # Decay of kfac_minibatch_ema's average (Keras's ema_momentum default).
@@ -142,7 +145,7 @@ def weight_average(name, model, optimizer):
   """What `name` is evaluated at when not at its weights: a WeightAverage
   of the model's weights (kfac_minibatch_ema), the optimizer's own
   average (kfac_minibatch_keras_ema: OptimizerAverage), else None."""
-  if name.endswith("_keras_ema"):
+  if "_keras_ema" in name:
     return OptimizerAverage(optimizer, model)
   if name.endswith("_ema"):
     return WeightAverage(model)
@@ -369,8 +372,9 @@ def make_optimizer(name, model, value=None):
     import kfac.keras  # pylint: disable=g-import-not-at-top
     extra = ({"damping_adaptation_decay": 0.95}
              if name == "kfac_minibatch_decay95" else
-             {"use_ema": True, "ema_momentum": EMA_DECAY}
-             if name == "kfac_minibatch_keras_ema" else {})
+             {"use_ema": True, "ema_momentum": EMA_DECAY,
+              "ema_warmup": name.endswith("_warmup")}
+             if "_keras_ema" in name else {})
     return kfac.keras.optimizers.Kfac(model=model, adaptive=True,
                                       recipe="minibatch", learning_rate=lr,
                                       **extra)

@@ -62,6 +62,7 @@ _REJECTED = {
     "use_ema": _EMA_MESSAGE % "use_ema",
     "ema_momentum": _EMA_MESSAGE % "ema_momentum",
     "ema_overwrite_frequency": _EMA_MESSAGE % "ema_overwrite_frequency",
+    "ema_warmup": _EMA_MESSAGE % "ema_warmup",
 }
 # Core arguments that are structure, not configuration.
 _NOT_IN_CONFIG = ("layer_collection", "var_list", "loss", "loss_fn",

@@ -761,6 +761,11 @@ def test_keras_validation_weight_average_and_linear_decay():
   opt = val_workloads.make_optimizer("kfac_minibatch_keras_ema", kfac_model,
                                      0.05)
   assert opt.use_ema and opt.ema_momentum == pytest.approx(0.99)
+  assert not opt.get_config()["ema_warmup"]
+  assert val_workloads.make_optimizer(
+      "kfac_minibatch_keras_ema_warmup", keras.Sequential(
+          [keras.Input((3,)), keras.layers.Dense(2)]),
+      0.05).get_config()["ema_warmup"]
   kfac_model.compile(optimizer=opt, loss="mse")
   own = val_workloads.weight_average("kfac_minibatch_keras_ema", kfac_model,
                                      opt)

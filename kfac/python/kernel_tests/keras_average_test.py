@@ -10,6 +10,8 @@ by default; `test_tf_keras` runs the file again under tf_keras):
   initial weights), and it is not the weights themselves;
 * `fit` ends with the weights set to the average (finalize_variable_values);
 * ema_overwrite_frequency=k sets the weights to the average every k steps;
+* ema_warmup=True (Kfac's own) decays with min(ema_momentum, (1 + t) /
+  (10 + t)) at step t (checked against float64 as above);
 * keras.callbacks.SwapEMAWeights evaluates at the average (Keras 3);
 * the default recipe (adaptive=True) and the minibatch recipe average too;
 * the config round trip keeps the options; a `.keras` file and a
@@ -17,7 +19,7 @@ by default; `test_tf_keras` runs the file again under tf_keras):
   trajectory (bit-identical);
 * two MirroredStrategy replicas on the global batch give one replica's
   average (exact Fisher; atol 1e-6), every replica's copy identical, with
-  and without ema_overwrite_frequency (which Keras 3's own optimizers
+  and without ema_overwrite_frequency and ema_warmup (which Keras 3's own optimizers
   cannot run under MirroredStrategy);
 * bad options raise errors that name them; the graph-mode class of tf_keras's
   v1 engine rejects the options (that engine keeps no average).
@@ -94,14 +96,16 @@ def _fit(model, steps, epochs=1):
   return record
 
 
-def _reference(initial, weights):
-  """The flavour's moving average of the recorded weights, float64."""
-  average = None if not LEGACY else [w.astype(np.float64) for w in initial]
+def _reference(initial, weights, warmup=False):
+  """The flavour's moving average of the recorded weights, float64 (with
+  warmup: Kfac's ema_warmup rule, the same in both flavours)."""
+  average = (None if not LEGACY or warmup else
+             [w.astype(np.float64) for w in initial])
   out = []
-  for ws in weights:
+  for t, ws in enumerate(weights):
+    decay = min(MOMENTUM, (1.0 + t) / (10.0 + t)) if warmup else MOMENTUM
     average = ([w.copy() for w in ws] if average is None else
-               [MOMENTUM * a + (1 - MOMENTUM) * w
-                for a, w in zip(average, ws)])
+               [decay * a + (1 - decay) * w for a, w in zip(average, ws)])
     out.append(average)
   return out
 
@@ -122,6 +126,20 @@ def test_average_equals_float64_moving_average_and_fit_ends_on_it():
   # fit ends with the weights set to the average.
   assert _max_diff([w.astype(np.float64) for w in model.get_weights()],
                    record.averages[-1]) == 0.0
+
+
+def test_warmup_follows_the_num_updates_rule():
+  """ema_warmup=True: decay min(0.9, (1 + t) / (10 + t)) at step t, the
+  first average the first step's weights (both flavours)."""
+  model, opt = _compile(ema_warmup=True)
+  record = _fit(model, 4, epochs=2)
+  reference = _reference(None, record.weights, warmup=True)
+  for step, (got, want) in enumerate(zip(record.averages, reference)):
+    assert _max_diff(got, want) < 1e-6, step
+  # Not Keras's fixed decay: the two rules differ by more than that.
+  plain = _reference(model.get_weights(), record.weights)
+  assert _max_diff(plain[-1], reference[-1]) > 1e-3
+  assert opt.get_config()["ema_warmup"] is True
 
 
 def test_overwrite_frequency_sets_the_weights_to_the_average():
@@ -168,13 +186,15 @@ def test_swap_ema_weights_evaluates_at_the_average():
 
 
 def test_config_round_trip_keeps_the_options():
-  _, opt = _compile(ema_overwrite_frequency=5)
+  _, opt = _compile(ema_overwrite_frequency=5, ema_warmup=True)
   config = opt.get_config()
   assert (config["use_ema"], config["ema_momentum"],
-          config["ema_overwrite_frequency"]) == (True, MOMENTUM, 5)
+          config["ema_overwrite_frequency"],
+          config["ema_warmup"]) == (True, MOMENTUM, 5, True)
   rebuilt = type(opt).from_config(config)
   assert (rebuilt.use_ema, rebuilt.ema_momentum,
-          rebuilt.ema_overwrite_frequency) == (True, MOMENTUM, 5)
+          rebuilt.ema_overwrite_frequency,
+          rebuilt.get_config()["ema_warmup"]) == (True, MOMENTUM, 5, True)
   _, plain = _compile(use_ema=False, ema_momentum=0.99)
   assert "use_ema" not in plain.get_config() or not plain.get_config().get(
       "use_ema")
@@ -242,6 +262,12 @@ def test_bad_options_name_themselves():
   with pytest.raises(ValueError, match="ema_overwrite_frequency=3"):
     kfac.keras.optimizers.Kfac(learning_rate=0.1, damping=0.01, model=model,
                                use_ema=False, ema_overwrite_frequency=3)
+  with pytest.raises(ValueError, match="ema_warmup=True.*use_ema=True"):
+    kfac.keras.optimizers.Kfac(learning_rate=0.1, damping=0.01, model=model,
+                               ema_warmup=True)
+  with pytest.raises(ValueError, match="ema_warmup must be True or False"):
+    kfac.keras.optimizers.Kfac(learning_rate=0.1, damping=0.01, model=model,
+                               use_ema=True, ema_warmup=1)
   with pytest.raises(ValueError, match="use_ema must be True or False"):
     kfac.keras.optimizers.Kfac(learning_rate=0.1, damping=0.01, model=model,
                                use_ema="yes")
@@ -257,7 +283,7 @@ def test_bad_options_name_themselves():
 def test_graph_mode_class_rejects_the_average():
   from kfac.python.keras import graph_optimizer  # pylint: disable=g-import-not-at-top
   for key, value in (("use_ema", True), ("ema_momentum", 0.9),
-                     ("ema_overwrite_frequency", 2)):
+                     ("ema_overwrite_frequency", 2), ("ema_warmup", True)):
     with pytest.raises(ValueError, match="%s.*ExponentialMovingAverage" % key):
       graph_optimizer.Kfac(learning_rate=0.1, damping=0.01, **{key: value})
 
@@ -265,7 +291,7 @@ def test_graph_mode_class_rejects_the_average():
 _STRATEGY_SCRIPT = """
 import sys
 import numpy as np, tensorflow as tf
-R, FREQ = int(sys.argv[1]), int(sys.argv[2]) or None
+R, FREQ, WARMUP = int(sys.argv[1]), int(sys.argv[2]) or None, sys.argv[4] == "1"
 if R > 1:
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices("CPU")[0],
@@ -276,7 +302,7 @@ strategy = (tf.distribute.MirroredStrategy(["/cpu:%d" % i for i in range(R)])
             if R > 1 else tf.distribute.get_strategy())
 with strategy.scope():
   # (exact Fisher: the sampled targets differ with the replica count)
-  model, opt = t._compile(ema_overwrite_frequency=FREQ,
+  model, opt = t._compile(ema_overwrite_frequency=FREQ, ema_warmup=WARMUP,
                           estimation_mode="exact")
 x, y = t._data()
 model.fit(x, y, batch_size=t.BATCH, epochs=1, shuffle=False, verbose=0)
@@ -290,25 +316,25 @@ np.savez(sys.argv[3], *copies)
 """
 
 
-def _strategy_average(replicas, frequency, tmp_path):
-  out = str(tmp_path / ("avg_%d_%d.npz" % (replicas, frequency)))
+def _strategy_average(replicas, frequency, warmup, tmp_path):
+  out = str(tmp_path / ("avg_%d_%d_%d.npz" % (replicas, frequency, warmup)))
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__)))))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep +
              os.environ.get("PYTHONPATH", ""))
   result = subprocess.run(
       [sys.executable, "-c", _STRATEGY_SCRIPT, str(replicas), str(frequency),
-       out], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+       out, str(int(warmup))], env=env, cwd=root, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-4000:]
   data = np.load(out)
   return [data["arr_%d" % i] for i in range(len(data.files))]
 
 
 @pytest.mark.slow  # subprocesses with 1 and 2 logical CPUs
-@pytest.mark.parametrize("frequency", [0, 3])
-def test_two_replicas_average_like_one(frequency, tmp_path):
-  one = _strategy_average(1, frequency, tmp_path)
-  two = _strategy_average(2, frequency, tmp_path)
+@pytest.mark.parametrize("frequency,warmup", [(0, False), (3, True)])
+def test_two_replicas_average_like_one(frequency, warmup, tmp_path):
+  one = _strategy_average(1, frequency, warmup, tmp_path)
+  two = _strategy_average(2, frequency, warmup, tmp_path)
   assert _max_diff(one, two) < 1e-6
 
 

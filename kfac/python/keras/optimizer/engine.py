@@ -353,6 +353,9 @@ class KfacOptimizerBase:
     `iterations` counts the step, as Keras does (Keras 3 takes the step
     with iterations == 0 as the first, whose average is the weights).
 
+    With ema_warmup=True the decay follows EMA_WARMUP_OFFSET's rule
+    instead of Keras's fixed ema_momentum.
+
     Under a tf.distribute strategy both run in cross-replica context
     (merge_call), where the weights are one mirrored value and the
     overwrite's per-device updates may sit in a conditional (Keras 3's own
@@ -361,8 +364,21 @@ class KfacOptimizerBase:
     frequency = self.ema_overwrite_frequency
 
     def update(strategy, variables):
-      del strategy
-      self._update_model_variables_moving_average(variables)
+      if self._kfac_ema_warmup:
+        # min(ema_momentum, (1 + t) / (10 + t)), 0 at the first step.
+        t = tf.cast(self.iterations, tf.float32)
+        decay = tf.where(t > 0, tf.minimum(
+            tf.cast(self.ema_momentum, tf.float32),
+            (1.0 + t) / (EMA_WARMUP_OFFSET + t)), 0.0)
+        for var in variables:
+          strategy.extended.update(
+              keras_flavor.unwrap_variable(self._kfac_average_of(var)),
+              lambda average, value: average.assign(
+                  tf.cast(decay, average.dtype) * average +
+                  tf.cast(1.0 - decay, average.dtype) * value),
+              args=(keras_flavor.unwrap_variable(var),), group=False)
+      else:
+        self._update_model_variables_moving_average(variables)
       if frequency:
         def overwrite():
           self._overwrite_model_variables_with_average_value(variables)
@@ -551,7 +567,8 @@ class KfacOptimizerBase:
                                    float(self._kfac_lr_tensor().numpy()))
     if self.use_ema:
       config.update(use_ema=True, ema_momentum=float(self.ema_momentum),
-                    ema_overwrite_frequency=self.ema_overwrite_frequency)
+                    ema_overwrite_frequency=self.ema_overwrite_frequency,
+                    ema_warmup=self._kfac_ema_warmup)
     return config
 
   @classmethod
@@ -986,6 +1003,12 @@ KERAS_ONLY_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm",
 # (KfacOptimizerBase._kfac_update_average). Their Keras defaults.
 KERAS_AVERAGE_OPTIONS = {"use_ema": False, "ema_momentum": 0.99,
                          "ema_overwrite_frequency": None}
+# Kfac's own averaging option: ema_warmup=True decays the average with
+# min(ema_momentum, (1 + t) / (10 + t)) at step t (t = 0 the first step,
+# whose average is its weights), the rule of
+# tf.compat.v1.train.ExponentialMovingAverage(decay, num_updates=t), so
+# that the average follows the weights early in training.
+EMA_WARMUP_OFFSET = 10.0
 # What the hyperparameters must satisfy (reliability/arguments.py).
 RULES = {"damping": argument_rules.POSITIVE,
          "momentum": argument_rules.MOMENTUM,
@@ -1004,29 +1027,31 @@ OWNED_CORE_ARGUMENTS = ("loss", "loss_fn", "prev_train_batch", "train_batch",
 
 
 def split_average_options(kfac_kwargs):
-  """(Keras's averaging options for the base class, the other kwargs).
+  """(Keras's averaging options for the base class, ema_warmup, the other
+  kwargs).
 
   The options are checked here (Keras checks their ranges): an averaging
   option other than its default without use_ema=True has no effect in
   Keras, so it is an error here."""
-  average = {k: kfac_kwargs[k] for k in KERAS_AVERAGE_OPTIONS
-             if k in kfac_kwargs}
-  rest = {k: v for k, v in kfac_kwargs.items()
-          if k not in KERAS_AVERAGE_OPTIONS}
-  use_ema = average.get("use_ema", False)
-  if not isinstance(use_ema, bool):
-    raise ValueError("Kfac(use_ema=%r): use_ema must be True or False."
-                     % (use_ema,))
-  if not use_ema:
-    ignored = sorted(k for k, v in average.items()
-                     if k != "use_ema" and v != KERAS_AVERAGE_OPTIONS[k])
+  defaults = dict(KERAS_AVERAGE_OPTIONS, ema_warmup=False)
+  average = {k: kfac_kwargs[k] for k in defaults if k in kfac_kwargs}
+  rest = {k: v for k, v in kfac_kwargs.items() if k not in defaults}
+  for key in ("use_ema", "ema_warmup"):
+    if not isinstance(average.get(key, False), bool):
+      raise ValueError("Kfac(%s=%r): %s must be True or False."
+                       % (key, average[key], key))
+  warmup = average.pop("ema_warmup", False)
+  if not average.get("use_ema", False):
+    ignored = sorted(k for k, v in dict(average, ema_warmup=warmup).items()
+                     if k != "use_ema" and v != defaults[k])
     if ignored:
       raise ValueError(
           "Kfac(%s) sets the moving average of the weights, which needs "
           "use_ema=True (without it Keras ignores it)." % ", ".join(
-              "%s=%r" % (k, average[k]) for k in ignored))
-    return {}, rest
-  return average, rest
+              "%s=%r" % (k, dict(average, ema_warmup=warmup)[k])
+              for k in ignored))
+    return {}, False, rest
+  return average, warmup, rest
 
 
 def _check_kwargs(kfac_kwargs):

@@ -23,10 +23,12 @@ class Kfac(engine_lib.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint:
           "or inside a tf.compat.v1.Graph). For kfac 0.2.x graph-mode "
           "Keras code set TF_USE_LEGACY_KERAS=1 (tf_keras) before "
           "importing TensorFlow; or run in TF2 (eager + tf.function).")
-    average, kfac_kwargs = engine_lib.split_average_options(kfac_kwargs)
+    average, ema_warmup, kfac_kwargs = engine_lib.split_average_options(
+        kfac_kwargs)
     engine_lib.check_before_base(learning_rate, adaptive, kfac_kwargs)
     super().__init__(learning_rate=float(learning_rate or 0.0), name=name,
                      **average)
+    self._kfac_ema_warmup = ema_warmup
     self._kfac_attach(engine_lib.KfacEngine(
         self.name, self._kfac_make_variable, lambda: self._learning_rate,
         learning_rate, damping, model, loss, loss_weights, fisher_approx,
@@ -44,6 +46,11 @@ class Kfac(engine_lib.KfacOptimizerBase, keras.optimizers.Optimizer):  # pylint:
     if self.use_ema:
       with tf.control_dependencies([op]):
         self._kfac_update_average(self._trainable_variables)
+
+  def _kfac_average_of(self, variable):
+    """use_ema: the moving average of `variable` (a model variable)."""
+    return self._model_variables_moving_average[
+        self._get_variable_index(variable)]
 
   def update_step(self, gradient, variable, learning_rate):
     raise NotImplementedError("Kfac updates all variables at once.")

@@ -66,11 +66,13 @@ class Kfac(engine_lib.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pyli
           "kfac.keras.optimizers import Kfac` above "
           "tf.compat.v1.disable_v2_behavior()) still names this class: "
           "disable v2 behaviour before that import, or look Kfac up after.")
-    average, kfac_kwargs = engine_lib.split_average_options(kfac_kwargs)
+    average, ema_warmup, kfac_kwargs = engine_lib.split_average_options(
+        kfac_kwargs)
     engine_lib.check_before_base(learning_rate, adaptive, kfac_kwargs)
     super().__init__(name=name, jit_compile=False, **average)
     self._learning_rate = self._build_learning_rate(
         float(learning_rate or 0.0))
+    self._kfac_ema_warmup = ema_warmup
     self._kfac_attach(engine_lib.KfacEngine(
         self.name, self._kfac_make_variable, lambda: self._learning_rate,
         learning_rate, damping, model, loss, loss_weights, fisher_approx,
@@ -104,6 +106,11 @@ class Kfac(engine_lib.KfacOptimizerBase, tf_keras.optimizers.Optimizer):  # pyli
       return
     super().build(var_list)
     self._built = True
+
+  def _kfac_average_of(self, variable):
+    """use_ema: the moving average of `variable` (a model variable)."""
+    return self._model_variables_moving_average[
+        self._index_dict[self._var_key(variable)]]
 
   def update_step(self, gradient, variable):
     raise NotImplementedError("Kfac updates all variables at once.")
