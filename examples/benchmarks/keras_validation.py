@@ -63,7 +63,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -91,6 +90,9 @@ flags.DEFINE_float("budget_s", 60.0, "Training CPU seconds per run.")
 flags.DEFINE_integer("max_steps", 0, "Also stop after this many steps (0: no "
                      "limit; the smoke test's budget).")
 flags.DEFINE_integer("eval_every", 40, "Steps between validations.")
+flags.DEFINE_float("stop_at", float("nan"), "Also stop at the first "
+                   "validation at least as good as this figure (off: NaN; "
+                   "critical_batch.py's target).")
 flags.DEFINE_integer("batch_size", 256, "Training batch size.")
 flags.DEFINE_integer("train_examples", 20000, "Training images (a fixed "
                      "seeded subset).")
@@ -205,7 +207,8 @@ def run_worker(workload, opt_name, value):
       state["wall"] += wall - state["mark"][1]
       loss = float((logs or {}).get("loss", float("nan")))
       evaluate(loss)
-      if out_of_budget():
+      if out_of_budget() or (_finite(FLAGS.stop_at) and vw.better(
+          workload, result["points"][-1]["metric"], FLAGS.stop_at)):
         self.model.stop_training = True
       state["mark"] = (time.process_time(), time.perf_counter())
 
@@ -276,21 +279,8 @@ def _spawn(job, lock):
                "train_examples", "val_examples", "threads", "size"):
     argv.append("--%s=%s" % (name, getattr(FLAGS, name)))
   argv.append("--seed=%d" % seed)
-  proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  result = None
-  for line in proc.stdout:
-    if line.startswith("PROGRESS "):
-      with lock:
-        print(line[len("PROGRESS "):].rstrip(), flush=True)
-    elif line.startswith("RESULT "):
-      result = json.loads(line[len("RESULT "):])
-  stderr = proc.stderr.read()
-  proc.wait()
-  if result is None:
-    tail = [l for l in stderr.strip().splitlines() if l.strip()][-1:]
-    result = {"workload": workload, "optimizer": opt, "value": value,
-              "error": " | ".join(tail) or "exit %d" % proc.returncode}
+  result = dict({"workload": workload, "optimizer": opt, "value": value},
+                **vw.worker_result(argv, lock))
   result["untuned"] = untuned
   result["seed"] = seed
   return result

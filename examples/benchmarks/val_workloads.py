@@ -205,6 +205,29 @@ class WeightAverage(object):
     return [a.numpy() for a in self.avg]
 
 
+def worker_result(argv, lock):
+  """Runs one benchmark worker process (argv: its command), printing its
+  "PROGRESS " lines under `lock` as they come; its "RESULT " line's JSON,
+  or {"error": its last stderr line} when it wrote none."""
+  import json
+  import subprocess
+  proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  result = None
+  for line in proc.stdout:
+    if line.startswith("PROGRESS "):
+      with lock:
+        print(line[len("PROGRESS "):].rstrip(), flush=True)
+    elif line.startswith("RESULT "):
+      result = json.loads(line[len("RESULT "):])
+  stderr = proc.stderr.read()
+  proc.wait()
+  if result is None:
+    tail = [l for l in stderr.strip().splitlines() if l.strip()][-1:]
+    result = {"error": " | ".join(tail) or "exit %d" % proc.returncode}
+  return result
+
+
 def one_thread_run(workload, size, train_examples, val_examples, seed=0):
   """(x, y, x_val, y_val, model, loss) of a single run pinned to one
   TensorFlow thread with Keras seeded (the trace programs' set-up)."""

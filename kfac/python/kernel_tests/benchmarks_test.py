@@ -949,3 +949,71 @@ def test_batched_blocks_cost_forms_agree_and_tables(tmp_path):
     assert r["ops_batched_form"] < r["ops_per_block_form"], r
   table = (tmp_path / "batched_blocks_cost.md").read_text()
   assert "| vit | 6 |" in table and "| gpt | 5 |" in table, out
+
+
+def test_critical_batch_fit_and_tiny_sweep(tmp_path):
+  """critical_batch.py: McCandlish et al.'s fit recovers S_min and B_noise
+  from exact points (0.5 %, its grid's resolution being 0.3 %) and needs 3;
+  a tiny sweep (the tiny CNN at batches 32 and 64, K-FAC's default recipe
+  once and Adam's grid scaled by sqrt(B / 256) per batch, step budgets
+  8 * sqrt(256 / B); ~1 CPU-minute) writes every run with its evaluations,
+  each stopping at its first validation at the target (else at its
+  budget), the table and the plot; a second invocation at batch 128 merges with
+  --add_results, and a run present twice is refused."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import critical_batch  # pylint: disable=g-import-not-at-top
+  points = [(b, 100.0 * (1 + 1000.0 / b)) for b in (256, 1024, 4096, 8192)]
+  s_min, b_noise = critical_batch.fit_critical_batch(points)
+  assert s_min == pytest.approx(100.0, rel=5e-3)
+  assert b_noise == pytest.approx(1000.0, rel=5e-3)
+  assert critical_batch.fit_critical_batch(points[:2]) is None
+
+  common = ["--size=tiny", "--workloads=cnn", "--optimizers=kfac,adam",
+            "--max_steps=8", "--evals=4", "--train_examples=512",
+            "--val_examples=256", "--targets=cnn=0.15"]
+  first = tmp_path / "first"
+  _run("critical_batch.py", common + ["--batches=32,64"], first)
+  data = json.loads((first / "critical_batch.json").read_text())
+  runs = data["runs"]
+  assert data["targets"]["cnn"] == 0.15
+  assert sorted((r["batch"], r["optimizer"], r["value"]) for r in runs
+                if r["optimizer"] == "adam") == sorted(
+                    (b, "adam", float("%.4g" % (v * math.sqrt(b / 256.0))))
+                    for b in (32, 64) for v in (3e-4, 1e-3, 3e-3))
+  assert sorted((r["batch"], r["value"]) for r in runs
+                if r["optimizer"] == "kfac") == [(32, None), (64, None)]
+  for r in runs:
+    assert "error" not in r, r
+    budget = int(round(8 * math.sqrt(256.0 / r["batch"])))
+    every = budget // 4
+    steps = [p["step"] for p in r["points"]]
+    assert r["step_budget"] == budget and steps[0] == 0, r
+    # (validations every `every` steps, and at the step it stopped at)
+    assert steps[1:] == sorted(set(range(every, r["steps"] + 1, every)) |
+                               {r["steps"]}), r
+    # It stops at the first validation reaching the target, else at the
+    # budget.
+    reached = [p["metric"] >= 0.15 for p in r["points"]]
+    if any(reached[1:]):
+      assert reached.index(True, 1) == len(reached) - 1, r
+    else:
+      assert r["steps"] == budget, r
+  table = (first / "critical_batch.md").read_text()
+  assert "| optimizer | B=32 | B=64 | S_min |" in table, table
+  _png(first / "critical_batch.png")
+
+  second = tmp_path / "second"
+  _run("critical_batch.py", common + [
+      "--batches=128", "--optimizers=kfac",
+      "--add_results=%s" % (first / "critical_batch.json")], second)
+  table = (second / "critical_batch.md").read_text()
+  assert "| optimizer | B=32 | B=64 | B=128 | S_min |" in table, table
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "critical_batch.py"),
+       "--output_dir=%s" % (tmp_path / "third")] + common + [
+           "--batches=32", "--optimizers=kfac",
+           "--add_results=%s" % (first / "critical_batch.json")],
+      cwd=str(BENCHMARKS), capture_output=True, text=True, timeout=600,
+      check=False)
+  assert proc.returncode != 0
+  assert "which this run has too" in proc.stderr, proc.stderr[-2000:]

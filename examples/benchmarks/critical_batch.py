@@ -1,0 +1,371 @@
+r"""Steps to a validation target against the global batch size (issue 54).
+
+On N data-parallel workers a step takes about the same time whatever N, so
+at a large global batch the number of steps decides who finishes first.
+This program measures it on the validation workloads of keras_validation.py
+(val_workloads.py: the same models, data, losses and evaluation): for each
+(workload, global batch B, optimizer, learning rate) one fresh worker
+process (keras_validation.py's own worker, one TensorFlow thread) trains
+with `model.fit` on the full 60,000 training images for at most
+--max_steps * sqrt(256 / B) steps (the step budget shrinks with the batch,
+more slowly than the steps a perfectly scaling optimizer needs), evaluating
+on the 10,000 test images every 1/--evals of that budget, and stops at
+the first validation that reaches the workload's fixed target (TARGETS,
+or --targets): its step is the run's steps to target. Steps to target of an optimizer at B: the fewest
+over its learning-rate grid at B.
+
+Learning rates: each peer's 3-value grid of val_workloads.GRIDS (the one
+keras_validation tunes at batch 256), scaled by sqrt(B / 256) (the
+square-root rule for adaptive methods), so that every optimizer is tuned
+per batch size on the same small grid; K-FAC's default recipe
+(`kfac`: Kfac(model=..., adaptive=True)) chooses its own rate and is run
+once per B; the minibatch recipes (val_workloads.TUNED_KFAC) get their
+grid scaled the same way.
+
+The critical batch: for each optimizer, the points (B, steps to target) are
+fitted with McCandlish et al. (2018)'s S(B) = S_min (1 + B_noise / B)
+(least squares in log space, at least 3 batch sizes that reached the
+target); B_noise is the batch at which an optimizer needs twice its
+fewest steps, the critical batch size.
+
+Outputs in --output_dir: critical_batch.json (every run, every evaluation,
+the targets, the fits), critical_batch.md (per workload: steps to target
+per batch and optimizer, examples to target, the fit) and
+critical_batch.png (steps to target against B, log-log, a line per
+optimizer and the fitted curves). --add_results merges earlier files'
+runs (a sweep split over several invocations; a (workload, batch,
+optimizer, value, seed) run twice is refused).
+
+  python examples/benchmarks/critical_batch.py --workloads=autoencoder \
+      --batches=256,1024,4096 --optimizers=kfac,adam,muon
+"""
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+
+from absl import app
+from absl import flags
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import machine
+import val_workloads as vw
+
+# The fixed validation target of each workload: a figure the tuned peers
+# reach at batch 256 well inside keras_validation's 60 CPU s runs on 20,000
+# images (docs/recipe.md, the three-seed tables: CNN 0.87-0.89, ViT
+# 0.85-0.86, GRU 0.85-0.87, autoencoder 0.28-0.30), so that it is reached
+# at every batch size the step budget allows.
+TARGETS = {"cnn": 0.87, "vit": 0.84, "rnn": 0.85, "autoencoder": 0.30}
+BASE_BATCH = 256
+
+flags.DEFINE_list("workloads", ["autoencoder"], "Workloads to run.")
+flags.DEFINE_list("optimizers", ["kfac", "adam", "muon"],
+                  "Optimizers (val_workloads names).")
+flags.DEFINE_list("batches", ["256", "512", "1024", "2048", "4096", "8192"],
+                  "Global batch sizes.")
+flags.DEFINE_list("targets", [], "workload=value overrides of TARGETS.")
+flags.DEFINE_integer("max_steps", 2000, "Step budget at batch 256 (scaled "
+                     "by sqrt(256 / B) at batch B).")
+flags.DEFINE_integer("evals", 40, "Validations per run's step budget.")
+flags.DEFINE_integer("train_examples", 60000, "Training images.")
+flags.DEFINE_integer("val_examples", 10000, "Validation images.")
+flags.DEFINE_integer("threads", 1, "TensorFlow threads per worker.")
+flags.DEFINE_integer("parallel", 2, "Workers at once (at most 2).")
+flags.DEFINE_enum("size", "full", ["full", "tiny"], "Model sizes.")
+flags.DEFINE_integer("seed", 0, "Seed of the weights and batches.")
+flags.DEFINE_list("add_results", [], "critical_batch JSON files of earlier "
+                  "invocations to merge.")
+flags.DEFINE_string("output_dir", "bench_results", "Where to write.")
+
+FLAGS = flags.FLAGS
+
+
+def targets():
+  out = dict(TARGETS)
+  for item in FLAGS.targets:
+    workload, _, value = item.partition("=")
+    if workload not in vw.WORKLOADS or not value:
+      raise ValueError("--targets takes workload=value with a workload of "
+                       "%s, got %r" % (", ".join(vw.WORKLOADS), item))
+    out[workload] = float(value)
+  return out
+
+
+def step_budget(batch):
+  """The step budget at `batch`: --max_steps * sqrt(256 / batch)."""
+  return max(1, int(round(FLAGS.max_steps * math.sqrt(BASE_BATCH / batch))))
+
+
+def grid(optimizer, batch):
+  """The learning rates `optimizer` is run with at `batch` ([None]: the
+  default recipe, which chooses its own)."""
+  if optimizer in vw.KFAC_VARIANTS:
+    return [None]
+  if optimizer not in vw.GRIDS:
+    raise ValueError("unknown optimizer %r; one of %s" % (
+        optimizer, ", ".join(vw.optimizer_names())))
+  scale = math.sqrt(batch / BASE_BATCH)
+  return [float("%.4g" % (v * scale)) for v in vw.GRIDS[optimizer]]
+
+
+def jobs():
+  """[(workload, batch, optimizer, value)], small batches first."""
+  out = []
+  for workload in FLAGS.workloads:
+    for batch in sorted(int(b) for b in FLAGS.batches):
+      for opt in FLAGS.optimizers:
+        out += [(workload, batch, opt, v) for v in grid(opt, batch)]
+  return out
+
+
+def _spawn(job, lock):
+  """One run: keras_validation.py's worker with this job's settings."""
+  workload, batch, opt, value = job
+  budget = step_budget(batch)
+  argv = [sys.executable, os.path.join(HERE, "keras_validation.py"),
+          "--worker=%s,%s%s" % (workload, opt,
+                                "" if value is None else ",%r" % value),
+          "--batch_size=%d" % batch, "--max_steps=%d" % budget,
+          "--budget_s=1e9", "--eval_every=%d" % max(1, budget // FLAGS.evals),
+          "--train_examples=%d" % FLAGS.train_examples,
+          "--val_examples=%d" % FLAGS.val_examples,
+          "--threads=%d" % FLAGS.threads, "--size=%s" % FLAGS.size,
+          "--seed=%d" % FLAGS.seed, "--stop_at=%r" % targets()[workload]]
+  result = vw.worker_result(argv, lock)
+  result.update(workload=workload, optimizer=opt, value=value, batch=batch,
+                step_budget=budget, seed=FLAGS.seed)
+  return result
+
+
+def run_all(job_list):
+  """The jobs, FLAGS.parallel at a time, in order; results in order."""
+  results = [None] * len(job_list)
+  lock, nxt = threading.Lock(), [0]
+
+  def loop():
+    while True:
+      with lock:
+        k = nxt[0]
+        nxt[0] += 1
+      if k >= len(job_list):
+        return
+      r = results[k] = _spawn(job_list[k], lock)
+      with lock:
+        print("done %s batch %d %s%s: %s" % (
+            r["workload"], r["batch"], r["optimizer"],
+            "" if r["value"] is None else " %g" % r["value"],
+            r.get("error") or "%d steps, best %.4f, %.1f ms/step (CPU)" % (
+                r["steps"], r["best"], r["ms_per_step_cpu"])), flush=True)
+
+  threads = [threading.Thread(target=loop)
+             for _ in range(max(1, min(2, FLAGS.parallel)))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return results
+
+
+def steps_to(run, workload, target):
+  """The step of the run's first validation at least as good as the
+  target, or None."""
+  if "error" in run:
+    return None
+  for p in run["points"]:
+    if math.isfinite(p["metric"]) and vw.better(workload, p["metric"],
+                                                 target):
+      return p["step"]
+  return None
+
+
+def best_runs(results, workload, target):
+  """{(optimizer, batch): (steps to target or None, the run)}: per
+  optimizer and batch the run of its grid that reached the target in the
+  fewest steps (else the one with the best figure)."""
+  out = {}
+  pick = min if vw.is_loss_metric(workload) else max
+  for r in results:
+    if r["workload"] != workload:
+      continue
+    key = (r["optimizer"], r["batch"])
+    s = steps_to(r, workload, target)
+    have = out.get(key)
+    if have is None:
+      out[key] = (s, r)
+    elif s is not None and (have[0] is None or s < have[0]):
+      out[key] = (s, r)
+    elif s is None and have[0] is None and "error" not in r and (
+        "error" in have[1] or pick(r["best"], have[1]["best"]) == r["best"]):
+      out[key] = (s, r)
+  return out
+
+
+def fit_critical_batch(points):
+  """McCandlish et al.'s S(B) = S_min (1 + B_noise / B) fitted to
+  [(B, S)] by least squares on log S (a grid over B_noise, S_min in
+  closed form for each); (S_min, B_noise), or None with fewer than 3
+  points."""
+  points = [(float(b), float(s)) for b, s in points if s]
+  if len(points) < 3:
+    return None
+  log_s = [math.log(s) for _, s in points]
+  lo, hi = min(b for b, _ in points), max(b for b, _ in points)
+  best = None
+  # B_noise from 1/100 of the smallest batch to 100x the largest, on a
+  # log grid fine enough for 0.1 % (then the closed-form S_min).
+  n = 4000
+  for k in range(n + 1):
+    b_noise = lo / 100.0 * (100.0 * hi / (lo / 100.0)) ** (k / n)
+    shape = [math.log(1.0 + b_noise / b) for b, _ in points]
+    log_s_min = sum(ls - sh for ls, sh in zip(log_s, shape)) / len(points)
+    err = sum((ls - log_s_min - sh) ** 2 for ls, sh in zip(log_s, shape))
+    if best is None or err < best[0]:
+      best = (err, math.exp(log_s_min), b_noise)
+  return best[1], best[2]
+
+
+def summary(results, workload, target):
+  """(the markdown of one workload, its fits {optimizer: (S_min,
+  B_noise)})."""
+  best = best_runs(results, workload, target)
+  batches = sorted({b for (_, b) in best})
+  optimizers = [o for o in FLAGS.optimizers if any(k[0] == o for k in best)]
+  optimizers += sorted({o for (o, _) in best} - set(optimizers))
+  fits = {}
+  lines = [
+      "### %s: steps to %s %s %.4g" % (
+          workload, vw.metric_name(workload),
+          "<=" if vw.is_loss_metric(workload) else ">=", target), "",
+      "| optimizer | " + " | ".join("B=%d" % b for b in batches) +
+      " | S_min | B_noise (critical batch) |",
+      "|---|" + "---:|" * (len(batches) + 2)]
+  for opt in optimizers:
+    cells, points = [], []
+    for b in batches:
+      if (opt, b) not in best:
+        cells.append("")
+        continue
+      s, r = best[(opt, b)]
+      value = "" if r.get("value") is None else " (lr %g)" % r["value"]
+      if "error" in r:
+        cells.append("error")
+      elif s is None:
+        cells.append("> %d%s" % (r["steps"], value))
+      else:
+        cells.append("%d%s" % (s, value))
+        points.append((b, s))
+    fit = fit_critical_batch(points)
+    if fit:
+      fits[opt] = fit
+    lines.append("| %s | %s | %s | %s |" % (
+        opt, " | ".join(cells), "%.0f" % fit[0] if fit else "-",
+        "%.0f" % fit[1] if fit else "-"))
+  lines.append("")
+  lines.append(
+      "Each cell: the fewest steps to the target over the optimizer's "
+      "learning-rate grid at that batch (its rate in brackets); \"> n\": "
+      "not reached in the n-step budget. S_min and B_noise: the fit of "
+      "S(B) = S_min (1 + B_noise / B) to the reached cells (3 or more).")
+  return "\n".join(lines) + "\n", fits
+
+
+def plot(results, fits_by_workload, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  workloads = list(fits_by_workload)
+  if not workloads:
+    return
+  fig, axes = plt.subplots(1, len(workloads), squeeze=False,
+                           figsize=(5 * len(workloads), 4))
+  for col, workload in enumerate(workloads):
+    ax = axes[0][col]
+    target = targets()[workload]
+    best = best_runs(results, workload, target)
+    for opt in sorted({o for (o, _) in best}):
+      pts = sorted((b, s) for (o, b), (s, _) in best.items()
+                   if o == opt and s)
+      if not pts:
+        continue
+      line, = ax.plot([b for b, _ in pts], [s for _, s in pts], "o-",
+                      label=opt)
+      fit = fits_by_workload[workload].get(opt)
+      if fit:
+        lo, hi = pts[0][0], pts[-1][0]
+        bs = [lo * (hi / lo) ** (k / 50.0) for k in range(51)]
+        ax.plot(bs, [fit[0] * (1 + fit[1] / b) for b in bs], ":",
+                color=line.get_color(), lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel("steps to target")
+    ax.set_title("%s (%s %g)" % (workload, vw.metric_name(workload), target))
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def _key(r):
+  return (r["workload"], r["batch"], r["optimizer"], r.get("value"),
+          r.get("seed", 0))
+
+
+def added_runs(paths, job_list):
+  """The runs of the files in `paths`, checked before anything trains: a
+  run present twice (in two files, or in a file and this invocation's
+  jobs) is an error naming it."""
+  seen = {(w, b, o, v, FLAGS.seed): "this run"
+          for w, b, o, v in job_list}
+  out = []
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    for r in data["runs"]:
+      if _key(r) in seen:
+        raise ValueError("%s holds the run %r, which %s has too" % (
+            path, _key(r), seen[_key(r)]))
+      seen[_key(r)] = path
+      out.append(r)
+  return out
+
+
+def main(argv):
+  del argv
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  goal = targets()
+  job_list = jobs()
+  added = added_runs(FLAGS.add_results, job_list)
+  results = run_all(job_list) + added
+  sections, fits = [], {}
+  workloads = [w for w in vw.WORKLOADS if any(r["workload"] == w
+                                              for r in results)]
+  for workload in workloads:
+    text, fits[workload] = summary(results, workload, goal[workload])
+    sections.append(text)
+  header = ("Steps to a fixed validation target against the global batch "
+            "(critical_batch.py; %s; %d training images, seed %d, step "
+            "budget %d at batch 256 scaled by sqrt(256 / B); %s).\n\n" % (
+                machine.cpu_name(), FLAGS.train_examples, FLAGS.seed,
+                FLAGS.max_steps, datetime.date.today().isoformat()))
+  with open(os.path.join(FLAGS.output_dir, "critical_batch.md"), "w") as f:
+    f.write(header + "\n".join(sections))
+  with open(os.path.join(FLAGS.output_dir, "critical_batch.json"), "w") as f:
+    json.dump({"command": " ".join(sys.argv), "targets": goal,
+               "fits": {w: {o: {"s_min": v[0], "b_noise": v[1]}
+                            for o, v in fw.items()}
+                        for w, fw in fits.items()},
+               "runs": results}, f, indent=1)
+  plot(results, fits, os.path.join(FLAGS.output_dir, "critical_batch.png"))
+  print(header + "\n".join(sections))
+
+
+if __name__ == "__main__":
+  app.run(main)
