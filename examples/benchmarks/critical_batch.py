@@ -46,7 +46,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 
 from absl import app
 from absl import flags
@@ -146,31 +145,13 @@ def _spawn(job, lock):
 
 def run_all(job_list):
   """The jobs, FLAGS.parallel at a time, in order; results in order."""
-  results = [None] * len(job_list)
-  lock, nxt = threading.Lock(), [0]
-
-  def loop():
-    while True:
-      with lock:
-        k = nxt[0]
-        nxt[0] += 1
-      if k >= len(job_list):
-        return
-      r = results[k] = _spawn(job_list[k], lock)
-      with lock:
-        print("done %s batch %d %s%s: %s" % (
-            r["workload"], r["batch"], r["optimizer"],
-            "" if r["value"] is None else " %g" % r["value"],
-            r.get("error") or "%d steps, best %.4f, %.1f ms/step (CPU)" % (
-                r["steps"], r["best"], r["ms_per_step_cpu"])), flush=True)
-
-  threads = [threading.Thread(target=loop)
-             for _ in range(max(1, min(2, FLAGS.parallel)))]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  return results
+  def report(r):
+    return "done %s batch %d %s%s: %s" % (
+        r["workload"], r["batch"], r["optimizer"],
+        "" if r["value"] is None else " %g" % r["value"],
+        r.get("error") or "%d steps, best %.4f, %.1f ms/step (CPU)" % (
+            r["steps"], r["best"], r["ms_per_step_cpu"]))
+  return vw.run_jobs(job_list, _spawn, FLAGS.parallel, report)
 
 
 def steps_to(run, workload, target):

@@ -64,7 +64,6 @@ import math
 import os
 import platform
 import sys
-import threading
 import time
 
 from absl import app
@@ -288,34 +287,15 @@ def _spawn(job, lock):
 
 def run_all(job_list):
   """Runs the jobs, FLAGS.parallel at a time, in order; results in order."""
-  results = [None] * len(job_list)
-  lock, nxt = threading.Lock(), [0]
-
-  def loop():
-    while True:
-      with lock:
-        k = nxt[0]
-        nxt[0] += 1
-      if k >= len(job_list):
-        return
-      results[k] = _spawn(job_list[k], lock)
-      r = results[k]
-      with lock:
-        print("done %s %s%s%s: %s" % (
-            r["workload"], r["optimizer"],
-            "" if r.get("value") is None else " %g" % r["value"],
-            " seed %d" % r["seed"] if len(seeds()) > 1 else "",
-            r.get("error") or "%d steps, %.1f ms/step (CPU), final %.4f, "
-            "best %.4f" % (r["steps"], r["ms_per_step_cpu"], r["final"],
-                           r["best"])), flush=True)
-
-  threads = [threading.Thread(target=loop)
-             for _ in range(max(1, min(2, FLAGS.parallel)))]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  return results
+  def report(r):
+    return "done %s %s%s%s: %s" % (
+        r["workload"], r["optimizer"],
+        "" if r.get("value") is None else " %g" % r["value"],
+        " seed %d" % r["seed"] if len(seeds()) > 1 else "",
+        r.get("error") or "%d steps, %.1f ms/step (CPU), final %.4f, "
+        "best %.4f" % (r["steps"], r["ms_per_step_cpu"], r["final"],
+                       r["best"]))
+  return vw.run_jobs(job_list, _spawn, FLAGS.parallel, report)
 
 
 def time_to(run, workload, target):

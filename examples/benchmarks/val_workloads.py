@@ -228,6 +228,34 @@ def worker_result(argv, lock):
   return result
 
 
+def run_jobs(job_list, spawn, parallel, report):
+  """Runs spawn(job, lock) for every job, `parallel` (at most 2) at a
+  time, in order, printing report(result) under the lock as each ends;
+  the results in the jobs' order."""
+  import threading
+  results = [None] * len(job_list)
+  lock, nxt = threading.Lock(), [0]
+
+  def loop():
+    while True:
+      with lock:
+        k = nxt[0]
+        nxt[0] += 1
+      if k >= len(job_list):
+        return
+      r = results[k] = spawn(job_list[k], lock)
+      with lock:
+        print(report(r), flush=True)
+
+  threads = [threading.Thread(target=loop)
+             for _ in range(max(1, min(2, parallel)))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return results
+
+
 def one_thread_run(workload, size, train_examples, val_examples, seed=0):
   """(x, y, x_val, y_val, model, loss) of a single run pinned to one
   TensorFlow thread with Keras seeded (the trace programs' set-up)."""
