@@ -53,6 +53,7 @@ from absl import flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from batch_scaling import fit_critical_batch
 import machine
 import val_workloads as vw
 
@@ -186,30 +187,6 @@ def best_runs(results, workload, target):
         "error" in have[1] or pick(r["best"], have[1]["best"]) == r["best"]):
       out[key] = (s, r)
   return out
-
-
-def fit_critical_batch(points):
-  """McCandlish et al.'s S(B) = S_min (1 + B_noise / B) fitted to
-  [(B, S)] by least squares on log S (a grid over B_noise, S_min in
-  closed form for each); (S_min, B_noise), or None with fewer than 3
-  points."""
-  points = [(float(b), float(s)) for b, s in points if s]
-  if len(points) < 3:
-    return None
-  log_s = [math.log(s) for _, s in points]
-  lo, hi = min(b for b, _ in points), max(b for b, _ in points)
-  best = None
-  # B_noise from 1/100 of the smallest batch to 100x the largest, on a
-  # log grid fine enough for 0.1 % (then the closed-form S_min).
-  n = 4000
-  for k in range(n + 1):
-    b_noise = lo / 100.0 * (100.0 * hi / (lo / 100.0)) ** (k / n)
-    shape = [math.log(1.0 + b_noise / b) for b, _ in points]
-    log_s_min = sum(ls - sh for ls, sh in zip(log_s, shape)) / len(points)
-    err = sum((ls - log_s_min - sh) ** 2 for ls, sh in zip(log_s, shape))
-    if best is None or err < best[0]:
-      best = (err, math.exp(log_s_min), b_noise)
-  return best[1], best[2]
 
 
 def summary(results, workload, target):

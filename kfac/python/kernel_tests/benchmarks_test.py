@@ -960,13 +960,18 @@ def test_critical_batch_fit_and_tiny_sweep(tmp_path):
   each stopping at its first validation at the target (else at its
   budget), the table and the plot; a second invocation at batch 128 merges with
   --add_results, and a run present twice is refused."""
+  # (batch_scaling, not critical_batch: a module defining absl flags cannot
+  # be imported next to another benchmark defining the same ones)
   sys.path.insert(0, str(BENCHMARKS))
-  import critical_batch  # pylint: disable=g-import-not-at-top
+  try:
+    import batch_scaling  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
   points = [(b, 100.0 * (1 + 1000.0 / b)) for b in (256, 1024, 4096, 8192)]
-  s_min, b_noise = critical_batch.fit_critical_batch(points)
+  s_min, b_noise = batch_scaling.fit_critical_batch(points)
   assert s_min == pytest.approx(100.0, rel=5e-3)
   assert b_noise == pytest.approx(1000.0, rel=5e-3)
-  assert critical_batch.fit_critical_batch(points[:2]) is None
+  assert batch_scaling.fit_critical_batch(points[:2]) is None
 
   common = ["--size=tiny", "--workloads=cnn", "--optimizers=kfac,adam",
             "--max_steps=8", "--evals=4", "--train_examples=512",

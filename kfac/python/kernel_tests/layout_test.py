@@ -224,3 +224,69 @@ def test_layout_page_names_every_package():
 def test_old_paths_import(name):
   module = __import__("kfac.python.ops." + name, fromlist=["_"])
   assert module.__name__ == "kfac.python.ops." + name
+
+
+BENCHMARKS = os.path.join(ROOT, "examples", "benchmarks")
+KERNEL_TESTS = os.path.join(PACKAGE, "python", "kernel_tests")
+
+
+def _imported_names(tree):
+  """The top-level module names a file's `import` statements name (at any
+  depth of the file: imports inside test functions count)."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names.add(node.module.split(".")[0])
+  return names
+
+
+def _module_level_flags(tree):
+  """The absl flags a module defines when imported: DEFINE_* calls in its
+  top-level statements (not in functions it leaves to its caller)."""
+  found = []
+  for stmt in tree.body:
+    if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+      continue
+    for node in ast.walk(stmt):
+      if (isinstance(node, ast.Call) and
+          isinstance(node.func, ast.Attribute) and
+          node.func.attr.startswith("DEFINE") and node.args and
+          isinstance(node.args[0], ast.Constant)):
+        found.append(node.args[0].value)
+  return found
+
+
+def test_benchmarks_imported_by_tests_define_no_flag_twice():
+  """Tests import some benchmark programs in-process; pytest's workers run
+  any of them in one process, and absl refuses a flag defined by two
+  modules (DuplicateFlagError). So no flag name may be defined at import by
+  two of the benchmark modules that tests import (with what those import in
+  turn); a test that needs a program's arithmetic imports a flag-free
+  module (as batch_scaling.py is for critical_batch.py)."""
+  def parse(path):
+    with open(path) as f:
+      return ast.parse(f.read(), path)
+
+  bench = {name[:-3]: parse(os.path.join(BENCHMARKS, name))
+           for name in os.listdir(BENCHMARKS) if name.endswith(".py")}
+  imported = set()
+  for name in os.listdir(KERNEL_TESTS):
+    if name.endswith(".py"):
+      imported |= _imported_names(parse(os.path.join(KERNEL_TESTS, name)))
+  pending = sorted(imported & set(bench))
+  closure = set()
+  while pending:
+    module = pending.pop()
+    if module not in closure:
+      closure.add(module)
+      pending.extend(sorted(_imported_names(bench[module]) & set(bench)))
+  definers = collections.defaultdict(set)
+  for module in closure:
+    for flag in _module_level_flags(bench[module]):
+      definers[flag].add(module)
+  twice = {f: sorted(m) for f, m in definers.items() if len(m) > 1}
+  assert closure, "no benchmark module imported by a test: the scan is broken"
+  assert not twice, ("benchmark modules that tests import define the same "
+                     "absl flags: %s" % twice)
