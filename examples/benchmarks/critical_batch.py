@@ -53,6 +53,7 @@ from absl import flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from batch_scaling import best_runs
 from batch_scaling import fit_critical_batch
 import machine
 import val_workloads as vw
@@ -153,40 +154,6 @@ def run_all(job_list):
         r.get("error") or "%d steps, best %.4f, %.1f ms/step (CPU)" % (
             r["steps"], r["best"], r["ms_per_step_cpu"]))
   return vw.run_jobs(job_list, _spawn, FLAGS.parallel, report)
-
-
-def steps_to(run, workload, target):
-  """The step of the run's first validation at least as good as the
-  target, or None."""
-  if "error" in run:
-    return None
-  for p in run["points"]:
-    if math.isfinite(p["metric"]) and vw.better(workload, p["metric"],
-                                                 target):
-      return p["step"]
-  return None
-
-
-def best_runs(results, workload, target):
-  """{(optimizer, batch): (steps to target or None, the run)}: per
-  optimizer and batch the run of its grid that reached the target in the
-  fewest steps (else the one with the best figure)."""
-  out = {}
-  pick = min if vw.is_loss_metric(workload) else max
-  for r in results:
-    if r["workload"] != workload:
-      continue
-    key = (r["optimizer"], r["batch"])
-    s = steps_to(r, workload, target)
-    have = out.get(key)
-    if have is None:
-      out[key] = (s, r)
-    elif s is not None and (have[0] is None or s < have[0]):
-      out[key] = (s, r)
-    elif s is None and have[0] is None and "error" not in r and (
-        "error" in have[1] or pick(r["best"], have[1]["best"]) == r["best"]):
-      out[key] = (s, r)
-  return out
 
 
 def summary(results, workload, target):

@@ -224,6 +224,9 @@ def run_worker(workload, opt_name, value):
       ms_per_step_cpu=1e3 * state["cpu"] / max(state["step"] - 1, 1),
       ms_per_step_wall=1e3 * state["wall"] / max(state["step"] - 1, 1),
       final=metrics[-1], best=pick(finite) if finite else float("nan"))
+  stats = vw.kfac_statistics_elements(opt)
+  if stats is not None:
+    result["statistics_elements"] = stats
   noise = getattr(opt, "noise_scale", None)
   if noise is not None and math.isfinite(float(noise)):
     # Kfac: the gradient noise scale it measured (recipe="auto", or

@@ -205,6 +205,29 @@ class WeightAverage(object):
     return [a.numpy() for a in self.avg]
 
 
+def kfac_statistics_elements(opt):
+  """The elements of the factor statistics a Kfac optimizer all-reduces at
+  each statistics update under a strategy (symmetric square statistics as
+  their upper triangles, as kfac's packed collective sends them), counted
+  from its layer collection after a traced step; None for other
+  optimizers or before the first step."""
+  engine = getattr(opt, "_kfac_engine", None)
+  report = getattr(engine, "report", None)
+  if report is None:
+    return None
+  count = 0
+  for factor in report[2].get_factors():
+    shape = [int(d) for d in factor.cov_shape]
+    if len(shape) == 2 and shape[0] == shape[1]:
+      count += shape[0] * (shape[0] + 1) // 2
+    else:
+      n = 1
+      for d in shape:
+        n *= d
+      count += n
+  return count
+
+
 def worker_result(argv, lock):
   """Runs one benchmark worker process (argv: its command), printing its
   "PROGRESS " lines under `lock` as they come; its "RESULT " line's JSON,

@@ -959,7 +959,11 @@ def test_critical_batch_fit_and_tiny_sweep(tmp_path):
   8 * sqrt(256 / B); ~1 CPU-minute) writes every run with its evaluations,
   each stopping at its first validation at the target (else at its
   budget), the table and the plot; a second invocation at batch 128 merges with
-  --add_results, and a run present twice is refused."""
+  --add_results, and a run present twice is refused. Then
+  large_batch_projection.py on the first sweep at global batch 64 on 2 and 4
+  workers: each run that reached the target projected to steps * (compute
+  at the per-worker batch + ring all-reduces), recomputed here, the step
+  times cached and not measured again."""
   # (batch_scaling, not critical_batch: a module defining absl flags cannot
   # be imported next to another benchmark defining the same ones)
   sys.path.insert(0, str(BENCHMARKS))
@@ -1022,3 +1026,81 @@ def test_critical_batch_fit_and_tiny_sweep(tmp_path):
       check=False)
   assert proc.returncode != 0
   assert "which this run has too" in proc.stderr, proc.stderr[-2000:]
+
+  # The projection to W workers at global batch 64 from the first sweep:
+  # the step times measured at the per-worker batches (and cached), the
+  # projected time = steps * (compute + ring all-reduces), recomputed here.
+  times = tmp_path / "step_times.json"
+  proj_flags = ["--critical_batch=%s" % (first / "critical_batch.json"),
+                "--global_batch=64", "--workers=2,4", "--size=tiny",
+                "--time_steps=3", "--train_examples=512",
+                "--compute_speedup=1,10", "--step_times=%s" % times]
+  out = _run("large_batch_projection.py", proj_flags, tmp_path / "proj")
+  assert "measuring" in out
+  proj = json.loads((tmp_path / "proj" /
+                     "large_batch_projection.json").read_text())
+  cache = json.loads(times.read_text())
+  reached = {o for (o, b), (s, _) in batch_scaling.best_runs(
+      runs, "cnn", 0.15).items() if b == 64 and s}
+  assert reached and {r["optimizer"] for r in proj["projections"]["1"]} == (
+      reached)
+  bw, lat = 25e9 / 8, 10e-6
+  for speedup in ("1", "10"):
+    for r in proj["projections"][speedup]:
+      for w in (2, 4):
+        key = "cnn/%s/%s/%d" % (r["optimizer"], "default" if r["value"] is
+                                None else "%.6g" % r["value"], 64 // w)
+        t = cache[key]
+        comm = batch_scaling.ring_allreduce_s(4.0 * t["parameters"], w, lat,
+                                              bw)
+        if r["optimizer"] == "kfac":
+          assert t["statistics_elements"] > t["parameters"], t
+          comm += batch_scaling.ring_allreduce_s(
+              4.0 * t["statistics_elements"], w, lat, bw)
+          comm += batch_scaling.ring_allreduce_s(32.0, w, lat, bw)
+        want = r["steps"] * (t["ms_per_step_cpu"] / 1e3 / float(speedup) +
+                             comm)
+        assert r["by_w"][str(w)][0] == pytest.approx(want, rel=1e-9), r
+  text = (tmp_path / "proj" / "large_batch_projection.md").read_text()
+  assert "| W=2 | W=4 |" in text and "compute 10x" in text, text
+  _png(tmp_path / "proj" / "large_batch_projection.png")
+  # Rerun: every step time from the cache, nothing measured.
+  out = _run("large_batch_projection.py", proj_flags, tmp_path / "proj2")
+  assert "measuring" not in out
+
+
+def test_multiworker_step_time_quick(tmp_path):
+  """multiworker_step_time.py --quick on 1 and 2 localhost workers: a row
+  per (workload, optimizer, W) with the step and compute times, K-FAC
+  sending its statistics besides the gradients Adam sends, nothing sent on
+  one worker, the fitted all-reduce line, the model's prediction (compute +
+  collectives x latency + bytes / bandwidth), the table and the plot."""
+  _run("multiworker_step_time.py", ["--quick", "--workers=1,2"], tmp_path)
+  data = json.loads((tmp_path / "multiworker_step_time.json").read_text())
+  rows = data["rows"]
+  assert sorted((r["workload"], r["optimizer"], r["workers"]) for r in rows
+               ) == sorted((w, o, n) for w in ("autoencoder", "convnet")
+                           for o in ("kfac", "adam") for n in (1, 2))
+  fit = data["fits"]["2"]
+  assert fit["latency_s"] >= 0 and fit["bytes_per_s"] > 0, fit
+  for r in rows:
+    assert r["ms_step"] > 0 and r["ms_compute"] > 0, r
+    assert r["global_batch"] == 128 * r["workers"], r
+    if r["workers"] == 1:
+      assert r["bytes"] == 0 and r["ms_predicted"] == r["ms_compute"], r
+    else:
+      want = r["ms_compute"] + 1e3 * (
+          r["collectives"] * fit["latency_s"] +
+          r["bytes"] / fit["bytes_per_s"])
+      assert r["ms_predicted"] == pytest.approx(want, rel=1e-9), r
+  for w in ("autoencoder", "convnet"):
+    kfac, adam = [[r for r in rows if r["workload"] == w and
+                   r["optimizer"] == o and r["workers"] == 2][0]
+                  for o in ("kfac", "adam")]
+    assert kfac["grad_elements"] == adam["grad_elements"]
+    assert kfac["bytes"] == 4 * (kfac["stat_elements"] +
+                                 kfac["grad_elements"]) > adam["bytes"] == (
+                                     4 * adam["grad_elements"])
+  table = (tmp_path / "multiworker_step_time.md").read_text()
+  assert "| workers | all-reduce latency (ms) | bandwidth (MB/s) |" in table
+  _png(tmp_path / "multiworker_step_time.png")
