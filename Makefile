@@ -217,6 +217,8 @@ bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
 	$(VPY) examples/benchmarks/keras_zoo_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/products_step_time.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/multiworker_step_time.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/large_batch_projection.py --output_dir=$(BENCH_OUT)
 	$(VPY) examples/benchmarks/keras_validation.py --output_dir=$(BENCH_OUT)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
 

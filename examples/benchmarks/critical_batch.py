@@ -275,11 +275,15 @@ def main(argv):
   for workload in workloads:
     text, fits[workload] = summary(results, workload, goal[workload])
     sections.append(text)
+  budgets = sorted({(r["workload"], int(round(
+      r["step_budget"] * math.sqrt(r["batch"] / BASE_BATCH))))
+                    for r in results if "step_budget" in r})
   header = ("Steps to a fixed validation target against the global batch "
             "(critical_batch.py; %s; %d training images, seed %d, step "
-            "budget %d at batch 256 scaled by sqrt(256 / B); %s).\n\n" % (
+            "budget at batch 256 %s, scaled by sqrt(256 / B); %s).\n\n" % (
                 machine.cpu_name(), FLAGS.train_examples, FLAGS.seed,
-                FLAGS.max_steps, datetime.date.today().isoformat()))
+                ", ".join("%s %d" % b for b in budgets),
+                datetime.date.today().isoformat()))
   with open(os.path.join(FLAGS.output_dir, "critical_batch.md"), "w") as f:
     f.write(header + "\n".join(sections))
   with open(os.path.join(FLAGS.output_dir, "critical_batch.json"), "w") as f:

@@ -43,7 +43,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-import numpy as np
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "bench_results", "Where the table goes.")
@@ -70,8 +69,6 @@ def _measure(workload_name, strategy, variant):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import workloads as workloads_lib
   import kfac
-  from kfac.python.ops.estimation import estimator as est_lib
-  from kfac.python.ops.distribute import collective
 
   replicas = strategy.num_replicas_in_sync
   workload = workloads_lib.get(workload_name, small=FLAGS.quick)
@@ -118,24 +115,8 @@ def _measure(workload_name, strategy, variant):
   ms = (time.perf_counter() - start) * 1000.0 / steps
 
   # What one replica sends per step: count it on a single-replica graph.
-  with tf.Graph().as_default():
-    lc = kfac.LayerCollection()
-    plain = workload.make_variables(workload.init_params(data, seed=0))
-    logits = workload.forward(tf.constant(x[:per]), plain, lc)
-    workload.register_loss(lc, logits, tf.constant(
-        y[:per], workload.target_dtype))
-    est = est_lib.FisherEstimator(
-        variables=workload.flat_variables(plain), cov_ema_decay=0.95,
-        damping=1.0, layer_collection=lc)
-    stats, symmetric = [], []
-    for factor in est.factors:
-      for stat, sym in factor.covariance_statistics():
-        stats.append(stat)
-        symmetric.append(sym)
-    stat_elements = collective.packed_size(stats, symmetric)
-    grad_elements = sum(int(np.prod(v.shape))
-                        for v in workload.flat_variables(plain))
-    inv_elements = sum(int(np.prod(v.shape)) for vs in est.get_inv_vars() for v in vs)
+  stat_elements, grad_elements, inv_elements = (
+      workloads_lib.all_reduced_elements(workload, data, x[:per], y[:per]))
   if variant == "lazy":
     stat_elements /= float(INVERT_EVERY)
   sent = stat_elements + grad_elements

@@ -48,7 +48,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -115,29 +114,6 @@ def _step_fn(kfac, tf, workload, opt_name, variables, opt, scale):
   return step
 
 
-def _counted(kfac, tf, workload, data, x, y):
-  """(statistics elements, gradient elements) one worker all-reduces per
-  K-FAC step, counted on a graph of the model."""
-  from kfac.python.ops.distribute import collective
-  from kfac.python.ops.estimation import estimator as est_lib
-  with tf.Graph().as_default():
-    lc = kfac.LayerCollection()
-    plain = workload.make_variables(workload.init_params(data, seed=0))
-    logits = workload.forward(tf.constant(x), plain, lc)
-    workload.register_loss(lc, logits, tf.constant(y, workload.target_dtype))
-    est = est_lib.FisherEstimator(
-        variables=workload.flat_variables(plain), cov_ema_decay=0.95,
-        damping=1.0, layer_collection=lc)
-    stats, symmetric = [], []
-    for factor in est.factors:
-      for stat, sym in factor.covariance_statistics():
-        stats.append(stat)
-        symmetric.append(sym)
-    return (collective.packed_size(stats, symmetric),
-            sum(int(np.prod(v.shape)) for v in
-                workload.flat_variables(plain)))
-
-
 def _measure(strategy, workload_name, opt_name, workers, index):
   import tensorflow as tf
   import kfac
@@ -186,7 +162,8 @@ def _measure(strategy, workload_name, opt_name, workers, index):
   ms_local = _timed(run_local, steps)
   _barrier(strategy, tf)
   ms_dist = _timed(run_distributed, steps)
-  stat_elements, grad_elements = _counted(kfac, tf, workload, data, x, y)
+  stat_elements, grad_elements, _ = workloads_lib.all_reduced_elements(
+      workload, data, x, y)
   if opt_name != "kfac":
     stat_elements = 0
   return dict(workload=workload_name, optimizer=opt_name, workers=workers,

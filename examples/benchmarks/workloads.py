@@ -207,3 +207,32 @@ def get(name, small=False):
 def random_batch(data, batch_size, seed):
   rng = np.random.RandomState(seed)
   return data.batch(rng.choice(len(data), batch_size, replace=False))
+
+
+def all_reduced_elements(workload, data, x, y):
+  """What one replica of a K-FAC step on the examples (x, y) all-reduces,
+  counted on a graph of the model: (statistics elements: the factors'
+  statistics as kfac's packed collective sends them, symmetric ones as
+  upper triangles; gradient elements; inverse elements: every factor's
+  inverses in full)."""
+  import kfac  # pylint: disable=g-import-not-at-top
+  from kfac.python.ops.distribute import collective  # pylint: disable=g-import-not-at-top
+  from kfac.python.ops.estimation import estimator as est_lib  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    lc = kfac.LayerCollection()
+    plain = workload.make_variables(workload.init_params(data, seed=0))
+    logits = workload.forward(tf.constant(x), plain, lc)
+    workload.register_loss(lc, logits, tf.constant(y, workload.target_dtype))
+    est = est_lib.FisherEstimator(
+        variables=workload.flat_variables(plain), cov_ema_decay=0.95,
+        damping=1.0, layer_collection=lc)
+    stats, symmetric = [], []
+    for factor in est.factors:
+      for stat, sym in factor.covariance_statistics():
+        stats.append(stat)
+        symmetric.append(sym)
+    return (collective.packed_size(stats, symmetric),
+            sum(int(np.prod(v.shape)) for v in
+                workload.flat_variables(plain)),
+            sum(int(np.prod(v.shape)) for vs in est.get_inv_vars()
+                for v in vs))
