@@ -192,12 +192,33 @@ def summary(results, workload, target):
     lines.append("| %s | %s | %s | %s |" % (
         opt, " | ".join(cells), "%.0f" % fit[0] if fit else "-",
         "%.0f" % fit[1] if fit else "-"))
+  peers = [o for o in optimizers if o in vw.PEERS]
+  if "kfac" in optimizers and peers:
+    cells = []
+    for b in batches:
+      mine = best.get(("kfac", b), (None, None))[0]
+      theirs = [(best[(o, b)][0], o) for o in peers
+                if best.get((o, b), (None, None))[0]]
+      if mine and theirs:
+        steps, peer = min(theirs)
+        cells.append("%.2fx (%s)" % (mine / float(steps), peer))
+      else:
+        cells.append("-")
+    fit_ratio = ("%.1fx" % (fits["kfac"][1] / max(
+        fits[o][1] for o in peers if o in fits))
+                 if "kfac" in fits and any(o in fits for o in peers)
+                 else "-")
+    lines.append("| kfac / best peer | %s | | %s |" % (" | ".join(cells),
+                                                      fit_ratio))
   lines.append("")
   lines.append(
       "Each cell: the fewest steps to the target over the optimizer's "
       "learning-rate grid at that batch (its rate in brackets); \"> n\": "
       "not reached in the n-step budget. S_min and B_noise: the fit of "
-      "S(B) = S_min (1 + B_noise / B) to the reached cells (3 or more).")
+      "S(B) = S_min (1 + B_noise / B) to the reached cells (3 or more). "
+      "kfac / best peer: K-FAC's default recipe's steps over the fewest of "
+      "the peers' (which peer), and its critical batch over the largest "
+      "of theirs.")
   return "\n".join(lines) + "\n", fits
 
 

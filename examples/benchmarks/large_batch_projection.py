@@ -48,6 +48,9 @@ import val_workloads as vw
 flags.DEFINE_string("critical_batch", os.path.join(
     HERE, "results", "critical_batch.json"), "critical_batch.py's results.")
 flags.DEFINE_integer("global_batch", 4096, "The global batch B.")
+flags.DEFINE_list("optimizers", ["kfac"] + list(vw.PEERS), "Optimizers "
+                  "projected (those of them with a run at B that reached "
+                  "the target).")
 flags.DEFINE_list("workers", ["8", "16", "32", "64", "128", "256"],
                   "Worker counts W (B / W examples per worker).")
 flags.DEFINE_float("bandwidth_gbit", 25.0, "Network bandwidth per worker, "
@@ -82,7 +85,7 @@ def chosen_runs(data, batch):
   for workload, target in sorted(data["targets"].items()):
     best = batch_scaling.best_runs(data["runs"], workload, target)
     for (opt, b), (steps, run) in sorted(best.items()):
-      if b == batch and steps:
+      if b == batch and steps and opt in FLAGS.optimizers:
         out.append((workload, opt, steps, run))
   return out
 

@@ -87,6 +87,10 @@ KFAC_VARIANTS = {
     "kfac_auto_r01": {"recipe": "auto", "auto_switch_ratio": 0.1},
     # The recipe before its first burn-in step gathered statistics only.
     "kfac_calibrate_all": {"num_calibration_steps": 5},
+    # Large batches (docs/large_batch.md): few steps to the target, so
+    # inverses every step and statistics that forget faster.
+    "kfac_invert1": {"invert_every": 1},
+    "kfac_invert1_decay80": {"invert_every": 1, "cov_ema_decay": 0.8},
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
     "kfac_qmodel_quarter": {"qmodel_batch_fraction": 0.25},
     "kfac_qmodel_eighth": {"qmodel_batch_fraction": 0.125},

@@ -1009,6 +1009,7 @@ def test_critical_batch_fit_and_tiny_sweep(tmp_path):
       assert r["steps"] == budget, r
   table = (first / "critical_batch.md").read_text()
   assert "| optimizer | B=32 | B=64 | S_min |" in table, table
+  assert "\n| kfac / best peer | " in table, table
   _png(first / "critical_batch.png")
 
   second = tmp_path / "second"
