@@ -204,7 +204,7 @@ def summary(results, workload, target):
         cells.append("%.2fx (%s)" % (mine / float(steps), peer))
       else:
         cells.append("-")
-    fit_ratio = ("%.1fx" % (fits["kfac"][1] / max(
+    fit_ratio = ("%.2fx" % (fits["kfac"][1] / max(
         fits[o][1] for o in peers if o in fits))
                  if "kfac" in fits and any(o in fits for o in peers)
                  else "-")

@@ -13,9 +13,9 @@ critical_batch.py results file that reached the workload's target at B:
                by --compute_speedup (1: this machine's core is the worker);
   all-reduce   the bytes each worker sends per step under a strategy: the
                gradients (float32, one collective) and, for K-FAC, its factor
-               statistics (upper triangles, one collective; the default
-               recipe updates them every step) and the quadratic model's
-               scalars (one more collective), each costing
+               statistics (upper triangles, one collective at each of their
+               updates: every 2 steps in the default recipe) and the
+               quadratic model's scalars (one more collective), each costing
                batch_scaling.ring_allreduce_s at --bandwidth_gbit and
                --latency_us per message;
 
@@ -135,6 +135,7 @@ def step_times(chosen, workers):
 def project(chosen, times, workers, speedup):
   """[{workload, optimizer, steps, by_w: {W: (seconds, compute s, comm s,
   MB per step)}}]."""
+  from kfac.python.ops.adaptive import recipe  # pylint: disable=g-import-not-at-top
   bandwidth = FLAGS.bandwidth_gbit * 1e9 / 8.0
   latency = FLAGS.latency_us * 1e-6
   rows = []
@@ -147,9 +148,15 @@ def project(chosen, times, workers, speedup):
       comm = batch_scaling.ring_allreduce_s(grads, w, latency, bandwidth)
       sent = grads
       if opt in vw.KFAC_VARIANTS:
+        # The statistics are all-reduced at their updates, every
+        # cov_update_every steps (the recipe's default unless the variant
+        # sets it): per step, that share of one all-reduce.
+        every = vw.KFAC_VARIANTS[opt].get("cov_update_every",
+                                          recipe.COV_UPDATE_EVERY)
         stats = 4.0 * t["statistics_elements"]
-        sent += stats
-        comm += batch_scaling.ring_allreduce_s(stats, w, latency, bandwidth)
+        sent += stats / every
+        comm += batch_scaling.ring_allreduce_s(
+            stats, w, latency, bandwidth) / every
         comm += batch_scaling.ring_allreduce_s(
             4.0 * 8, w, latency, bandwidth) * (KFAC_COLLECTIVES - 2)
       by_w[w] = (steps * (compute + comm), compute, comm, sent / 1e6)
