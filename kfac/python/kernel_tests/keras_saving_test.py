@@ -95,10 +95,54 @@ def _assert_identical(got, want):
 
 
 @functools.lru_cache(maxsize=None)
-def _uninterrupted():
+def _uninterrupted(epochs=EPOCHS):
   model = _model()
-  _fit(model, EPOCHS)
+  _fit(model, epochs)
   return _state(model)
+
+
+class _ResumeStart(keras.callbacks.Callback):
+  """Records where a resumed fit starts: its first epoch, and the model's
+  and optimizer's whole state as its first batch begins (after every
+  restore of on_train_begin)."""
+
+  def __init__(self):
+    super().__init__()
+    self.epoch, self.state = None, None
+
+  def on_epoch_begin(self, epoch, logs=None):
+    if self.epoch is None:
+      self.epoch = epoch
+
+  def on_train_batch_begin(self, batch, logs=None):
+    if self.state is None:
+      self.state = _state(self.model)
+
+
+def _assert_resumed_at(start, epoch, fresh):
+  """The resumed fit began at `epoch` with the optimizer at that epoch's
+  step, in the uninterrupted run's state after `epoch` epochs, and that
+  state is not a fresh model's (a restore that does nothing fails here)."""
+  assert start.epoch == epoch, (start.epoch, epoch)
+  steps = epoch * (N // BATCH)
+  assert int(start.state["iterations"]) == steps, (
+      start.state["iterations"], steps)
+  want = _uninterrupted(epoch)
+  if LEGACY:
+    # tf_keras restores the optimizer's variables when they are created, in
+    # the first step: at its start only the model's weights are back.
+    start_weights = {k: v for k, v in start.state.items()
+                     if k.startswith("weights/")}
+    assert sorted(start_weights) == sorted(
+        k for k in want if k.startswith("weights/"))
+    for key, value in start_weights.items():
+      np.testing.assert_array_equal(value, want[key], err_msg=key)
+  else:
+    _assert_identical(start.state, want)
+  for key, value in fresh.items():
+    if key.startswith("weights/"):
+      assert not np.array_equal(value, want[key]), key
+  assert int(fresh["iterations"]) == 0
 
 
 class _Interrupt(keras.callbacks.Callback):
@@ -127,12 +171,50 @@ def _interrupted(callbacks, epoch, batch=0):
   return model
 
 
-def test_backup_and_restore_per_epoch_resumes_bit_for_bit(tmp_path):
+def _backup_and_restore_per_epoch(tmp_path):
   backup = str(tmp_path / "backup")
   _interrupted([keras.callbacks.BackupAndRestore(backup)], epoch=2, batch=1)
   resumed = _model(global_seed=RESUME_SEED)  # a new model and a new Kfac
-  _fit(resumed, EPOCHS, callbacks=[keras.callbacks.BackupAndRestore(backup)])
+  fresh = _state(resumed)
+  start = _ResumeStart()
+  _fit(resumed, EPOCHS,
+       callbacks=[keras.callbacks.BackupAndRestore(backup), start])
+  # The backup is of epoch 1's end: the resumed fit starts at epoch 2.
+  _assert_resumed_at(start, 2, fresh)
   _assert_identical(_state(resumed), _uninterrupted())
+
+
+def test_backup_and_restore_per_epoch_resumes_bit_for_bit(tmp_path):
+  _backup_and_restore_per_epoch(tmp_path)
+
+
+def _restore_nothing(self, *args, **kwargs):
+  del self, args, kwargs
+
+
+@pytest.mark.parametrize("disabled", ["backup_and_restore", "kfac_state"])
+def test_resume_test_fails_when_the_restore_does_nothing(tmp_path,
+                                                         monkeypatch,
+                                                         disabled):
+  """The resume test above fails on a build whose restore does nothing:
+  BackupAndRestore restoring nothing (the resumed fit trains from scratch),
+  or Kfac loading none of its state (the model's weights come back, the
+  K-FAC factors, inverses and counters do not)."""
+  if disabled == "backup_and_restore" and LEGACY:
+    # tf_keras's callback sets up its state, then restores through it.
+    from tf_keras.src.distribute import worker_training_state  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(worker_training_state.WorkerTrainingState, "restore",
+                        _restore_nothing)
+  elif disabled == "backup_and_restore":
+    monkeypatch.setattr(keras.callbacks.BackupAndRestore, "on_train_begin",
+                        _restore_nothing)
+  else:
+    monkeypatch.setattr(type(_model().optimizer), "load_own_variables",
+                        _restore_nothing)
+  with pytest.raises(AssertionError) as info:
+    _backup_and_restore_per_epoch(tmp_path)
+  # Caught by the checks of where the resumed fit starts, not later.
+  assert "_assert_resumed_at" in [entry.name for entry in info.traceback]
 
 
 @pytest.mark.slow  # over 4 s in the fast tier (docs/testing.md)
@@ -143,8 +225,13 @@ def test_backup_and_restore_per_steps_resumes_bit_for_bit(tmp_path):
   _interrupted([keras.callbacks.BackupAndRestore(backup, save_freq=2)],
                epoch=1, batch=2)
   resumed = _model(global_seed=RESUME_SEED)
+  start = _ResumeStart()
   _fit(resumed, EPOCHS,
-       callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+       callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2),
+                  start])
+  # Restored: the optimizer resumes at the backup's step 4, in epoch 1.
+  assert start.epoch == 1, start.epoch
+  assert int(start.state["iterations"]) == 4, start.state["iterations"]
   # Neither Keras continues a mid-epoch backup on the uninterrupted run's
   # batches (Adam neither): Keras 3 records the epoch only and takes epoch 1
   # again from its first batch; tf_keras starts epoch 1 at step 1 but
@@ -266,5 +353,7 @@ def test_tf_keras():
   """This file's tests again under tf_keras (TF_USE_LEGACY_KERAS=1)."""
   if LEGACY:
     return  # this is the run under tf_keras
+  # tf_keras restores Kfac's state through tf.train.Checkpoint's tracking,
+  # not load_own_variables: "kfac_state" disables nothing there.
   keras_optimizer_test.run_file_under_tf_keras(
-      __file__, "not tf_keras")
+      __file__, "not tf_keras and not kfac_state")
