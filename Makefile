@@ -36,6 +36,11 @@
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #                  and of keras_validation.py (the peers' learning rates, 60 runs: about
 #                  2 hours at that pace; writes examples/benchmarks/keras_validation_tuned.json)
+#   make docs      render every generated table of README.md and docs/ from the
+#                  results file its marker names (examples/benchmarks/doc_tables.py)
+#   make docs-check  fail when a generated table differs from its results file or
+#                  a doc names a make target, program, flag or path that does not
+#                  exist (no TensorFlow; seconds; also a fast test)
 #   make data      best-effort offline Fashion-MNIST for Keras
 #   make test-tf215  the Estimator / TPUEstimator tests and a core subset under
 #                  TensorFlow 2.15 in .venv-tf215 (about 1.5 min to install
@@ -60,7 +65,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 
 .PHONY: all venv venv-tf215 test-tf215 data test test-slow test-all demo demo-autoencoder \
         demo-convnet demo-rnn demo-keras demo-adaptive bench bench-step bench-tune clean \
-        distclean
+        distclean docs docs-check
 
 all: test
 
@@ -170,6 +175,13 @@ demo-keras: venv data
 
 demo-adaptive: venv data
 	$(VPY) examples/adaptive_autoencoder.py
+
+# The docs' generated tables and references (plain Python, no venv needed).
+docs:
+	$(PYTHON) examples/benchmarks/doc_tables.py
+
+docs-check:
+	$(PYTHON) examples/benchmarks/doc_tables.py --check
 
 # The old library (kfac 0.2.4, frozen TF1 code) is the baseline of the step
 # benchmark. It goes into its own folder, without dependencies, so that it is

@@ -290,12 +290,13 @@ def main(argv):
   job_list = jobs()
   added = added_runs(FLAGS.add_results, job_list)
   results = run_all(job_list) + added
-  sections, fits = [], {}
+  sections, fits, tables = [], {}, {}
   workloads = [w for w in vw.WORKLOADS if any(r["workload"] == w
                                               for r in results)]
   for workload in workloads:
     text, fits[workload] = summary(results, workload, goal[workload])
     sections.append(text)
+    tables[workload] = text
   budgets = sorted({(r["workload"], int(round(
       r["step_budget"] * math.sqrt(r["batch"] / BASE_BATCH))))
                     for r in results if "step_budget" in r})
@@ -312,7 +313,9 @@ def main(argv):
                "fits": {w: {o: {"s_min": v[0], "b_noise": v[1]}
                             for o, v in fw.items()}
                         for w, fw in fits.items()},
-               "runs": results}, f, indent=1)
+               # The markdown of each workload (doc_tables.py renders the
+               # docs' tables from it).
+               "tables": tables, "runs": results}, f, indent=1)
   plot(results, fits, os.path.join(FLAGS.output_dir, "critical_batch.png"))
   print(header + "\n".join(sections))
 

@@ -395,6 +395,42 @@ def table(results, workload):
   return "\n".join(lines) + "\n"
 
 
+def summary_table(results, workloads):
+  """One row per workload: the target and the peer that set it, K-FAC's
+  (the default recipe, `kfac`) best figure and time to the target, the
+  fastest peer's, and the CPU cost of a step against the peers'."""
+  lines = [
+      "| workload | target (set by) | kfac best | kfac CPU s to target | "
+      "fastest peer to target | kfac time / fastest peer's | kfac ms/step "
+      "/ peers' median |",
+      "|---|---|---:|---:|---|---:|---:|"]
+  for workload in workloads:
+    runs = [r for r in results if r["workload"] == workload
+            and "error" not in r]
+    target, setter = target_of(runs, workload)
+    kfac = next((r for r in runs if r["optimizer"] == "kfac"), None)
+    peers = [r for r in runs if r["optimizer"] in vw.PEERS]
+    if kfac is None or not peers:
+      continue
+    hits = [(time_to(r, workload, target), r) for r in peers]
+    hits = [(h[0], r) for h, r in hits if h]
+    fastest = min(hits, key=lambda h: h[0]) if hits else None
+    mine = time_to(kfac, workload, target)
+    costs = sorted(r["ms_per_step_cpu"] for r in peers)
+    median = costs[len(costs) // 2] if len(costs) % 2 else 0.5 * (
+        costs[len(costs) // 2 - 1] + costs[len(costs) // 2])
+    lines.append("| %s | %s %.4f (%s) | %.4f | %s | %s | %s | %.1fx |" % (
+        workload, vw.metric_name(workload), target,
+        setter["optimizer"] if setter else "-", kfac["best"],
+        "%.1f" % mine[0] if mine else "not reached",
+        "%s, %.1f s" % (fastest[1]["optimizer"], fastest[0])
+        if fastest else "-",
+        "**%.2fx**" % (mine[0] / fastest[0]) if mine and fastest and
+        fastest[0] > 0 else "-",
+        kfac["ms_per_step_cpu"] / median))
+  return "\n".join(lines)
+
+
 def machine_line():
   cpu = machine.cpu_name()
   import keras
@@ -666,10 +702,17 @@ def main(argv):
               FLAGS.train_examples, FLAGS.val_examples, FLAGS.size))
   stem = "keras_validation_tune" if FLAGS.tune else "keras_validation"
   all_seeds = sorted(set(seeds()) | {r["seed"] for r in added})
+  first = [r for r in results + added if r.get("seed", seeds()[0]) ==
+           seeds()[0]]
+  # The markdown that doc_tables.py renders into the docs: the summary (the
+  # first seed's runs) and each workload's table.
+  tables = {"summary": summary_table(first, FLAGS.workloads)}
+  tables.update({w: table(first, w) for w in FLAGS.workloads})
   with open(os.path.join(FLAGS.output_dir, stem + ".json"), "w") as f:
     json.dump({"machine": machine, "command": command, "head": head,
                "date": started.isoformat(), "seed": seeds()[0],
-               "seeds": all_seeds, "runs": results, "added_runs": added},
+               "seeds": all_seeds, "runs": results, "added_runs": added,
+               "tables": tables},
               f, indent=1)
   if FLAGS.tune:
     # Merged into the file: the pairs tuned here replace theirs, the others
@@ -689,8 +732,8 @@ def main(argv):
     with open(FLAGS.tuned, "w") as f:
       json.dump(tuned_file, f, indent=1, sort_keys=True)
   if len(all_seeds) == 1:
-    text = head + "\n".join(table(results + added, w)
-                            for w in FLAGS.workloads)
+    text = head + tables["summary"] + "\n\n" + "\n".join(
+        table(results + added, w) for w in FLAGS.workloads)
   else:
     both = results + added
     parts, summaries = [], {}

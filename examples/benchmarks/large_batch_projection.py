@@ -242,8 +242,10 @@ def main(argv):
               os.path.basename(FLAGS.critical_batch), machine.cpu_name(),
               FLAGS.bandwidth_gbit, FLAGS.latency_us,
               datetime.date.today().isoformat()), ""]
+  tables = {}
   for s in speedups:
-    text += [table(rows[s], workers, "%g" % s), ""]
+    tables["compute_%gx" % s] = table(rows[s], workers, "%g" % s)
+    text += [tables["compute_%gx" % s], ""]
   with open(os.path.join(FLAGS.output_dir, "large_batch_projection.md"),
             "w") as f:
     f.write("\n".join(text))
@@ -253,7 +255,8 @@ def main(argv):
         global_batch=FLAGS.global_batch, workers=workers,
         bandwidth_gbit=FLAGS.bandwidth_gbit, latency_us=FLAGS.latency_us,
         critical_batch=os.path.basename(FLAGS.critical_batch),
-        projections={"%g" % s: rows[s] for s in speedups}), f, indent=1)
+        projections={"%g" % s: rows[s] for s in speedups},
+        tables=tables), f, indent=1)
   plot({"%g" % s: rows[s] for s in speedups}, workers,
        ["%g" % s for s in speedups],
        os.path.join(FLAGS.output_dir, "large_batch_projection.png"))

@@ -370,7 +370,8 @@ def main(argv):
                    fits={w: dict(latency_s=f[0], bytes_per_s=f[1])
                          for w, f in fits.items() if w > 1},
                    per_worker_batch=FLAGS.per_worker_batch,
-                   cpu=platform.processor() or platform.machine()), f,
+                   cpu=platform.processor() or platform.machine(),
+                   tables={"step_time": table}), f,
               indent=1)
   _plot(rows, os.path.join(FLAGS.output_dir, "multiworker_step_time.png"))
   print(table)

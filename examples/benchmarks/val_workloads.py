@@ -91,6 +91,15 @@ KFAC_VARIANTS = {
     # inverses every step and statistics that forget faster.
     "kfac_invert1": {"invert_every": 1},
     "kfac_invert1_decay80": {"invert_every": 1, "cov_ema_decay": 0.8},
+    # The levers together, and the convolutions' input statistics on a
+    # fifth of the batch (sub_sample_inputs: inputs_to_extract_patches_factor
+    # 0.2 of the examples).
+    "kfac_damping_1e-2_qmodel_quarter": {"damping": 1e-2,
+                                         "qmodel_batch_fraction": 0.25},
+    "kfac_damping_1e-2_invert1_decay80": {"damping": 1e-2, "invert_every": 1,
+                                          "cov_ema_decay": 0.8},
+    "kfac_conv_stats_fifth": {"registration_options": {
+        "__class__:Conv2D": {"sub_sample_inputs": True}}},
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
     "kfac_qmodel_quarter": {"qmodel_batch_fraction": 0.25},
     "kfac_qmodel_eighth": {"qmodel_batch_fraction": 0.125},

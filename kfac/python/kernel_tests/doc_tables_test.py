@@ -1,0 +1,163 @@
+"""The docs' generated tables equal their results files, and the docs name
+only make targets, programs, flags and paths that exist
+(examples/benchmarks/doc_tables.py, `make docs-check`). Each check is also
+shown to fail on a copy of the tree with one thing broken: a table cell
+edited by hand, a target, flag, program or path that does not exist."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(ROOT, "examples", "benchmarks"))
+import doc_tables  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def test_committed_docs_pass_the_check():
+  assert doc_tables.table_differences() == []
+  assert doc_tables.reference_problems() == []
+
+
+def test_docs_have_generated_tables():
+  marked = 0
+  for path in doc_tables.doc_files():
+    with open(path, encoding="utf-8") as f:
+      marked += sum(bool(doc_tables.BEGIN.match(line.strip()))
+                    for line in f)
+  assert marked >= 4
+
+
+def _tree(tmp_path):
+  """A copy of what the checks read: the Makefile, README.md, docs/ (text),
+  examples/ (the programs and results files), kfac/ and .ci/."""
+  root = tmp_path / "tree"
+  root.mkdir()
+  shutil.copy(os.path.join(ROOT, "Makefile"), root / "Makefile")
+  shutil.copy(os.path.join(ROOT, "README.md"), root / "README.md")
+  shutil.copytree(os.path.join(ROOT, "docs"), root / "docs",
+                  ignore=shutil.ignore_patterns("*.png"))
+  shutil.copytree(os.path.join(ROOT, "examples"), root / "examples",
+                  ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+  shutil.copytree(os.path.join(ROOT, "kfac"), root / "kfac",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copytree(os.path.join(ROOT, ".ci"), root / ".ci")
+  return root
+
+
+def _first_marked_doc(root):
+  for path in doc_tables.doc_files(str(root)):
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().split("\n")
+    for i, line in enumerate(lines):
+      m = doc_tables.BEGIN.match(line.strip())
+      if m:
+        return path, lines, i, m
+  raise AssertionError("no marked table in the docs")
+
+
+def _problems(root):
+  return (doc_tables.table_differences(str(root)) +
+          doc_tables.reference_problems(str(root)))
+
+
+def _append(path, text):
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(text)
+
+
+def test_a_hand_edited_cell_fails_and_make_docs_restores_it(tmp_path):
+  root = _tree(tmp_path)
+  assert _problems(root) == []
+  path, lines, i, _ = _first_marked_doc(root)
+  row = next(k for k in range(i + 1, len(lines))
+             if lines[k].startswith("| ") and any(c.isdigit()
+                                                  for c in lines[k]))
+  cells = lines[row].split("|")
+  cell = next(k for k, c in enumerate(cells) if any(d.isdigit() for d in c))
+  cells[cell] = cells[cell].replace(
+      next(d for d in cells[cell] if d.isdigit()),
+      str((int(next(d for d in cells[cell] if d.isdigit())) + 1) % 10), 1)
+  lines[row] = "|".join(cells)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines))
+  problems = doc_tables.table_differences(str(root))
+  assert len(problems) == 1, problems
+  assert os.path.relpath(path, str(root)) in problems[0]
+  assert "make docs" in problems[0]
+  # Rendering writes the results file's table back.
+  with open(path, encoding="utf-8") as f:
+    fixed = doc_tables.render_text(f.read(), str(root))
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(fixed)
+  assert doc_tables.table_differences(str(root)) == []
+
+
+def test_a_changed_results_file_fails_until_rendered(tmp_path):
+  root = _tree(tmp_path)
+  path, _, _, m = _first_marked_doc(root)
+  results = root / m.group("path")
+  data = json.loads(results.read_text(encoding="utf-8"))
+  data["tables"][m.group("key")] += "\n| new | row |"
+  results.write_text(json.dumps(data), encoding="utf-8")
+  assert len(doc_tables.table_differences(str(root))) == 1
+  assert doc_tables.main.__module__ == "doc_tables"
+  with open(path, encoding="utf-8") as f:
+    text = doc_tables.render_text(f.read(), str(root))
+  assert "| new | row |" in text
+
+
+@pytest.mark.parametrize("marker, message", [
+    ("<!-- table: examples/benchmarks/results/none.json#x -->\n"
+     "<!-- end table -->", "does not exist"),
+    ("<!-- table: examples/benchmarks/results/critical_batch.json#nope -->\n"
+     "<!-- end table -->", "has no table 'nope'"),
+    ("<!-- table: examples/benchmarks/results/critical_batch.json#cnn -->",
+     "without <!-- end table -->"),
+    ("<!-- end table -->", "without a table marker"),
+])
+def test_malformed_markers_are_named(tmp_path, marker, message):
+  root = _tree(tmp_path)
+  _append(root / "docs" / "index.md", "\n" + marker + "\n")
+  problems = doc_tables.table_differences(str(root))
+  assert len(problems) == 1 and message in problems[0], problems
+  assert problems[0].startswith("docs/index.md:")
+
+
+@pytest.mark.parametrize("snippet, message", [
+    ("`make no-such-target`", "`make no-such-target`: no such Makefile"),
+    ("```\n.venv/bin/python examples/benchmarks/critical_batch.py \\\n"
+     "    --workloads=cnn --no_such_flag=3\n```",
+     "critical_batch.py --no_such_flag: the program has no such flag"),
+    ("```\nB=examples/benchmarks/critical_batch.py\n"
+     ".venv/bin/python $B --batchez=256\n```",
+     "critical_batch.py --batchez: the program has no such flag"),
+    ("`python examples/benchmarks/no_such_program.py --x=1`",
+     "no_such_program.py: no such program"),
+    ("see `examples/benchmarks/results/no_such.json`",
+     "results/no_such.json: no such file"),
+    ("`kfac/python/ops/no_such_module.NAME`",
+     "no_such_module.NAME: no such file"),
+])
+def test_a_reference_to_nothing_fails(tmp_path, snippet, message):
+  root = _tree(tmp_path)
+  _append(root / "docs" / "index.md", "\n" + snippet + "\n")
+  problems = doc_tables.reference_problems(str(root))
+  assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize("snippet", [
+    # Flags of a module the program imports (val_workloads, side_by_side),
+    # absl's own, a boolean's --no form, and words that are not paths.
+    "`examples/benchmarks/time_to_target.py --seconds=5 --helpfull`",
+    "`examples/benchmarks/keras_validation.py --notune`",
+    "the scalar `kfac/damping` in TensorBoard",
+    "`make docs-check`",
+])
+def test_references_that_exist_pass(tmp_path, snippet):
+  root = _tree(tmp_path)
+  _append(root / "docs" / "index.md", "\n" + snippet + "\n")
+  assert doc_tables.reference_problems(str(root)) == []
