@@ -265,11 +265,10 @@ class Kfac(tf_keras.optimizers.legacy.Optimizer):  # pylint: disable=missing-doc
       return
     if self._layer_collection is None:
       self.register_layers(self._model, self._loss)
+    # loss_tensor (kwargs["loss"]) is the damping rule's loss; without
+    # adapt_damping / calibrate_damping the core keeps it, as kfac 0.2.x did
+    # (readable as opt.optimizer._loss_tensor), and warns that it is unused.
     kwargs = dict(self._kfac_kwargs)
-    if not (kwargs.get("adapt_damping") or kwargs.get("calibrate_damping")):
-      # loss_tensor is the damping rule's loss: unused (and refused by the
-      # core optimizer) without it; kept readable as opt.loss_tensor.
-      kwargs.pop("loss", None)
     if kwargs.get("adapt_damping"):
       if "train_batch" not in kwargs:
         raise ValueError(

@@ -1241,12 +1241,14 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
                    layer_collection=None, seed=None, y_pred=None,
                    targets=None, variables=None, warn=None,
                    registration_options=None, average_over_outputs=False,
-                   default_conv_options=None, default_approx=None):
+                   default_conv_options=None, default_approx=None,
+                   lenient=False):
   """Registers `model`'s layers and loss(es) on a LayerCollection and
   returns (layer_collection, report), report being the text of the
   registration report. Arguments as get_layer_collection's;
   `default_conv_options` and `default_approx` as
-  register_layers's."""
+  register_layers's; `lenient` as loss_registration.find_logits's (kfac
+  0.2.x's entry points pass True)."""
   lc, rows, loss_lines = register_model_rows(
       model, loss=loss, loss_weights=loss_weights,
       fisher_approx=fisher_approx, layer_collection=layer_collection,
@@ -1254,7 +1256,7 @@ def register_model(model, loss=None, loss_weights=None, fisher_approx=None,
       warn=warn, registration_options=registration_options,
       average_over_outputs=average_over_outputs,
       default_conv_options=default_conv_options,
-      default_approx=default_approx)
+      default_approx=default_approx, lenient=lenient)
   return lc, format_report(rows, loss_lines)
 
 
@@ -1263,7 +1265,8 @@ def register_model_rows(model, loss=None, loss_weights=None,
                         y_pred=None, targets=None, variables=None, warn=None,
                         registration_options=None,
                         average_over_outputs=False,
-                        default_conv_options=None, default_approx=None):
+                        default_conv_options=None, default_approx=None,
+                        lenient=False):
   """register_model, returning (layer_collection, report rows, loss lines)
   (registration_report.format_report makes the text; with the memory
   column once an optimizer has made the collection's factors)."""
@@ -1299,7 +1302,7 @@ def register_model_rows(model, loss=None, loss_weights=None,
                             warn, rows)
 
   loss_lines = register_loss_pairs(lc, pairs, targets, seed,
-                                   average_over_outputs)
+                                   average_over_outputs, lenient=lenient)
   if sample_weight is not None and warn is not None:
     warn("sample_weight", "kfac: sample weights weight the gradient but not "
          "the curvature statistics (K-FAC's Fisher is over the model's "
@@ -1308,7 +1311,7 @@ def register_model_rows(model, loss=None, loss_weights=None,
 
 
 def register_loss_pairs(lc, pairs, targets, seed=None,
-                        average_over_outputs=False):
+                        average_over_outputs=False, lenient=False):
   """Registers each (loss, weight, prediction) of `pairs` on lc with its
   targets (a structure aligned with pairs, or None); returns the report's
   loss lines."""
@@ -1321,7 +1324,8 @@ def register_loss_pairs(lc, pairs, targets, seed=None,
       zip(pairs, target_list)):
     loss_lines.append(loss_registration.register_keras_loss(
         lc, one_loss, pred, targets=target, coeff=weight,
-        seed=_seed_for(seed, i), average_over_outputs=average_over_outputs))
+        seed=_seed_for(seed, i), average_over_outputs=average_over_outputs,
+        lenient=lenient))
   return loss_lines
 
 

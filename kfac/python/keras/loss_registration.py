@@ -26,6 +26,8 @@ uses (see probabilities.py), unless the output's ops show that it can
 leave [0, 1] (a linear output): that is an error.
 """
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -131,7 +133,7 @@ def _static_size(shape, what):
 AS_GIVEN, BEHIND_ACTIVATION, OF_PROBABILITIES = "as given", "behind", "probs"
 
 
-def find_logits(spec, prediction):
+def find_logits(spec, prediction, lenient=False):
   """(logits, how): the logits the Keras loss `spec` computes its value
   from, and how they were found.
 
@@ -143,7 +145,9 @@ def find_logits(spec, prediction):
   from_logits=False takes it as probabilities (clipped; normalised over
   the classes by the categorical losses). kfac registers the same logits:
   for probabilities, the logits of the clipped probabilities. A prediction
-  whose ops show that it can leave [0, 1] is not a probability: error."""
+  whose ops show that it can leave [0, 1] is not a probability: an error;
+  `lenient` (kfac 0.2.x's functions, kfac.keras.utils and the graph-mode
+  Kfac) registers it as the logits, as kfac 0.2.x did, with a warning."""
   if spec.kind == "mean_squared_error":
     return prediction, AS_GIVEN
   keras_logits = getattr(prediction, "_keras_logits", None)
@@ -158,14 +162,21 @@ def find_logits(spec, prediction):
   bounds = probabilities.value_range(prediction)
   if bounds is not None and not probabilities.is_within_probabilities(
       bounds):
-    raise RegistrationError(
+    problem = (
         "Loss %s with from_logits=False takes the model output %s as "
         "probabilities, but it comes from a %s op and can take values in "
         "[%g, %g], outside [0, 1] (kfac follows the output's ops back to "
-        "find that out). Use from_logits=True with a linear last layer, or "
-        "end the model with a %s activation." %
-        (spec.description, getattr(prediction, "name", ""), op_type,
-         bounds[0], bounds[1], expected.lower()))
+        "find that out)." % (spec.description, getattr(prediction, "name", ""),
+                             op_type, bounds[0], bounds[1]))
+    right = ("Use from_logits=True with a linear last layer, or end the "
+             "model with a %s activation." % expected.lower())
+    if not lenient:
+      raise RegistrationError(problem + " " + right)
+    warnings.warn(
+        problem + " kfac registers that output as the logits, as kfac "
+        "0.2.x did, so the curvature is of another loss than the one Keras "
+        "trains on. " + right, UserWarning, stacklevel=2)
+    return prediction, AS_GIVEN
   return (probabilities.probability_logits(spec.kind, prediction),
           OF_PROBABILITIES)
 
@@ -202,13 +213,14 @@ def _targets(spec, targets, logits):
 
 def register_keras_loss(lc, loss, prediction, targets=None,
                         coeff=1.0, seed=None, name=None,
-                        average_over_outputs=False, **register_kwargs):
+                        average_over_outputs=False, lenient=False,
+                        **register_kwargs):
   """Registers `loss` applied to `prediction` (the model output) on lc.
 
   The registered coefficient is `coeff`, divided by the number of outputs
   per example Keras averages the loss over when `average_over_outputs`
-  (see the module doc). `register_kwargs` (e.g. reuse) go to the
-  LayerCollection's register method. Returns a one-line description for
+  (see the module doc). `lenient`: as find_logits's. `register_kwargs`
+  (e.g. reuse) go to the LayerCollection's register method. Returns a one-line description for
   the registration report."""
   spec = loss_spec(loss)
   prediction = tf.convert_to_tensor(prediction)
@@ -216,7 +228,7 @@ def register_keras_loss(lc, loss, prediction, targets=None,
     raise RegistrationError(
         "kfac needs model outputs of shape [batch, ...] (rank >= 2) for loss "
         "%s, got %s." % (spec.description, prediction.shape))
-  logits, how = find_logits(spec, prediction)
+  logits, how = find_logits(spec, prediction, lenient=lenient)
   targets = _targets(spec, targets, logits)
   if spec.kind in ("mean_squared_error", "binary_crossentropy"):
     # Elementwise losses: one distribution per output entry, averaged by

@@ -103,6 +103,12 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       registered loss is the Keras loss per example (the scale
       Kfac(adaptive=True) uses).
 
+  A cross-entropy with from_logits=False on an output that can leave
+  [0, 1] (a linear layer, a pooling, an average) is registered with that
+  output as the logits, as kfac 0.2.x did, with a warning that names the
+  output and what would be right (the Keras 3 Kfac optimizer raises
+  instead: docs/migration.md).
+
   Returns:
     The LayerCollection (`register_model` also returns the registration
     report).
@@ -112,7 +118,7 @@ def get_layer_collection(model, loss=None, loss_weights=None,
       fisher_approx=fisher_approx, layer_collection=layer_collection,
       seed=seed, y_pred=y_pred, targets=targets, variables=variables,
       warn=warn, registration_options=registration_options,
-      average_over_outputs=average_over_outputs)[0]
+      average_over_outputs=average_over_outputs, lenient=True)[0]
 
 
 def _is_layer(obj):
@@ -224,6 +230,7 @@ def register_loss(layer_collection, layer=None, loss=None, prediction=None,
   return loss_registration.register_keras_loss(
       layer_collection, loss, prediction, targets=targets, coeff=coeff,
       seed=seed, name=name, average_over_outputs=average_over_outputs,
+      lenient=True,
       **kwargs)
 
 

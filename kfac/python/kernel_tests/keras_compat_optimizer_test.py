@@ -227,7 +227,11 @@ def test_graph_name_config_and_loss_tensor():
                          loss_tensor=loss_tensor,
                          layer_collection=_register(model.layers[0]))
     assert plain.loss_tensor is loss_tensor
-    assert plain.optimizer._loss is None  # only the damping rule uses it
+    # Kept by the core as kfac 0.2.x did (its tests read _loss_tensor); only
+    # the damping rule uses it, so the core says it is unused.
+    with pytest.warns(UserWarning, match="used by the damping adaptation"):
+      core = plain.optimizer
+    assert core._loss is loss_tensor and core._loss_tensor is loss_tensor
     adapt = _legacy_kfac(learning_rate=0.1, damping=0.01, adapt_damping=True,
                          loss_tensor=loss_tensor,
                          layer_collection=_register(model.layers[0]),

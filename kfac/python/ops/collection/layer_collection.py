@@ -52,6 +52,16 @@ def _documented_by(function):
 
 
 @utils.exclude_from_autograph
+class _UsesView:
+  """`lc._vars_to_uses[var]`: the registered uses of `var` (0 if none)."""
+
+  def __init__(self, uses):
+    self._uses = uses
+
+  def __getitem__(self, var):
+    return self._uses.get(var)
+
+
 class LayerCollection:
   """Registry of layers (parameters and their approximations) and losses.
 
@@ -92,6 +102,9 @@ class LayerCollection:
     self._defaults = dict(_DEFAULT_APPROXIMATIONS)
     self._finalized = False
     self._ekfac_strategy = "auto"
+    # Registrations kfac 0.2.x accepted unchecked and this one cannot use
+    # (record_unusable): their errors, raised when factors are made.
+    self._unusable = []
 
   @property
   def ekfac_strategy(self):
@@ -184,6 +197,28 @@ class LayerCollection:
       yield self
     finally:
       stack.pop()
+
+  def record_unusable(self, message):
+    """Records a registration that kfac 0.2.x accepted without checking
+    (e.g. scalar constants as a dense layer's weights): registering goes on
+    as it did there, with a warning; `check_usable` raises `message` when
+    an estimator or optimizer sets up its blocks (check_registration) and
+    when the factors are made."""
+    self._unusable.append(message)
+
+  def check_usable(self):
+    """Raises ValueError naming every registration record_unusable kept."""
+    if self._unusable:
+      raise ValueError(
+          "The LayerCollection has registrations K-FAC cannot compute "
+          "factors for (registered with a warning, as kfac 0.2.x accepted "
+          "them): " + " ".join(self._unusable))
+
+  @property
+  def _vars_to_uses(self):
+    """kfac 0.2.x's private map variable -> registered uses, read by code
+    written for it (its own tests): a read-only view of the use count."""
+    return _UsesView(self._uses)
 
   # ------------------------------------------------------------ queries
   def get_blocks(self):
@@ -739,7 +774,8 @@ class LayerCollection:
     uses it (kfac 0.2.x's check, TF1 graphs only, see
     collection/use_check.use_problems). The estimator (and so the
     optimizers) runs it, with check_uses, when it sets up its blocks, as
-    kfac 0.2.x did."""
+    kfac 0.2.x did. First, check_usable."""
+    self.check_usable()
     use_check.check_registration(self._uses, self._fisher_blocks,
                                  self.losses, self.registered_variables,
                                  variables, check_uses)

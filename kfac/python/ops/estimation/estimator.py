@@ -261,6 +261,7 @@ class FisherEstimator:
     """Makes every block's factors (in the state store) from its gradients
     (block_grads: id(block) -> the block's gradient lists) and registers
     the powers, Cholesky factors, ... the estimator needs."""
+    self._layers.check_usable()
     blocks = self._layers.get_blocks()
     for block in blocks:
       block.instantiate_factors(block_grads[id(block)], self._damping_func,

@@ -406,6 +406,12 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
   _loss_tensor = _loss
 
   @property
+  def _min_damping(self):
+    """kfac 0.2.x's private name of min_damping, read by code written for
+    it."""
+    return self.config.damping.min_damping
+
+  @property
   def _passed_loss(self):
     """The loss of this step's compute_gradients."""
     return self._damping_controller.passed_loss

@@ -278,6 +278,14 @@ class DenseSquareFactor(MatrixFactor):
     return [self._n, self._n]
 
   @property
+  def _matpower_by_exp_and_damping(self):
+    """kfac 0.2.x's private map (exponent, damping key) -> the variable
+    holding that damped power, read by code written for it (its own
+    tests); the variables are made by instantiate_inv_variables."""
+    return {(exp, key): var for (kind, exp, key), var in self._vars.items()
+            if kind == "matpow"}
+
+  @property
   def _symmetric_statistic(self):
     return True
 

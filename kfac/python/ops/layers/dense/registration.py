@@ -10,6 +10,8 @@ interface: `lc.resolve_approximation(params, approx, kind)`,
 (layers/multi_use/registration.py).
 """
 
+import warnings
+
 import tensorflow as tf
 
 from kfac.python.ops.layers.base.approximations import (
@@ -109,7 +111,19 @@ def register_fully_connected(lc, params, inputs, outputs, approx=None,
                        "has one output axis." % (output_axes,))
     return embedding_registration.register_embedding(
         lc, params, inputs, outputs, approx=approx, reuse=reuse)
-  inputs = check_dense_shapes(params, inputs, outputs, output_axes)
+  try:
+    inputs = check_dense_shapes(params, inputs, outputs, output_axes)
+  except ValueError as e:
+    if not _scalar_params(params):
+      raise
+    # kfac 0.2.x registered any tensors and failed, if ever, when the
+    # factors were made; its own tests register scalar constants.
+    message = str(e)
+    warnings.warn(
+        message + " Registered anyway, as kfac 0.2.x did: K-FAC raises this "
+        "when it makes the factors (give W [in, out] and b [out]).",
+        UserWarning, stacklevel=3)
+    lc.record_unusable(message)
   approx = lc.resolve_approximation(params, approx, FULLY_CONNECTED)
   has_bias = isinstance(params, (list, tuple))
   block = FULLY_CONNECTED.blocks[approx](lc, has_bias)
@@ -124,6 +138,12 @@ def register_fully_connected(lc, params, inputs, outputs, approx=None,
   registration_base.set_block_params(block, params)
   lc.record_uses(params, 1)
   return block
+
+
+def _scalar_params(params):
+  """Whether every tensor of a dense layer's params is a scalar."""
+  return all(getattr(p, "shape", None) is not None and p.shape.rank == 0
+             for p in utils.ensure_sequence(params))
 
 
 def check_dense_shapes(params, inputs, outputs, output_axes=1):
