@@ -22,7 +22,9 @@ that does not exist:
   program or in a module of its folder that it imports; argparse
   `add_argument("--name"`), absl's own flags aside;
 * a path of the tree in code (`examples/...`, `kfac/...`, `docs/...`,
-  `.ci/...`): it exists.
+  `.ci/...`): it exists;
+* `make bench` runs exactly the programs docs/benchmarks.md's program
+  table marks "yes" (`bench_problems`).
 
     python examples/benchmarks/doc_tables.py            # render in place
     python examples/benchmarks/doc_tables.py --check    # report, exit 1
@@ -271,6 +273,32 @@ def reference_problems(root=ROOT, files=None):
   return problems
 
 
+def bench_problems(root=ROOT):
+  """Problems: `make bench` and docs/benchmarks.md's program table ("in
+  `make bench`": yes / no) disagree on which programs it runs."""
+  with open(os.path.join(root, "Makefile"), encoding="utf-8") as f:
+    makefile = f.read()
+  recipe = re.search(r"^bench:[^\n]*\n((?:\t[^\n]*\n|[ ]+[^\n]*\n)+)",
+                     makefile, re.M)
+  if recipe is None:
+    return ["Makefile: no `bench` target"]
+  runs = set(re.findall(r"examples/benchmarks/([\w]+\.py)", recipe.group(1)))
+  with open(os.path.join(root, "docs", "benchmarks.md"),
+            encoding="utf-8") as f:
+    doc = f.read()
+  listed = dict(re.findall(r"^\| `([\w]+\.py)` \| (yes|no) \|", doc, re.M))
+  if not listed:
+    return ["docs/benchmarks.md: no program table (| `x.py` | yes/no | ...)"]
+  problems = []
+  for name in sorted(runs - {n for n, v in listed.items() if v == "yes"}):
+    problems.append("make bench runs %s, which docs/benchmarks.md does not "
+                    "mark \"yes\"" % name)
+  for name in sorted({n for n, v in listed.items() if v == "yes"} - runs):
+    problems.append("docs/benchmarks.md marks %s \"yes\" but make bench does "
+                    "not run it" % name)
+  return problems
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--check", action="store_true",
@@ -278,24 +306,29 @@ def main(argv=None):
                            "if any (write nothing).")
   args = parser.parse_args(argv)
   if args.check:
-    problems = table_differences() + reference_problems()
+    problems = table_differences() + reference_problems() + bench_problems()
     for p in problems:
       print(p)
     print("docs-check: %d problem(s) in %d files" % (
         len(problems), len(doc_files())))
     return 1 if problems else 0
-  changed = 0
+  changed, failed = 0, 0
   for path in doc_files():
     with open(path, encoding="utf-8") as f:
       text = f.read()
-    new = render_text(text, ROOT, os.path.relpath(path, ROOT))
+    try:
+      new = render_text(text, ROOT, os.path.relpath(path, ROOT))
+    except DocError as e:  # that file stays as it is; the others render
+      print("docs: error: %s" % e)
+      failed += 1
+      continue
     if new != text:
       with open(path, "w", encoding="utf-8") as f:
         f.write(new)
       changed += 1
       print("rendered", os.path.relpath(path, ROOT))
-  print("docs: %d file(s) changed" % changed)
-  return 0
+  print("docs: %d file(s) changed, %d not rendered" % (changed, failed))
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

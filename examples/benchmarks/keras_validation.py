@@ -141,9 +141,20 @@ def run_worker(workload, opt_name, value):
   options = tf.data.Options()
   options.threading.private_threadpool_size = FLAGS.threads
   xs, ys = tf.constant(x), tf.constant(y)
-  train = (tf.data.Dataset.from_tensor_slices(order).batch(b)
-           .map(lambda i: (tf.gather(xs, i), tf.gather(ys, i)))
-           .repeat().prefetch(2).with_options(options))
+  if opt_name in vw.BATCH_GROWTH:
+    # A growing batch: the first steps take consecutive slices of `order`
+    # of the schedule's sizes, then batches of b.
+    sizes = vw.batch_sizes(opt_name, b, vw.BATCH_GROWTH[opt_name][1])
+    ends = np.cumsum(sizes)
+    order_t = tf.constant(order)
+    grown = (tf.data.Dataset.from_tensor_slices((ends - sizes, ends))
+             .map(lambda start, end: order_t[start:end]))
+    rest = tf.data.Dataset.from_tensor_slices(order[ends[-1]:]).batch(b)
+    indices = grown.concatenate(rest.repeat())
+  else:
+    indices = tf.data.Dataset.from_tensor_slices(order).batch(b).repeat()
+  train = (indices.map(lambda i: (tf.gather(xs, i), tf.gather(ys, i)))
+           .prefetch(2).with_options(options))
   val = (tf.data.Dataset.from_tensor_slices((vx, vy)).batch(1000)
          .with_options(options))
   bn_batches = [x[k * b:(k + 1) * b] for k in range(BN_BATCHES)]

@@ -100,6 +100,8 @@ KFAC_VARIANTS = {
                                           "cov_ema_decay": 0.8},
     "kfac_conv_stats_fifth": {"registration_options": {
         "__class__:Conv2D": {"sub_sample_inputs": True}}},
+    # The default recipe on a growing batch (BATCH_GROWTH).
+    "kfac_grow8x": {},
     "kfac_qmodel_half": {"qmodel_batch_fraction": 0.5},
     "kfac_qmodel_quarter": {"qmodel_batch_fraction": 0.25},
     "kfac_qmodel_eighth": {"qmodel_batch_fraction": 0.125},
@@ -120,6 +122,24 @@ KFAC_VARIANTS = {
     "kfac_minibatch_damping1e-3": {"recipe": "minibatch",
                                    "learning_rate": 0.05, "damping": 1e-3},
 }
+# Growing batches (Martens & Grosse grew theirs): name -> (factor, steps):
+# the run's batch B starts at B / factor and grows geometrically to B over
+# its first `steps` steps (keras_validation.batch_sizes).
+BATCH_GROWTH = {"kfac_grow8x": (8, 30)}
+
+
+def batch_sizes(name, batch, steps):
+  """The batch of each of `steps` steps of optimizer `name` at batch
+  `batch`: `batch` throughout, or BATCH_GROWTH's geometric growth."""
+  if name not in BATCH_GROWTH:
+    return [batch] * steps
+  factor, grow = BATCH_GROWTH[name]
+  first = max(1, batch // factor)
+  return [batch if t >= grow else int(round(
+      first * (batch / float(first)) ** (t / float(grow))))
+          for t in range(steps)]
+
+
 # K-FAC recipes that take a learning rate, tuned on a grid as the peers
 # are: Kfac(model=..., adaptive=True, recipe="minibatch", learning_rate=v).
 # kfac_minibatch_decay95: the recipe with kfac 0.2.x's damping decay 0.95

@@ -20,6 +20,7 @@ import doc_tables  # pylint: disable=g-import-not-at-top,wrong-import-position
 def test_committed_docs_pass_the_check():
   assert doc_tables.table_differences() == []
   assert doc_tables.reference_problems() == []
+  assert doc_tables.bench_problems() == []
 
 
 def test_docs_have_generated_tables():
@@ -61,7 +62,8 @@ def _first_marked_doc(root):
 
 def _problems(root):
   return (doc_tables.table_differences(str(root)) +
-          doc_tables.reference_problems(str(root)))
+          doc_tables.reference_problems(str(root)) +
+          doc_tables.bench_problems(str(root)))
 
 
 def _append(path, text):
@@ -161,3 +163,21 @@ def test_references_that_exist_pass(tmp_path, snippet):
   root = _tree(tmp_path)
   _append(root / "docs" / "index.md", "\n" + snippet + "\n")
   assert doc_tables.reference_problems(str(root)) == []
+
+
+def test_make_bench_and_the_program_table_must_agree(tmp_path):
+  root = _tree(tmp_path)
+  assert doc_tables.bench_problems(str(root)) == []
+  doc = root / "docs" / "benchmarks.md"
+  text = doc.read_text(encoding="utf-8")
+  doc.write_text(text.replace("| `kfac_cost.py` | yes |",
+                              "| `kfac_cost.py` | no |"), encoding="utf-8")
+  assert doc_tables.bench_problems(str(root)) == [
+      "make bench runs kfac_cost.py, which docs/benchmarks.md does not mark "
+      "\"yes\""]
+  doc.write_text(text.replace("| `recurrent_step_time.py` | no |",
+                              "| `recurrent_step_time.py` | yes |"),
+                 encoding="utf-8")
+  assert doc_tables.bench_problems(str(root)) == [
+      "docs/benchmarks.md marks recurrent_step_time.py \"yes\" but make bench "
+      "does not run it"]
