@@ -14,7 +14,7 @@
 #   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
 #                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
 #                  (about 6 minutes; plots in adaptive_autoencoder_results/)
-#   make bench     the benchmark suite into bench_results/ (about 95 minutes): time and
+#   make bench     the benchmark suite into bench_results/ (its time: docs/benchmarks.md): time and
 #                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
 #                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
 #                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
