@@ -51,7 +51,6 @@ def _documented_by(function):
   return decorate
 
 
-@utils.exclude_from_autograph
 class _UsesView:
   """`lc._vars_to_uses[var]`: the registered uses of `var` (0 if none)."""
 
@@ -62,6 +61,7 @@ class _UsesView:
     return self._uses.get(var)
 
 
+@utils.exclude_from_autograph
 class LayerCollection:
   """Registry of layers (parameters and their approximations) and losses.
 

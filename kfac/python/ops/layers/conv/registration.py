@@ -27,8 +27,6 @@ pairs (per spatial dimension, or TensorFlow's per-dimension list), and
 "CAUSAL" for conv1d.
 """
 
-import warnings
-
 import numpy as np
 
 from kfac.python.ops.layers.conv import blocks as conv_blocks
@@ -174,14 +172,10 @@ def _make_spec(filt, strides, dilations, padding, data_format):
     raise ValueError("Convolution with filter %s: %s" % (_name(filt), e))
 
 
-def _check_shapes(lc, filt, bias, inputs, outputs, spec, out_channels, what,
+def _check_shapes(filt, bias, inputs, outputs, spec, out_channels, what,
                   in_channels=None):
   """Ranks, channels, bias and output spatial sizes (ValueError naming the
-  filter). in_channels: the inputs' channels (default the filter's).
-  Outputs whose spatial sizes the inputs cannot give, which kfac 0.2.x
-  registered unchecked (its own tests do), are registered with a warning
-  and the error kept for when the factors are made
-  (LayerCollection.record_unusable)."""
+  filter). in_channels: the inputs' channels (default the filter's)."""
   d = spec.num_spatial
   first = spec.channels_first
   fname = _name(filt)
@@ -215,17 +209,13 @@ def _check_shapes(lc, filt, bias, inputs, outputs, spec, out_channels, what,
   if in_spatial.is_fully_defined():
     want = patches_lib.output_spatial_shape(spec, in_spatial.as_list())
     if not out_spatial.is_compatible_with(want):
-      message = (
+      raise ValueError(
           "%s with filter %s: inputs of spatial shape %s with strides %s, "
           "dilations %s and padding %s give outputs of spatial shape %s, but "
           "the outputs have spatial shape %s." %
           (what, fname, in_spatial.as_list(), list(spec.strides),
            list(spec.dilations), spec.padding, list(want),
            out_spatial.as_list()))
-      warnings.warn(message + " Registered anyway, as kfac 0.2.x did: "
-                    "K-FAC raises this when it makes the factors.",
-                    UserWarning, stacklevel=4)
-      lc.record_unusable(message)
     if any(n == 0 for n in want):
       raise ValueError("%s with filter %s has no output locations." %
                        (what, fname))
@@ -302,8 +292,7 @@ def _register_conv(lc, params, inputs, outputs, padding, strides,
                       ", ".join("k%d" % (i + 1) for i in range(num_spatial)),
                       filt.shape))
   spec = _make_spec(filt, strides, dilations, padding, data_format)
-  _check_shapes(lc, filt, bias, inputs, outputs, spec, int(filt.shape[-1]),
-                what)
+  _check_shapes(filt, bias, inputs, outputs, spec, int(filt.shape[-1]), what)
   approx = lc.resolve_approximation(params, approx, CONV2D)
   _check_options(approx, params, spec.num_taps * int(filt.shape[-2]),
                  sub_sample_inputs=sub_sample_inputs,
@@ -411,7 +400,7 @@ def register_depthwise_conv2d(lc, params, inputs, outputs, strides,
                      "in_channels, multiplier], got shape %s." %
                      (_name(filt), filt.shape))
   spec = _make_spec(filt, strides, rate, padding, data_format)
-  _check_shapes(lc, filt, bias, inputs, outputs, spec,
+  _check_shapes(filt, bias, inputs, outputs, spec,
                 int(filt.shape[-2]) * int(filt.shape[-1]),
                 "Depthwise conv2d layer")
   if approx is None:
@@ -470,7 +459,7 @@ def register_grouped_convolution(lc, params, inputs, outputs, padding,
                      "not divisible by groups=%d." %
                      (what, _name(filt), out_c, filt.shape, groups))
   spec = _make_spec(filt, strides, dilation_rate, padding, data_format)
-  _check_shapes(lc, filt, bias, inputs, outputs, spec, out_c, what,
+  _check_shapes(filt, bias, inputs, outputs, spec, out_c, what,
                 in_channels=groups * int(filt.shape[-2]))
   if approx is None:
     approx = (lc.linked_approximation(params) or
@@ -563,7 +552,7 @@ def register_conv2d_multi(lc, params, strides, padding, inputs, outputs,
     pairs = [(inputs, outputs)]
   spec = _make_spec(filt, strides, dilations, padding, data_format)
   for x, y in pairs:
-    _check_shapes(lc, filt, bias, x, y, spec, int(filt.shape[-1]), what)
+    _check_shapes(filt, bias, x, y, spec, int(filt.shape[-1]), what)
   approx = lc.resolve_approximation(params, approx, CONV2D_MULTI)
   block = CONV2D_MULTI.blocks[approx](lc, params, spec, data_format,
                                       num_uses)
