@@ -465,7 +465,16 @@ def make_optimizer(name, model, value=None):
   import keras
   if name in KFAC_VARIANTS:
     import kfac.keras  # pylint: disable=g-import-not-at-top
-    kwargs = KFAC_VARIANTS[name]
+    kwargs = dict(KFAC_VARIANTS[name])
+    if "registration_options" in kwargs:
+      # "__class__:Conv2D" keys (JSON-able, as recorded with the results):
+      # options for a layer class the model does not have are left out
+      # (Kfac refuses keys that match no layer); on such a model the
+      # variant is the default recipe.
+      present = {type(layer).__name__ for layer in model._flatten_layers()}  # pylint: disable=protected-access
+      kwargs["registration_options"] = {
+          k: v for k, v in kwargs["registration_options"].items()
+          if not k.startswith("__class__:") or k.split(":", 1)[1] in present}
     try:
       return kfac.keras.optimizers.Kfac(model=model, adaptive=True, **kwargs)
     except (TypeError, ValueError) as e:
