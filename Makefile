@@ -14,20 +14,9 @@
 #   make demo-adaptive  adaptive K-FAC (quadratic model, adapted damping, growing
 #                  batch) vs tuned K-FAC and Adam on the K-FAC paper's autoencoder
 #                  (about 6 minutes; plots in adaptive_autoencoder_results/)
-#   make bench     the benchmark suite into bench_results/ (its time: docs/benchmarks.md): time and
-#                  steps to a target loss of K-FAC (Session, tf.function, adaptive) vs
-#                  Adam and SGD on three workloads; the cost split and scaling of K-FAC;
-#                  EKFAC vs K-FAC (time to target, cost of the scalings: ekfac_bench.py);
-#                  ms/step vs the old kfac 0.2.4; ms/step and loss vs kfac-jax
-#                  (kfac_jax_step_time.py); Keras fit/custom loops vs Adam; Kfac(adaptive=True)
-#                  vs Adam CPU ms/step on MobileNetV2, EfficientNetB0, a BN ResNet, a transformer
-#                  (keras_zoo_step_time.py); the curvature products with and without the convnet
-#                  ops' forward-mode rules (products_step_time.py); the Keras model zoo (keras.applications, ViT, GPT,
-#                  LSTM/GRU) vs Adam and Muon in fit (keras_zoo.py); validation
-#                  accuracy per CPU second in Keras fit of Kfac(adaptive=True) vs Adam,
-#                  AdamW, Lion, Muon, ScheduleFreeAdamW on Fashion-MNIST (a CNN, a ViT,
-#                  a GRU, the autoencoder; keras_validation.py: a pair of 60 s runs took
-#                  about 4 minutes on the loaded 2-core machine, so about 50 minutes)
+#   make bench     the benchmark suite (examples/benchmarks/make_bench.py runs its programs
+#                  one after another into bench_results/, each timed; what each measures,
+#                  its result and the suite's time: docs/benchmarks.md)
 #   make bench-step  only the step time against the old kfac 0.2.4 and SGD
 #                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
 #                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
@@ -214,24 +203,13 @@ $(KFAC_JAX_STAMP):
 	  echo "bench: note: could not install kfac-jax $(KFAC_JAX_VERSION); its column is skipped"
 
 BENCH_OUT := bench_results
+# make bench BENCH_FLAGS=--resume: run only the programs not yet finished
+BENCH_FLAGS :=
 DEMO_SECONDS := 45
 
 bench: venv data $(OLD_KFAC_STAMP) $(KFAC_JAX_STAMP)
-	$(VPY) examples/benchmarks/time_to_target.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/kfac_cost.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/ekfac_bench.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/autoencoder_step_time.py --old_kfac_path=$(OLD_KFAC) \
-	  --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/kfac_jax_step_time.py --kfac_jax_path=$(KFAC_JAX) \
-	  --missing_kfac_jax=skip --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/keras_step_time.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/keras_zoo.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/keras_zoo_step_time.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/products_step_time.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/distributed_step_time.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/multiworker_step_time.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/large_batch_projection.py --output_dir=$(BENCH_OUT)
-	$(VPY) examples/benchmarks/keras_validation.py --output_dir=$(BENCH_OUT)
+	$(VPY) examples/benchmarks/make_bench.py --output_dir=$(BENCH_OUT) \
+	  --old_kfac_path=$(OLD_KFAC) --kfac_jax_path=$(KFAC_JAX) $(BENCH_FLAGS)
 	@echo "bench: tables and plots in $(BENCH_OUT)/"
 
 BENCH_STEP_FLAGS :=

@@ -24,7 +24,8 @@ that does not exist:
 * a path of the tree in code (`examples/...`, `kfac/...`, `docs/...`,
   `.ci/...`): it exists;
 * `make bench` runs exactly the programs docs/benchmarks.md's program
-  table marks "yes" (`bench_problems`).
+  table marks "yes" (`bench_problems`: the Makefile's `bench` runs
+  make_bench.py, whose PROGRAMS is the suite).
 
     python examples/benchmarks/doc_tables.py            # render in place
     python examples/benchmarks/doc_tables.py --check    # report, exit 1
@@ -33,6 +34,7 @@ that does not exist:
 """
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -273,16 +275,34 @@ def reference_problems(root=ROOT, files=None):
   return problems
 
 
+def suite_programs(root=ROOT):
+  """The programs of make_bench.py's PROGRAMS (read as text, not imported)."""
+  path = os.path.join(root, "examples", "benchmarks", "make_bench.py")
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and len(node.targets) == 1 and
+        getattr(node.targets[0], "id", None) == "PROGRAMS"):
+      return [name for name, _ in ast.literal_eval(node.value)]
+  raise DocError("%s: no PROGRAMS" % path)
+
+
 def bench_problems(root=ROOT):
-  """Problems: `make bench` and docs/benchmarks.md's program table ("in
-  `make bench`": yes / no) disagree on which programs it runs."""
+  """Problems: `make bench` (the Makefile's target runs make_bench.py, which
+  runs its PROGRAMS) and docs/benchmarks.md's program table ("in `make
+  bench`": yes / no) disagree on which programs it runs."""
   with open(os.path.join(root, "Makefile"), encoding="utf-8") as f:
     makefile = f.read()
   recipe = re.search(r"^bench:[^\n]*\n((?:\t[^\n]*\n|[ ]+[^\n]*\n)+)",
                      makefile, re.M)
   if recipe is None:
     return ["Makefile: no `bench` target"]
-  runs = set(re.findall(r"examples/benchmarks/([\w]+\.py)", recipe.group(1)))
+  if "examples/benchmarks/make_bench.py" not in recipe.group(1):
+    return ["Makefile: `bench` does not run examples/benchmarks/make_bench.py"]
+  try:
+    runs = set(suite_programs(root))
+  except (DocError, OSError, SyntaxError, ValueError) as e:
+    return ["make_bench.py: %s" % e]
   with open(os.path.join(root, "docs", "benchmarks.md"),
             encoding="utf-8") as f:
     doc = f.read()

@@ -187,3 +187,22 @@ def test_make_bench_and_the_program_table_must_agree(tmp_path):
   assert doc_tables.bench_problems(str(root)) == [
       "docs/benchmarks.md marks recurrent_step_time.py \"yes\" but make bench "
       "does not run it"]
+
+
+def test_the_suite_is_make_bench_py_programs(tmp_path):
+  root = _tree(tmp_path)
+  runner = root / "examples" / "benchmarks" / "make_bench.py"
+  text = runner.read_text(encoding="utf-8")
+  runner.write_text(text.replace('    ("kfac_cost.py", ()),\n', ""),
+                    encoding="utf-8")
+  assert doc_tables.bench_problems(str(root)) == [
+      "docs/benchmarks.md marks kfac_cost.py \"yes\" but make bench does "
+      "not run it"]
+  runner.write_text(text, encoding="utf-8")
+  makefile = root / "Makefile"
+  mk = makefile.read_text(encoding="utf-8")
+  makefile.write_text(mk.replace("examples/benchmarks/make_bench.py",
+                                 "examples/benchmarks/kfac_cost.py"),
+                      encoding="utf-8")
+  assert doc_tables.bench_problems(str(root)) == [
+      "Makefile: `bench` does not run examples/benchmarks/make_bench.py"]
