@@ -406,6 +406,39 @@ def table(results, workload):
   return "\n".join(lines) + "\n"
 
 
+def tuning_table(tuned_file, workloads, optimizers):
+  """Where each learning rate of this run came from: per (workload,
+  optimizer) of the run that takes one, the value, its grid and the tuning
+  pass that chose it ("untuned": the file has none, the grid's middle ran);
+  then those passes (date, budget, command, note) from the --tuned file."""
+  best = tuned_file.get("best", {})
+  passes = tuned_file.get("passes", [])
+  lines = ["| workload | optimizer | learning rate | grid | tuning pass |",
+           "|---|---|---:|---|---:|"]
+  used = set()
+  for workload in workloads:
+    for opt in optimizers:
+      if opt not in vw.GRIDS:
+        continue
+      grid = ", ".join("%g" % v for v in vw.GRIDS[opt])
+      entry = best.get(workload, {}).get(opt)
+      if entry is None:
+        lines.append("| %s | %s | %g | %s | untuned |" % (
+            workload, opt, vw.GRIDS[opt][1], grid))
+        continue
+      used.add(entry.get("pass"))
+      lines.append("| %s | %s | %g | %s | %s |" % (
+          workload, opt, entry["learning_rate"], grid, entry.get("pass", "?")))
+  lines += ["", "| tuning pass | date | budget (training CPU s) | command "
+            "| note |", "|---:|---|---:|---|---|"]
+  for k, p in enumerate(passes):
+    if k in used:
+      lines.append("| %d | %s | %g | `%s` | %s |" % (
+          k, str(p.get("date", "?"))[:10], p.get("budget_s", float("nan")),
+          p.get("command", "?"), p.get("note", "")))
+  return "\n".join(lines) + "\n"
+
+
 def summary_table(results, workloads):
   """One row per workload: the target and the peer that set it, K-FAC's
   (the default recipe, `kfac`) best figure and time to the target, the
@@ -687,9 +720,11 @@ def main(argv):
     raise app.UsageError("--tune tunes at one seed (--seed); --seeds and "
                          "--add_results are for the runs with its values")
   tuned = {}
+  tuned_file = {}
   if not FLAGS.tune and os.path.exists(FLAGS.tuned):
     with open(FLAGS.tuned) as f:
-      tuned = json.load(f)["best"]
+      tuned_file = json.load(f)
+    tuned = tuned_file["best"]
   added = added_results(FLAGS.add_results, tuned)
   clash = sorted({(r["seed"], r["workload"], r["optimizer"]) for r in added}
                  & {(s, w, o) for s in seeds() for w in FLAGS.workloads
@@ -719,6 +754,9 @@ def main(argv):
   # first seed's runs) and each workload's table.
   tables = {"summary": summary_table(first, FLAGS.workloads)}
   tables.update({w: table(first, w) for w in FLAGS.workloads})
+  if not FLAGS.tune:
+    tables["tuning"] = tuning_table(tuned_file, FLAGS.workloads,
+                                    FLAGS.optimizers)
   with open(os.path.join(FLAGS.output_dir, stem + ".json"), "w") as f:
     json.dump({"machine": machine, "command": command, "head": head,
                "date": started.isoformat(), "seed": seeds()[0],

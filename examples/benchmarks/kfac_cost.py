@@ -118,7 +118,10 @@ def inverse_cost(widths):
     bound = 10 * n * eps * min(float(np.abs(np.diag(cov)).sum()),
                                float(np.abs(cov).sum(axis=1).max()))
     with tf.Graph().as_default():
-      mat = tf.compat.v1.placeholder_with_default(cov, [n, n])
+      # A variable, not a constant or a placeholder with a default: Grappler
+      # folds ops of those into constants once, and the eigendecomposition
+      # then cost nothing per call.
+      mat = tf.Variable(cov)
       paths = {}
       for key, damping in (("cholesky_ms", 2 * bound),
                            ("cholesky_f64_ms", bound / 2)):
@@ -129,7 +132,7 @@ def inverse_cost(widths):
           np.float32))
       precon = tf.matmul(tf.matmul(a_inv, tf.constant(v)), a_inv)
       with tf.compat.v1.Session() as sess:
-        sess.run(a_inv.initializer)
+        sess.run([a_inv.initializer, mat.initializer])
         # The float32 timing must take the float32 branch and the float64
         # timing the fallback; a changed bound would make the columns lie.
         unsafe = sess.run({k: u for k, (_, u) in paths.items()})

@@ -48,9 +48,11 @@ import val_workloads as vw
 flags.DEFINE_string("critical_batch", os.path.join(
     HERE, "results", "critical_batch.json"), "critical_batch.py's results.")
 flags.DEFINE_integer("global_batch", 4096, "The global batch B.")
-flags.DEFINE_list("optimizers", ["kfac"] + list(vw.PEERS), "Optimizers "
-                  "projected (those of them with a run at B that reached "
-                  "the target).")
+# K-FAC's default recipe, its best large-batch lever (docs/large_batch.md)
+# and the peers.
+flags.DEFINE_list("optimizers", ["kfac", "kfac_damping_1e-2_invert1_decay80"]
+                  + list(vw.PEERS), "Optimizers projected (those of them "
+                  "with a run at B that reached the target).")
 flags.DEFINE_list("workers", ["8", "16", "32", "64", "128", "256"],
                   "Worker counts W (B / W examples per worker).")
 flags.DEFINE_float("bandwidth_gbit", 25.0, "Network bandwidth per worker, "

@@ -547,9 +547,17 @@ def test_keras_validation_tune_then_run(tmp_path):
   assert "| optimizer | grid value | final val loss | best val loss |" in table
   assert "Target = val loss %.4f" % best["best"] in table
   _keras_validation(tmp_path, ["--workloads=autoencoder",
-                               "--optimizers=adam", "--tuned=%s" % tuned])
+                               "--optimizers=adam,kfac", "--tuned=%s" % tuned])
   with open(tmp_path / "keras_validation.json") as f:
-    (run,) = json.load(f)["runs"]
+    out = json.load(f)
+  (run,) = [r for r in out["runs"] if r["optimizer"] == "adam"]
+  # The tuning table names each value's pass (its budget and command);
+  # the recipe, which takes no learning rate, has no row.
+  tuning = out["tables"]["tuning"]
+  assert "| autoencoder | adam | %g | 0.0003, 0.001, 0.003 | 0 |" % (
+      best["value"]) in tuning, tuning
+  assert "| kfac |" not in tuning, tuning
+  assert "| 60 | `keras_validation.py --tune --size=tiny " in tuning, tuning
   assert run["value"] == best["value"] and not run["untuned"]
   # Same seed and batches as the tuning run of that value: same figures.
   assert [p["metric"] for p in run["points"]] == pytest.approx(
