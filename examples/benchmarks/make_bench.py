@@ -11,7 +11,7 @@ runs as its own process with its default settings and writes its tables,
 JSON and plots into --output_dir; its output goes to this terminal as it
 runs. After each program this runner rewrites `make_bench.json` there:
 
-* `programs`: per program its command, start (UTC), wall seconds, CPU
+* `programs`: per program its command, CPU model, start (UTC), wall seconds, CPU
   seconds of the process and its children, the load average at its start,
   its exit status, and the .md files it wrote;
 * `tables`: `time` (the programs' times and, once every program of the
@@ -79,11 +79,12 @@ def _minutes(seconds):
   return "%.1f" % (seconds / 60.0)
 
 
-def time_table(records):
+def time_table(records, machine_line=None):
   """Markdown: the programs' times in suite order; the total row only when
   every program of the suite finished (status 0)."""
-  lines = ["| program | started (UTC) | wall min | CPU min | load at start "
-           "| status |", "|---|---|---:|---:|---:|---|"]
+  lines = (["Machine: %s." % machine_line, ""] if machine_line else []) + [
+      "| program | started (UTC) | wall min | CPU min | load at start "
+      "| status |", "|---|---|---:|---:|---:|---|"]
   done = 0
   wall, cpu = 0.0, 0.0
   for name in program_names():
@@ -132,17 +133,20 @@ def embeddable(md):
 
 
 def write_results(out_dir, records):
-  tables = {"time": time_table(records)}
+  # The CPU each program ran on (a resumed suite may span machines).
+  cpus = sorted({r.get("cpu", "?") for r in records.values()}) or [
+      machine.cpu_name()]
+  where = "%s; %d cores, %s, Python %s" % (
+      " / ".join(cpus), os.cpu_count() or 0, platform.platform(),
+      platform.python_version())
+  tables = {"time": time_table(records, where)}
   for name in program_names():
     for f in records.get(name, {}).get("md_files", ()):
       path = os.path.join(out_dir, f)
       if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
           tables[f[:-3]] = embeddable(fh.read())
-  payload = {"machine": "%s, %d cores, %s, Python %s" % (
-      machine.cpu_name(), os.cpu_count() or 0, platform.platform(),
-      platform.python_version()),
-             "suite": program_names(),
+  payload = {"machine": where, "suite": program_names(),
              "programs": records, "tables": tables}
   tmp = os.path.join(out_dir, RESULTS + ".new")
   with open(tmp, "w", encoding="utf-8") as f:
@@ -166,7 +170,7 @@ def run_one(name, args):
          (after.ru_stime - before.ru_stime))
   print("make_bench: %s finished (status %d) in %.1f min wall, %.1f min CPU"
         % (name, code, wall / 60, cpu / 60), flush=True)
-  return {"command": " ".join(["python"] + cmd[1:]),
+  return {"command": " ".join(["python"] + cmd[1:]), "cpu": machine.cpu_name(),
           "started": started.strftime("%Y-%m-%d %H:%M"),
           "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
           "load_at_start": round(load, 2), "returncode": code,

@@ -117,3 +117,12 @@ def test_the_real_suite_commands():
 def test_headings_of_a_program_table_become_bold_lines():
   assert make_bench.embeddable("# Title\n\n### cnn\n| a |\n|---|\n#x\n") == (
       "**Title**\n\n**cnn**\n| a |\n|---|\n#x\n")
+
+
+def test_the_time_table_names_the_cpus_the_programs_ran_on(tmp_path, suite):
+  out = str(tmp_path)
+  make_bench.main(["--output_dir=" + out, "--only=one.py"])
+  data = _results(out)
+  cpu = data["programs"]["one.py"]["cpu"]
+  assert cpu == make_bench.machine.cpu_name()
+  assert data["tables"]["time"].startswith("Machine: %s; " % cpu)
