@@ -170,7 +170,8 @@ def run_one(name, args):
          (after.ru_stime - before.ru_stime))
   print("make_bench: %s finished (status %d) in %.1f min wall, %.1f min CPU"
         % (name, code, wall / 60, cpu / 60), flush=True)
-  return {"command": " ".join(["python"] + cmd[1:]), "cpu": machine.cpu_name(),
+  return {"command": " ".join(["python"] + cmd[1:]),
+          "cpu": machine.cpu_name(),
           "started": started.strftime("%Y-%m-%d %H:%M"),
           "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
           "load_at_start": round(load, 2), "returncode": code,
