@@ -103,10 +103,6 @@ def main(argv):
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   command = "noise_scale_trace.py " + " ".join(sys.argv[1:])
   path = os.path.join(FLAGS.output_dir, "noise_scale_trace")
-  with open(path + ".json", "w") as f:
-    json.dump(dict(workload=FLAGS.workload, optimizer=FLAGS.optimizer,
-                   batch_size=FLAGS.batch_size, command=command,
-                   records=records), f, indent=1)
   lines = ["`%s`" % command, "",
            "| step | train loss | B_simple | B_simple / batch |",
            "|---:|---:|---:|---:|"]
@@ -115,8 +111,15 @@ def main(argv):
         r["step"], "-" if r["train_loss"] is None else
         "%.4f" % r["train_loss"], r["b_simple"],
         r["b_simple"] / FLAGS.batch_size))
+  text = "\n".join(lines) + "\n"
+  # The table also goes into the JSON ("tables"), which docs render from
+  # (examples/benchmarks/doc_tables.py).
+  with open(path + ".json", "w") as f:
+    json.dump(dict(workload=FLAGS.workload, optimizer=FLAGS.optimizer,
+                   batch_size=FLAGS.batch_size, command=command,
+                   records=records, tables={"trace": text}), f, indent=1)
   with open(path + ".md", "w") as f:
-    f.write("\n".join(lines) + "\n")
+    f.write(text)
   print("\n".join(lines))
 
 

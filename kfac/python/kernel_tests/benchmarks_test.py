@@ -871,6 +871,7 @@ def test_keras_damping_trace_tiny(tmp_path):
   table = (tmp_path / "keras_damping_trace.md").read_text()
   assert "| step | train loss | val acc | damping | rho |" in table
   assert "| 6 |" in table
+  assert out["tables"]["trace"] == table  # what docs render from
 
 
 def test_noise_scale_trace_tiny(tmp_path):
@@ -891,6 +892,7 @@ def test_noise_scale_trace_tiny(tmp_path):
           r["trace_sigma_sum"] / r["grad_sq_sum"]), r
   table = (tmp_path / "noise_scale_trace.md").read_text()
   assert "| step | train loss | B_simple | B_simple / batch |" in table
+  assert out["tables"]["trace"] == table  # what docs render from
 
 
 def test_keras_first_step_records_and_tables(tmp_path):
@@ -952,13 +954,15 @@ def test_batched_blocks_cost_forms_agree_and_tables(tmp_path):
   out = _run("batched_blocks_cost.py",
              ["--models=vit,gpt", "--rounds=1", "--calls=1"], tmp_path)
   with open(tmp_path / "batched_blocks_cost.json") as f:
-    rows = {r["model"]: r for r in json.load(f)["rows"]}
+    written = json.load(f)
+  rows = {r["model"]: r for r in written["rows"]}
   assert rows["vit"]["blocks"] == 6 and rows["gpt"]["blocks"] == 5, rows
   for r in rows.values():
     assert r["cpu_ms_per_block"] > 0 and r["cpu_ms_batched"] > 0
     assert r["ops_batched_form"] < r["ops_per_block_form"], r
   table = (tmp_path / "batched_blocks_cost.md").read_text()
   assert "| vit | 6 |" in table and "| gpt | 5 |" in table, out
+  assert written["tables"]["cost"] == table  # what docs render from
 
 
 def test_critical_batch_fit_and_tiny_sweep(tmp_path):
