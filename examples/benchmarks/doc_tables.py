@@ -9,7 +9,12 @@ A generated table sits between two markers in a markdown file:
 
 The marker names a results JSON (relative to the repository root) and a
 key of its "tables" object, a markdown text the benchmark wrote from its
-runs (the same text as its .md file). `render` replaces what is between
+runs (the same text as its .md file). `key:section` takes one section of
+that text: the lines after the bold heading line (`**...**`) whose slug
+(lower case, every run of other characters than letters and digits one
+`-`) is `section`, up to the next bold heading line:
+
+    <!-- table: examples/benchmarks/results/make_bench.json#kfac_cost:cost-of-adaptive-k-fac-autoencoder-ms-per-step --> `render` replaces what is between
 the markers with that text; `check` reports every marked table that
 differs from its results file, and every reference in a doc to something
 that does not exist:
@@ -75,10 +80,41 @@ def _table(root, path, key, where):
   with open(full, encoding="utf-8") as f:
     data = json.load(f)
   tables = data.get("tables")
+  key, _, section = key.partition(":")
   if not isinstance(tables, dict) or key not in tables:
     raise DocError("%s: %s has no table %r (it has: %s)" % (
         where, path, key, ", ".join(sorted(tables or {})) or "none"))
-  return tables[key].strip("\n")
+  text = tables[key].strip("\n")
+  if not section:
+    return text
+  sections = _sections(text)
+  if section not in sections:
+    raise DocError("%s: %s's table %r has no section %r (it has: %s)" % (
+        where, path, key, section, ", ".join(sorted(sections)) or "none"))
+  return sections[section]
+
+
+BOLD_HEADING = re.compile(r"^\*\*(?P<title>[^*].*?)\*\*$")
+
+
+def slug(title):
+  """`title` in lower case, each run of non-alphanumerics one `-`."""
+  return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def _sections(text):
+  """{slug of a bold heading line: the lines under it, stripped}."""
+  sections, name, lines = {}, None, []
+  for line in text.split("\n") + ["**end**"]:
+    match = BOLD_HEADING.match(line.strip())
+    if match:
+      if name is not None:
+        sections[name] = "\n".join(lines).strip("\n")
+      name, lines = slug(match.group("title")), []
+    elif name is not None:
+      lines.append(line)
+  sections.pop("end", None)
+  return sections
 
 
 def render_text(text, root=ROOT, name="<doc>"):

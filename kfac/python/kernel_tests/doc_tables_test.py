@@ -126,6 +126,8 @@ def test_a_changed_results_file_fails_until_rendered(tmp_path):
     ("<!-- table: examples/benchmarks/results/critical_batch.json#cnn -->",
      "without <!-- end table -->"),
     ("<!-- end table -->", "without a table marker"),
+    ("<!-- table: examples/benchmarks/results/make_bench.json#kfac_cost:nope"
+     " -->\n<!-- end table -->", "has no section 'nope'"),
 ])
 def test_malformed_markers_are_named(tmp_path, marker, message):
   root = _tree(tmp_path)
@@ -133,6 +135,25 @@ def test_malformed_markers_are_named(tmp_path, marker, message):
   problems = doc_tables.table_differences(str(root))
   assert len(problems) == 1 and message in problems[0], problems
   assert problems[0].startswith("docs/index.md:")
+
+
+def test_a_section_marker_shows_that_section_only(tmp_path):
+  root = tmp_path / "tree"
+  (root / "r").mkdir(parents=True)
+  table = ("**Program title**\n\nMachine: m.\n\n**First part (ms)**\n\n"
+           "| a | b |\n|---|---:|\n| x | 1.0 |\n\n**Second: part 2**\n\n"
+           "| c |\n|---|\n| y |\n")
+  (root / "r" / "res.json").write_text(json.dumps({"tables": {"p": table}}))
+  doc = ("<!-- table: r/res.json#p:second-part-2 -->\nold\n"
+         "<!-- end table -->\n<!-- table: r/res.json#p:first-part-ms -->\n"
+         "<!-- end table -->")
+  assert doc_tables.render_text(doc, str(root)).split("\n") == [
+      "<!-- table: r/res.json#p:second-part-2 -->", "| c |", "|---|", "| y |",
+      "<!-- end table -->", "<!-- table: r/res.json#p:first-part-ms -->",
+      "| a | b |", "|---|---:|", "| x | 1.0 |", "<!-- end table -->"]
+  with pytest.raises(doc_tables.DocError, match="has no section 'machine'"):
+    doc_tables.render_text("<!-- table: r/res.json#p:machine -->\n"
+                           "<!-- end table -->", str(root))
 
 
 @pytest.mark.parametrize("snippet, message", [
