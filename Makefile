@@ -19,8 +19,8 @@
 #                  its result and the suite's time: docs/benchmarks.md)
 #   make bench-step  only the step time against the old kfac 0.2.4 and SGD
 #                  (autoencoder_step_time.py: train_op alone and with the loss fetched,
-#                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; 33
-#                  minutes on the loaded 2-core dev machine); BENCH_STEP_FLAGS adds flags,
+#                  TF2 behaviour and disable_v2_behavior(), batch 256 and 1000; its
+#                  time in make bench's time table, docs/benchmarks.md); BENCH_STEP_FLAGS adds flags,
 #                  e.g. BENCH_STEP_FLAGS=--threads=1 for CPU times on a loaded machine
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
 #                  and of keras_validation.py (the peers' learning rates, 60 runs: about

@@ -24,7 +24,8 @@ The statistics are timed as the factor's moving-average update op
 Memory: bytes of the factor statistics (and of one inverse each) and of the
 patch matrix that the full kron statistic materialises.
 
-  python examples/benchmarks/conv_statistics_cost.py [--batch=128]
+  python examples/benchmarks/conv_statistics_cost.py [--batch=128] \
+      [--output_dir=examples/benchmarks/results]
 """
 
 import argparse
@@ -40,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 import machine  # (examples/benchmarks, the script's folder)
+import results_files
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -72,6 +74,9 @@ def main(argv=None):
   parser.add_argument("--channels", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--output_dir", default=None,
+                      help="Where to write conv_statistics_cost.md and .json "
+                      "(the tables the docs show); none: print only.")
   args = parser.parse_args(argv)
 
   n, side, c = args.batch, args.side, args.channels
@@ -171,24 +176,30 @@ def main(argv=None):
        n * side * side * c * 4),
   ]
 
-  print("Machine: %s, %d logical CPUs; TensorFlow %s; batch %d, %dx%dx%d "
-        "inputs, 3x3 SAME conv to %d channels, float32; median of %d calls."
-        % (machine.cpu_name(), os.cpu_count(), tf.__version__, n, side,
-           side, c, c, args.repeats))
-  print()
-  print("| piece | ms | x gradient step |")
-  print("|---|---:|---:|")
+  head = ("Machine: %s, %d logical CPUs; TensorFlow %s; batch %d, %dx%dx%d "
+          "inputs, 3x3 SAME conv to %d channels, float32; median of %d "
+          "calls." % (machine.cpu_name(), os.cpu_count(), tf.__version__, n,
+                      side, side, c, c, args.repeats))
+  cost = ["| piece | ms | x gradient step |", "|---|---:|---:|"]
   for label, seconds in rows:
-    print("| %s | %.1f | %.2f |" % (label, 1e3 * seconds, seconds / t_grad))
+    cost.append("| %s | %.1f | %.2f |" % (label, 1e3 * seconds,
+                                          seconds / t_grad))
   full = updates[factors[0][0]] + updates[factors[-1][0]]
-  print("| **statistics update, kron (A + G)** | %.1f | %.2f |" %
-        (1e3 * full, full / t_grad))
-  print()
-  print("| memory | bytes | MiB |")
-  print("|---|---:|---:|")
+  cost.append("| **statistics update, kron (A + G)** | %.1f | %.2f |" %
+              (1e3 * full, full / t_grad))
+  memory = ["| memory | bytes | MiB |", "|---|---:|---:|"]
   for label, size in mem:
-    print("| %s | %d | %.2f |" % (label, size, size / 2.0**20))
-
+    memory.append("| %s | %d | %.2f |" % (label, size, size / 2.0**20))
+  tables = {"machine": head, "cost": "\n".join(cost),
+            "memory": "\n".join(memory)}
+  text = "\n\n".join((head, tables["cost"], tables["memory"])) + "\n"
+  print(text)
+  if args.output_dir:
+    results_files.write(
+        args.output_dir, "conv_statistics_cost", text,
+        dict(args=vars(args), tables=tables,
+             ms={label: 1e3 * sec for label, sec in rows}, bytes=dict(mem)))
+    print("Wrote conv_statistics_cost.md and .json to %s" % args.output_dir)
 
 if __name__ == "__main__":
   main()

@@ -11,8 +11,9 @@ process; run them one at a time (a K-FAC run takes minutes and GBs):
   .venv/bin/python examples/benchmarks/keras_first_step.py --table OUTPUT_DIR
 
 With OUTPUT_DIR the run is also added to OUTPUT_DIR/keras_first_step.json
-(a list of runs); --table writes OUTPUT_DIR/keras_first_step.md from it
-(per model, the latest run of each configuration, ratios to Adam's).
+("runs"), and the table of them (per model, the latest run of each
+configuration, ratios to Adam's) is rewritten: keras_first_step.md and the
+JSON's "tables" ("first_step"); --table writes keras_first_step.md alone.
 
 Models: effnet (EfficientNetB0), resnet50 (ResNet50), mobilenetv2
 (MobileNetV2, alpha 0.35); all weights=None, 32x32x3 inputs, 10 classes,
@@ -84,13 +85,7 @@ def main(argv):
       machine=_machine())
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "keras_first_step.json")
-    runs = []
-    if os.path.exists(path):
-      with open(path) as f:
-        runs = json.load(f)
-    with open(path, "w") as f:
-      json.dump(runs + [record], f, indent=1)
+    _write_runs(out_dir, _read_runs(out_dir) + [record])
   print("RESULT %s %s first_call_wall=%.1f s first_call_cpu=%.1f s "
         "next_steps_ms=%.0f next_steps_cpu_ms=%.0f peak_rss=%.2f GB "
         "peak_rss_after_first_call=%.2f GB" % (
@@ -104,13 +99,12 @@ def _machine():
   return "%s, %d cores" % (machine.cpu_name(), os.cpu_count() or 0)
 
 
-def write_table(out_dir):
+def write_table(out_dir, runs=None):
   """OUTPUT_DIR/keras_first_step.md from its JSON: per model, Adam's first
   call (CPU s, peak GB after it) and each K-FAC configuration's with its
   ratios to Adam's, and the mean of the next 3 steps (CPU ms); the latest
   run of each (model, configuration)."""
-  with open(os.path.join(out_dir, "keras_first_step.json")) as f:
-    runs = json.load(f)
+  runs = _read_runs(out_dir) if runs is None else runs
   latest = {}
   for r in runs:
     latest[(r["model"], r["config"])] = r
@@ -139,6 +133,26 @@ def write_table(out_dir):
   with open(os.path.join(out_dir, "keras_first_step.md"), "w") as f:
     f.write(text)
   return text
+
+
+def _read_runs(out_dir):
+  """The runs recorded in OUTPUT_DIR/keras_first_step.json (a list of runs
+  in files written before it held its table too)."""
+  path = os.path.join(out_dir, "keras_first_step.json")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    data = json.load(f)
+  return data if isinstance(data, list) else data["runs"]
+
+
+def _write_runs(out_dir, runs):
+  """keras_first_step.json: the runs and the table of them (what the docs
+  render, the same text as keras_first_step.md, which it rewrites)."""
+  text = write_table(out_dir, runs)
+  with open(os.path.join(out_dir, "keras_first_step.json"), "w") as f:
+    json.dump(dict(runs=runs, tables=dict(first_step=text.strip())), f,
+              indent=1)
 
 
 def _peak_rss_gb():

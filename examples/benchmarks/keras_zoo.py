@@ -38,8 +38,9 @@ initial weights), compiles it and measures, with batch --batch_size:
                (Kronecker or full) blocks, the layers that fell back to the
                generic diagonal, and the layers under diagonal blocks
 
-Writes keras_zoo.md (table), keras_zoo.json and keras_zoo.png (training
-loss against step per model) to --output_dir.
+Writes keras_zoo.md (table), keras_zoo.json ("runs"; "tables": "zoo", the
+.md's text, what the docs render) and keras_zoo.png (training loss against
+step per model) to --output_dir.
 
   python examples/benchmarks/keras_zoo.py                    # all models
   python examples/benchmarks/keras_zoo.py --models=vit,gpt --steps=100
@@ -59,6 +60,7 @@ from absl import flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import results_files
 import zoo_models
 
 OPTIMIZERS = ("kfac", "adam", "muon", "kfac_fixed_rate", "kfac_minibatch",
@@ -324,11 +326,10 @@ def main(argv):
                                   r["losses"][0], _mean_tail(r["losses"]),
                                   r["val_accuracy"])), flush=True)
   text = table(results)
-  with open(os.path.join(FLAGS.output_dir, "keras_zoo.md"), "w") as f:
-    f.write("Keras zoo, batch %d, %d steps, size %s\n\n%s\n" % (
-        FLAGS.batch_size, FLAGS.steps, FLAGS.size, text))
-  with open(os.path.join(FLAGS.output_dir, "keras_zoo.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  md = "Keras zoo, batch %d, %d steps, size %s\n\n%s\n" % (
+      FLAGS.batch_size, FLAGS.steps, FLAGS.size, text)
+  results_files.write(FLAGS.output_dir, "keras_zoo", md,
+                      dict(runs=results, tables=dict(zoo=md.strip())))
   plot(results, os.path.join(FLAGS.output_dir, "keras_zoo.png"))
   print(text)
   failed = [r for r in results if "error" in r]

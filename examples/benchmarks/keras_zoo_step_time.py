@@ -61,6 +61,7 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import results_files
 import zoo_models
 
 MODELS = zoo_models.NAMES
@@ -237,13 +238,8 @@ def main(argv):
     results.append(json.loads(rows[-1][len("RESULT "):]))
     print(table(results[-1:]), flush=True)
   text = table(results)
-  with open(os.path.join(FLAGS.output_dir, "keras_zoo_step_time.md"),
-            "w") as f:
-    f.write(text)
-  with open(os.path.join(FLAGS.output_dir, "keras_zoo_step_time.json"),
-            "w") as f:
-    json.dump(dict(runs=results, tables=dict(step_time=text.strip())), f,
-              indent=1)
+  results_files.write(FLAGS.output_dir, "keras_zoo_step_time", text,
+                      dict(runs=results, tables=dict(step_time=text.strip())))
   print(text)
 
 

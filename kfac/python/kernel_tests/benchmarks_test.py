@@ -354,7 +354,11 @@ def test_keras_zoo_tiny(tmp_path):
                         "--models=gpt", "--optimizers=kfac,adam,kfac_auto"],
        tmp_path)
   with open(tmp_path / "keras_zoo.json") as f:
-    runs = json.load(f)
+    written = json.load(f)
+  runs = written["runs"]
+  # The table the docs render: the .md's text.
+  assert written["tables"]["zoo"] + "\n" == (
+      tmp_path / "keras_zoo.md").read_text()
   assert [(r["model"], r["optimizer"]) for r in runs] == [
       ("gpt", "kfac"), ("gpt", "adam"), ("gpt", "kfac_auto")]
   for r in runs:
@@ -385,7 +389,10 @@ def test_keras_zoo_step_time_quick(tmp_path):
       "--models=gpt", "--configs=adam,kfac_qmodel_half", "--steps=2",
       "--warmup_steps=1", "--rounds=2", "--batch_size=16"], tmp_path)
   with open(tmp_path / "keras_zoo_step_time.json") as f:
-    (row,) = json.load(f)
+    written = json.load(f)
+  (row,) = written["runs"]
+  assert written["tables"]["step_time"] == (
+      tmp_path / "keras_zoo_step_time.md").read_text().strip()
   assert row["model"] == "gpt"
   for config in ("adam", "kfac_qmodel_half"):
     assert len(row["configs"][config]["ms_rounds"]) == 2
@@ -897,7 +904,8 @@ def test_noise_scale_trace_tiny(tmp_path):
 
 def test_keras_first_step_records_and_tables(tmp_path):
   """keras_first_step.py adds its run to OUTPUT_DIR/keras_first_step.json
-  (MobileNetV2 with Adam here) and --table writes the table of the latest
+  with the table of its runs (MobileNetV2 with Adam here); --table writes
+  the table from an older file's list of runs: the latest
   run of each (model, configuration) with its ratios to Adam's (checked on
   records written here); a bad configuration is named."""
   _run_first = lambda *args: subprocess.run(  # pylint: disable=g-long-lambda
@@ -907,7 +915,12 @@ def test_keras_first_step_records_and_tables(tmp_path):
   proc = _run_first("mobilenetv2", "adam", str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(tmp_path / "keras_first_step.json") as f:
-    (run,) = json.load(f)
+    written = json.load(f)
+  (run,) = written["runs"]
+  # The table the docs render is the .md the run rewrote.
+  assert written["tables"]["first_step"] + "\n" == (
+      tmp_path / "keras_first_step.md").read_text()
+  assert "| mobilenetv2 | adam |" in written["tables"]["first_step"]
   assert run["model"] == "mobilenetv2" and run["config"] == "adam"
   assert run["first_call_cpu_s"] > 0 and run["peak_rss_after_first_call_gb"] > 0
   made = dict(run, model="m", date="x")
@@ -1120,3 +1133,25 @@ def test_multiworker_step_time_quick(tmp_path):
   table = (tmp_path / "multiworker_step_time.md").read_text()
   assert "| workers | all-reduce latency (ms) | bandwidth (MB/s) |" in table
   _png(tmp_path / "multiworker_step_time.png")
+
+
+def test_conv_statistics_cost_writes_its_tables(tmp_path):
+  """conv_statistics_cost.py on a tiny convolution: every piece timed, the
+  full KFC statistic's patch matrix counted at N * L rows of K * K * C
+  floats, and the JSON's tables (what docs/convolutions.md renders) equal
+  to the .md it writes."""
+  out = _run("conv_statistics_cost.py",
+             ["--batch=4", "--side=8", "--channels=4", "--repeats=1",
+              "--warmup=1"], tmp_path)
+  with open(tmp_path / "conv_statistics_cost.json") as f:
+    written = json.load(f)
+  assert len(written["ms"]) == 11 and all(
+      v > 0 for v in written["ms"].values()), written["ms"]
+  patches = [v for k, v in written["bytes"].items()
+             if k.startswith("patch matrix")]
+  assert patches == [4 * 8 * 8 * 9 * 4 * 4], written["bytes"]
+  text = (tmp_path / "conv_statistics_cost.md").read_text()
+  tables = written["tables"]
+  assert text == "\n\n".join(
+      (tables["machine"], tables["cost"], tables["memory"])) + "\n"
+  assert "| **statistics update, kron (A + G)** |" in tables["cost"], out
