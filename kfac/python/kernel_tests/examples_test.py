@@ -202,6 +202,12 @@ def test_influence_functions_example(tmp_path):
   with open(out / "results.json") as f:
     results = json.load(f)
   assert max(results["helpful_scores"]) < 0 < min(results["harmful_scores"])
+  # The tables docs/ekfac.md renders: a row per damping checked.
+  rows = [l for l in results["tables"]["check"].split("\n")
+          if l.startswith("| 0.")]
+  assert [r.split(" | ")[0] for r in rows] == ["| 0.001", "| 0.1"], rows
+  assert "%.3g" % results["best_delta"]["ekfac"] in (
+      results["tables"]["laplace"])
   frobenius = results["check"].pop("frobenius")
   # EKFAC is the best approximation diagonal in K-FAC's basis.
   assert 0 < frobenius["ekfac"] <= frobenius["kron"] < 1, frobenius
