@@ -381,6 +381,7 @@ def report(histories, num_eval, name):
                FLAGS.results_json):
     if path:
       side_by_side.write_results(path, histories, dataset=name,
+                                 tables={"results": text.strip()},
                                  damping_rule=FLAGS.damping_rule,
                                  min_damping=FLAGS.min_damping,
                                  num_burnin_steps=FLAGS.num_burnin_steps)

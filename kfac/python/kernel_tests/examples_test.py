@@ -124,6 +124,11 @@ def test_adaptive_autoencoder(tmp_path):
   assert "| kfac_adaptive | %d |" % steps in (
       output_dir / "results.md").read_text()
   assert "Target: adam's final loss" in stdout
+  # The table docs/adaptive.md renders: results.md's text, in results.json.
+  with open(output_dir / "results.json") as f:
+    written = json.load(f)
+  assert written["tables"]["results"] == (
+      output_dir / "results.md").read_text().strip()
 
 
 if __name__ == "__main__":
