@@ -68,6 +68,72 @@ def test_fixed_momentum_solve():
   assert _np(qm.solve_fixed_second(0.0, 1.0, 1.0, 0.5)) == [0.0]
 
 
+def _kkt_check(x, m, c, bound):
+  """Asserts that x minimises q(x) = 1/2 x^T M x + c^T x (M positive
+  definite) over |x2| <= bound, by the Karush-Kuhn-Tucker conditions
+  (sufficient for a convex q) and against 20000 random feasible points;
+  independent of the closed form under test."""
+  m = np.array([[m[0], m[1]], [m[1], m[2]]])
+  c = np.array(c)
+  x = np.array(x)
+  grad = m @ x + c
+  scale = np.abs(m).max() * max(1.0, np.abs(x).max()) + np.abs(c).max()
+  assert abs(x[1]) <= bound * (1 + 1e-15)
+  assert abs(grad[0]) <= 1e-12 * scale  # free in x1
+  if abs(x[1]) < bound:
+    assert abs(grad[1]) <= 1e-12 * scale  # interior in x2
+  else:  # at an end: moving inside does not lower q
+    assert grad[1] * np.sign(x[1]) <= 1e-12 * scale
+  def q(v):
+    return 0.5 * np.einsum("ni,ij,nj->n", v, m, v) + v @ c
+  rng = np.random.RandomState(0)
+  spread = 10 * (np.abs(x).max() + 1)
+  points = np.stack([x[0] + spread * rng.uniform(-1, 1, 20000),
+                     rng.uniform(-bound, bound, 20000)], 1)
+  assert q(points).min() >= q(x[None])[0] - 1e-12 * abs(q(x[None])[0])
+
+
+@pytest.mark.parametrize("bound", [0.5, 1.0, 2.0])
+def test_bounded_momentum_solve_is_the_constrained_minimiser(bound):
+  """solve_bounded_second on random positive definite models, some whose
+  unconstrained momentum lies outside the bound and some inside, and on a
+  nearly collinear p and d at a tiny damping (the GRU's case, docs/recipe.md:
+  the unconstrained x2 there is about -80)."""
+  rng = np.random.RandomState(int(bound * 10))
+  cases = []
+  for _ in range(40):
+    a = rng.randn(2, 2)
+    m = a @ a.T + 1e-3 * np.eye(2)
+    cases.append(((m[0, 0], m[0, 1], m[1, 1]), tuple(rng.randn(2) * 3)))
+  cases.append(((1.0, 0.999, 0.998 + 1e-4), (0.5, 0.6)))
+  outside = 0
+  for m, c in cases:
+    free = _np(*qm.solve_two_by_two(*m, *c))
+    x = _np(*qm.solve_bounded_second(*m, *c, bound))
+    _kkt_check(x, m, c, bound)
+    if abs(free[1]) <= bound:
+      assert x == pytest.approx(free, rel=1e-14)  # the bound is inactive
+    else:
+      outside += 1
+      assert abs(x[1]) == bound
+  assert outside >= 5  # the bound was active in several cases
+  assert abs(_np(*qm.solve_two_by_two(*cases[-1][0], *cases[-1][1]))[1]) > 50
+
+
+def test_bounded_momentum_solve_degenerate_cases():
+  # No curvature along p (M11 = 0): the best multiple of d alone, -5, is
+  # bounded to -1 and p keeps the coefficient 0.
+  assert _np(*qm.solve_bounded_second(0.0, 0.0, 2.0, 0.0, 10.0, 1.0)) == [
+      0.0, -1.0]
+  # First step (d = 0): nothing to bound.
+  assert _np(*qm.solve_bounded_second(4.0, 0.0, 0.0, 2.0, 0.0, 1.0)) == [
+      -0.5, 0.0]
+  # None: kfac 0.2.x's unbounded solve.
+  assert _np(*qm.solve_bounded_second(1.0, 0.5, 1.0, 0.0, 4.0, None)) == (
+      pytest.approx(_np(*qm.solve_two_by_two(1.0, 0.5, 1.0, 0.0, 4.0)),
+                    rel=1e-15))
+
+
 # ------------------------------------------------------------- LM rule
 @pytest.mark.parametrize("rho, factor", [
     (0.1, 1 / 0.9**2),   # below the increase threshold: damping / omega
@@ -280,9 +346,12 @@ def _inits(seed=0):
 
 
 def _qmodel_reference(reference, precon_mat, prev_delta, damping, l2_reg,
-                      fixed_mu=None, rescale=1.0, curvature=None):
+                      fixed_mu=None, rescale=1.0, curvature=None,
+                      bound=None):
   """(delta, -alpha, mu, model change) of one quadratic-model step
-  (`curvature`: C of the model if not the batch's, `reference`'s)."""
+  (`curvature`: C of the model if not the batch's, `reference`'s; `bound`:
+  the momentum's bound, the learning rate then the model's best for the
+  bounded momentum)."""
   g = reference.grad()
   c_mat = reference.curvature() if curvature is None else curvature
   p = np.linalg.solve(precon_mat, g)
@@ -299,6 +368,9 @@ def _qmodel_reference(reference, precon_mat, prev_delta, damping, l2_reg,
     x = np.array([-c[0] / m_solve[0, 0], 0.0])
   else:
     x = -np.linalg.solve(m_solve, c)
+    if bound is not None and abs(x[1]) > bound:
+      mu = np.sign(x[1]) * bound
+      x = np.array([-(c[0] + mu * m_solve[0, 1]) / m_solve[0, 0], mu])
   x = x * rescale
   m_model = gram + l2_reg * dots
   change = 0.5 * x @ m_model @ x + x @ c
@@ -352,6 +424,39 @@ def test_qmodel_steps_match_the_exact_quadratic_model(world, variant):
     if t > 0 and variant != "fixedmu":
       assert mu != 0  # the momentum direction was used
     prev_delta = delta
+
+
+@pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
+def test_qmodel_steps_with_a_momentum_bound(world):
+  """qmodel_momentum_bound: each step's update is alpha p + mu d with mu
+  the unconstrained model's momentum clipped to the bound and alpha the
+  model's best for it; the bound binds on some of the steps."""
+  damping, bound = 0.05, 0.02
+  trainer = Trainer(world, _inits(), dict(
+      learning_rate=None, momentum=None, momentum_type="qmodel",
+      damping=damping, qmodel_momentum_bound=bound))
+  prev_delta = np.zeros(sum(p.size for p in _inits()))
+  bound_steps = 0
+  for t, batch in enumerate(_batches(4)):
+    before = trainer.params()
+    trainer.step(batch)
+    delta = ref.flat(trainer.params()) - ref.flat(before)
+    reference = Reference(before, *batch)
+    precon = trainer.precon_matrix(damping)
+    want, lr, mu, change = _qmodel_reference(
+        reference, precon, prev_delta, damping, 0.0, bound=bound)
+    _, _, free_mu, _ = _qmodel_reference(reference, precon, prev_delta,
+                                         damping, 0.0)
+    bound_steps += abs(free_mu) > bound
+    np.testing.assert_allclose(delta, want, rtol=RTOL, atol=1e-14,
+                               err_msg="step %d" % t)
+    rec = trainer.records()
+    assert rec["learning_rate"] == pytest.approx(lr, rel=RTOL)
+    assert rec["momentum"] == pytest.approx(mu, rel=RTOL, abs=1e-15)
+    assert abs(rec["momentum"]) <= bound * (1 + 1e-12)
+    assert rec["qmodel_change"] == pytest.approx(change, rel=RTOL)
+    prev_delta = delta
+  assert bound_steps >= 1, "the bound never bound: choose a smaller one"
 
 
 @pytest.mark.parametrize("world", ref.WORLDS_TF2_SLOW)
@@ -638,6 +743,16 @@ def test_damping_calibration_during_burn_in(world, momentum_type, initial,
           damping_schedule=lambda s: 0.1, damping=None), "choose one"),
     (dict(learning_rate=0.1, learning_rate_schedule=lambda s: 0.1),
      "not both"),
+    (dict(learning_rate=0.1, qmodel_momentum_bound=1.0),
+     r"qmodel_momentum_bound .* momentum_type='qmodel' only "
+     r"\(momentum_type='adam'\)"),
+    (dict(learning_rate=None, momentum=0.5, momentum_type="qmodel_fixedmu",
+          qmodel_momentum_bound=1.0), "qmodel_momentum_bound"),
+    (dict(learning_rate=None, momentum=None, momentum_type="qmodel",
+          qmodel_momentum_bound=0.0), "qmodel_momentum_bound"),
+    (dict(learning_rate=None, momentum=None, momentum_type="qmodel",
+          qmodel_momentum_bound="1"), "qmodel_momentum_bound must be a "
+     "number"),
     (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=0),
      "num_burnin_steps > 0"),
     (dict(learning_rate=0.1, calibrate_damping=True, num_burnin_steps=3),

@@ -181,6 +181,37 @@ def test_default_recipe_first_fit_call_inverts_nothing():
   assert float(opt.damping.numpy()) != recipe.INITIAL_DAMPING
 
 
+def test_the_recipes_bound_the_quadratic_models_momentum():
+  """The exact recipe (Kfac(adaptive=True), recipe.adaptive_kwargs())
+  keeps the chosen momentum within +-recipe.QMODEL_MOMENTUM_BOUND; the
+  recipes without the quadratic model, and a user's None, do not bound."""
+  def bound(opt):
+    return opt.kfac_optimizer.config.update.qmodel_momentum_bound
+  assert recipe.QMODEL_MOMENTUM_BOUND == 1.0
+  assert bound(kfac.keras.optimizers.Kfac(adaptive=True)) == 1.0
+  assert bound(kfac.keras.optimizers.Kfac(adaptive=True, recipe="auto")) == 1.0
+  assert bound(kfac.keras.optimizers.Kfac(
+      adaptive=True, qmodel_momentum_bound=None)) is None
+  assert bound(kfac.keras.optimizers.Kfac(
+      adaptive=True, qmodel_momentum_bound=2.0)) == 2.0
+  assert bound(kfac.keras.optimizers.Kfac(
+      adaptive=True, recipe="minibatch", learning_rate=0.05)) is None
+  assert bound(kfac.keras.optimizers.Kfac(
+      adaptive=True, momentum_type="regular", learning_rate=0.05)) is None
+  assert bound(kfac.keras.optimizers.Kfac(
+      adaptive=True, momentum_type="qmodel_fixedmu", momentum=0.9)) is None
+  assert bound(kfac.keras.optimizers.Kfac(learning_rate=0.1,
+                                          damping=0.1)) is None
+  assert recipe.adaptive_kwargs()["qmodel_momentum_bound"] == 1.0
+  assert "qmodel_momentum_bound" not in recipe.adaptive_kwargs(
+      momentum_type="qmodel_fixedmu", momentum=0.9)
+  # The core's own default stays kfac 0.2.x's unbounded solve.
+  core = kfac.PeriodicInvCovUpdateKfacOpt(
+      learning_rate=None, momentum=None, momentum_type="qmodel",
+      damping=0.1)
+  assert core.config.update.qmodel_momentum_bound is None
+
+
 @pytest.mark.slow  # the recipe's defaults (2 fits, as above)
 def test_default_recipe_without_damping():
   """Kfac(adaptive=True) without damping is the default recipe: the same

@@ -1233,6 +1233,10 @@ def with_recipe_defaults(damping, adaptive, kfac_kwargs):
         kfac_kwargs["noise_scale_every"] = recipe.AUTO_NOISE_SCALE_EVERY
     kfac_kwargs.setdefault("relative_min_damping",
                            recipe.RELATIVE_MIN_DAMPING)
+    if kfac_kwargs.get("momentum_type", "regular" if kfac_kwargs.get(
+        "recipe") == "minibatch" else "qmodel") == "qmodel":
+      kfac_kwargs.setdefault("qmodel_momentum_bound",
+                             recipe.QMODEL_MOMENTUM_BOUND)
     # The noise scale is measured where it decides something (the
     # automatic recipe) or where asked: its halves' passes are a second
     # copy of the model in the traced step (recipe.NOISE_SCALE_STEPS).

@@ -24,6 +24,18 @@ Degenerate cases of the 2x2 solve, in order:
 * otherwise, when M22 > 0: the best multiple of d alone, (0, -c2/M22);
 * otherwise (no curvature along either vector): x = (0, 0).
 
+With a momentum bound B (`qmodel_momentum_bound`, not in kfac 0.2.x) the
+model is minimised over |x2| <= B instead (`solve_bounded_second`): where
+the solution above has |x2| > B, x2 = sign(x2) B and x1 is the best for it,
+x1 = -(c1 + x2 M12) / M11 (0 when M11 <= 0). For a positive definite M
+this is the exact constrained minimiser: min over x1 of q is a convex
+quadratic in x2 whose minimum is the unconstrained x2, so over the
+interval it is least at the end nearest to it. Why: x2 multiplies the
+previous update d, itself x2' of the one before, so |x2| > 1 on several
+steps makes the update grow geometrically; at a damping the rule has
+lowered by orders of magnitude the model's minimiser can ask for that
+(docs/recipe.md, "The momentum bound").
+
 `QuadraticModel`, the part of the step that builds this model from a
 step's gradient, preconditioned gradient and previous update (and the
 damping rule's predicted change of a regular / adam update), follows the
@@ -48,7 +60,8 @@ outputs for part of the batch), C is the curvature over those rows alone,
 with N scaled by their share of the batch: the two curvature products, the
 largest extra cost of an adaptive step, are then paid on those rows only
 (kfac.keras's qmodel_batch_fraction); g and p stay the whole batch's.
-"qmodel_fixedmu" keeps mu = momentum and solves for alpha alone.
+"qmodel_fixedmu" keeps mu = momentum and solves for alpha alone;
+`qmodel_momentum_bound` B keeps |mu| <= B ("qmodel").
 `qmodel_update_rescale` s multiplies both coefficients after the solve.
 The recorded `learning_rate` is -alpha * s, `momentum` mu * s.
 
@@ -126,6 +139,19 @@ def solve_fixed_second(m11, m12, c1, x2):
   return tf.where(pos, -(c1 + x2 * m12) / tf.where(pos, m11,
                                                    tf.ones_like(m11)),
                   tf.zeros_like(m11))
+
+
+def solve_bounded_second(m11, m12, m22, c1, c2, bound):
+  """(x1, x2) minimising 1/2 x^T M x + c^T x over |x2| <= bound (the
+  module docstring); bound None: solve_two_by_two."""
+  x1, x2 = solve_two_by_two(m11, m12, m22, c1, c2)
+  if bound is None:
+    return x1, x2
+  bound = tf.constant(float(bound), tf.float64)
+  outside = tf.abs(x2) > bound
+  x2_bound = tf.clip_by_value(x2, -bound, bound)
+  x1_bound = solve_fixed_second(m11, m12, c1, x2_bound)
+  return (tf.where(outside, x1_bound, x1), tf.where(outside, x2_bound, x2))
 
 
 def model_value(x1, x2, m11, m12, m22, c1, c2):
@@ -256,8 +282,9 @@ class QuadraticModel:
     solve_m = model(damping + l2_reg)
     c1, c2 = inner[2][0], inner[2][1]
     if self._update.momentum_type == "qmodel":
-      alpha, mu = solve_two_by_two(
-          solve_m[0][0], solve_m[0][1], solve_m[1][1], c1, c2)
+      alpha, mu = solve_bounded_second(
+          solve_m[0][0], solve_m[0][1], solve_m[1][1], c1, c2,
+          self._update.qmodel_momentum_bound)
     else:
       mu = utils.cast(_read(self._momentum), tf.float64)
       alpha = solve_fixed_second(solve_m[0][0], solve_m[0][1], c1, mu)

@@ -88,6 +88,10 @@ class UpdateRuleConfig:
   """A callable variable -> bool choosing the decayed variables (None: all)."""
   qmodel_update_rescale: Optional[float] = None
   """A factor of both coefficients the quadratic model chose (None: 1)."""
+  qmodel_momentum_bound: Optional[float] = None
+  """With "qmodel": the chosen momentum lies in [-bound, bound], the
+  learning rate then the model's best for it (None: unbounded, kfac
+  0.2.x's solve)."""
   include_damping_in_qmodel_change: bool = False
   """Whether the predicted change includes the damping term (resolved)."""
   compute_norm_stats: bool = False
@@ -426,6 +430,7 @@ _NUMBERS = (
     ("relative_min_damping", arguments.NON_NEGATIVE),
     ("precon_damping_mult", arguments.POSITIVE),
     ("qmodel_update_rescale", arguments.POSITIVE),
+    ("qmodel_momentum_bound", arguments.POSITIVE),
 )
 
 # Arguments that only matter with adapt_damping (or calibrate_damping) and
@@ -478,8 +483,9 @@ def build(owner, *, learning_rate, damping, cov_ema_decay, momentum,
           max_consecutive_skipped_steps, relative_min_damping,
           include_damping_in_qmodel_change, decoupled_weight_decay,
           decoupled_weight_decay_mask, memory_budget, over_budget,
-          placement_kwargs, periodic=None, loss=None, loss_fn=None,
-          train_batch=None, prev_train_batch=None, stacklevel=1):
+          placement_kwargs, qmodel_momentum_bound=None, periodic=None,
+          loss=None, loss_fn=None, train_batch=None, prev_train_batch=None,
+          stacklevel=1):
   """The `KfacConfig` of KfacOptimizer's arguments (module docstring);
   `periodic`: PeriodicArguments, or None. The objects loss, loss_fn,
   train_batch and prev_train_batch are only checked (against the damping
@@ -512,6 +518,7 @@ def build(owner, *, learning_rate, damping, cov_ema_decay, momentum,
       decoupled_weight_decay=decoupled_weight_decay,
       decoupled_weight_decay_mask=decoupled_weight_decay_mask,
       qmodel_update_rescale=qmodel_update_rescale,
+      qmodel_momentum_bound=qmodel_momentum_bound,
       compute_norm_stats=compute_norm_stats)
   rule = DampingConfig(
       damping=damping, damping_schedule=damping_schedule,
@@ -525,7 +532,8 @@ def build(owner, *, learning_rate, damping, cov_ema_decay, momentum,
                  min_damping=min_damping,
                  relative_min_damping=relative_min_damping,
                  precon_damping_mult=precon_damping_mult,
-                 qmodel_update_rescale=qmodel_update_rescale)
+                 qmodel_update_rescale=qmodel_update_rescale,
+                 qmodel_momentum_bound=qmodel_momentum_bound)
   for arg, value_rule in _NUMBERS:
     value = numbers[arg]
     if not arguments.is_number(value) and value is not None:
@@ -554,6 +562,11 @@ def build(owner, *, learning_rate, damping, cov_ema_decay, momentum,
   if qmodel_update_rescale is not None and not qmodel:
     raise ValueError("qmodel_update_rescale applies to the momentum types "
                      "'qmodel' / 'qmodel_fixedmu' only (momentum_type=%r)."
+                     % momentum_type)
+  if qmodel_momentum_bound is not None and momentum_type != "qmodel":
+    raise ValueError("qmodel_momentum_bound bounds the momentum the "
+                     "quadratic model chooses: it applies to "
+                     "momentum_type='qmodel' only (momentum_type=%r)."
                      % momentum_type)
   if qmodel and use_weight_decay:
     raise ValueError(

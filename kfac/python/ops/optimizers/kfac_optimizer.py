@@ -119,6 +119,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
                memory_budget="auto",
                over_budget="raise",
                qmodel_layer_collection=None,
+               qmodel_momentum_bound=None,
                **placement_kwargs):
     """Creates the optimizer; see optimizers/step.py for the update
     rule.
@@ -183,6 +184,15 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
     products, the largest cost of an adaptive step, are paid on that part
     only (adaptive/quadratic_model.py; `set_qmodel_layer_collection` sets it per
     trace).
+
+    `qmodel_momentum_bound` (not in kfac 0.2.x; default None: unbounded, as
+    there): with momentum_type="qmodel", the momentum the quadratic model
+    chooses is kept in [-bound, bound] and the learning rate is then the
+    model's best for that momentum: the exact minimiser of the model under
+    the bound (adaptive/quadratic_model.py). With |momentum| > 1 the
+    velocity can grow geometrically from step to step; the default recipe
+    (recipe.adaptive_kwargs, kfac.keras's Kfac(adaptive=True)) bounds it
+    by 1 (docs/recipe.md, "The momentum bound").
     """
     config_lib.reject_tf_replicator(tf_replicator)
     super().__init__(use_locking=False, name=name)
@@ -195,6 +205,7 @@ class KfacOptimizer(tf.compat.v1.train.Optimizer):
         momentum_type=momentum_type, use_weight_decay=use_weight_decay,
         weight_decay_coeff=weight_decay_coeff,
         qmodel_update_rescale=qmodel_update_rescale,
+        qmodel_momentum_bound=qmodel_momentum_bound,
         norm_constraint=norm_constraint, name=name,
         estimation_mode=estimation_mode,
         colocate_gradients_with_ops=colocate_gradients_with_ops,

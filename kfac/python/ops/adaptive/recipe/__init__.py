@@ -4,8 +4,9 @@ what they must (docs/recipe.md has the measurements behind each value).
 `kfac.keras.optimizers.Kfac(adaptive=True)` applies it: learning rate and
 momentum from the exact quadratic model, Levenberg-Marquardt damping
 calibrated from INITIAL_DAMPING during the last NUM_CALIBRATION_STEPS of
-NUM_BURNIN_STEPS burn-in steps, and
-a damping floor of RELATIVE_MIN_DAMPING times the curvature scale.
+NUM_BURNIN_STEPS burn-in steps, a damping floor of RELATIVE_MIN_DAMPING
+times the curvature scale, and the chosen momentum within
++-QMODEL_MOMENTUM_BOUND.
 `recipe.adaptive_kwargs()` gives the same arguments for
 `kfac.PeriodicInvCovUpdateKfacOpt` (whose own defaults stay kfac 0.2.x's).
 
@@ -48,6 +49,12 @@ from kfac.python.ops.adaptive.recipe.scale import curvature_scale  # noqa: F401
 # (docs/recipe.md): without it adaptive K-FAC collapses on the benchmark
 # convnet; 0.1 reached every target in the fewest steps of {0.1, 0.3, 1}.
 RELATIVE_MIN_DAMPING = 0.1
+# The momentum the quadratic model chooses stays in [-1, 1] (the learning
+# rate is then the model's best for it: qmodel_momentum_bound). Measured
+# (docs/recipe.md, "The momentum bound"): unbounded, the zoo's GRU text
+# classifier took momenta of -7.7 and then -79.7 once the rule had lowered
+# the damping 300-fold, and its weights grew by 10^8 in four steps.
+QMODEL_MOMENTUM_BOUND = 1.0
 # The initial damping, which the burn-in calibration then moves (by factors
 # of 10, then bisecting in log space): the same on every workload.
 INITIAL_DAMPING = 1.0
@@ -177,7 +184,10 @@ def adaptive_kwargs(**overrides):
                 calibrate_damping=True, num_burnin_steps=NUM_BURNIN_STEPS,
                 num_calibration_steps=NUM_CALIBRATION_STEPS,
                 relative_min_damping=RELATIVE_MIN_DAMPING,
-                cov_update_every=COV_UPDATE_EVERY)
+                cov_update_every=COV_UPDATE_EVERY,
+                qmodel_momentum_bound=QMODEL_MOMENTUM_BOUND)
+  if overrides.get("momentum_type", "qmodel") != "qmodel":
+    del kwargs["qmodel_momentum_bound"]  # the bound is the model's
   if "num_burnin_steps" in overrides and (
       "num_calibration_steps" not in overrides):
     # Another number of burn-in steps calibrates on all of them (the core's
