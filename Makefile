@@ -125,8 +125,8 @@ TEST_WORKERS ?= 2
 
 # One TensorFlow thread (intra- and inter-op) per worker: the workers fill
 # the cores already, and TensorFlow's own thread pools spun on the core the
-# other worker needed (the fast tier took 473 s with this, 552 s without,
-# side by side on the same machine: docs/testing.md). The slow tier keeps
+# other worker needed (the fast tier ran faster with this, side by side on
+# the same machine; the rule: docs/testing.md). The slow tier keeps
 # TensorFlow's defaults: its subprocesses run several logical devices.
 test: export TF_NUM_INTRAOP_THREADS := 1
 test: export TF_NUM_INTEROP_THREADS := 1

@@ -92,9 +92,9 @@ def _case_key(item):
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
   """Marks the cases listed in kernel_tests/slow_cases.txt `slow` (fast-tier
-  cases measured at 2.5 s or more: docs/testing.md). A listed case that its
-  file, collected, no longer has is a usage error: the list must not keep
-  names that mark nothing."""
+  cases measured at 2.5 s or more; the rule: docs/testing.md). A listed
+  case that its file, collected, no longer has is a usage error: the list
+  must not keep names that mark nothing."""
   if not _SLOW_CASES.parent.is_dir():
     return  # a copy of this plugin outside the project (ci_plugin_test)
   listed = set()
