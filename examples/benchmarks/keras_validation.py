@@ -48,7 +48,13 @@ seeds (per workload and optimizer: the best figure and the time to that
 seed's target over that seed's fastest peer's, per seed, their median and
 how many seeds reached it; the step's CPU and wall ms and CPU ms over
 Adam's, medians), then each seed's table; keras_validation_seeds.png plots
-the ratios, a dot per seed.
+the ratios, a dot per seed. `--rerender=FILE` recomputes the tables of an
+earlier run's JSON from its runs, training nothing. The JSON's "tables"
+hold the markdown the docs
+render: "summary" and each workload's table (the first seed's runs),
+"tuning", and with several seeds "across_seeds". `--optimizers=` (none)
+with --add_results trains nothing and renders the tables of the files'
+runs.
 
   python examples/benchmarks/keras_validation.py --tune     # the grids
   python examples/benchmarks/keras_validation.py            # tuned values
@@ -109,6 +115,10 @@ flags.DEFINE_list("add_results", [], "keras_validation JSON files of earlier "
                   "to add to the summary (a --tune run's file gives the run "
                   "at each peer's tuned value).")
 flags.DEFINE_string("output_dir", "bench_results", "Where to write.")
+flags.DEFINE_string("rerender", None, "A keras_validation JSON whose "
+                    "\"tables\" to recompute from its own runs with this "
+                    "program's table code (after a change to it); trains "
+                    "nothing, keeps the runs and the recorded command.")
 flags.DEFINE_string("worker", None, "(internal) workload,optimizer[,value].")
 FLAGS = flags.FLAGS
 
@@ -350,10 +360,14 @@ def table(results, workload):
                 if r["optimizer"] in vw.PEERS and reached[id(r)]]
   fastest = min(peer_times) if peer_times else None
   metric = vw.metric_name(workload)
+  if setter is None:
+    head = ("No peer ran on this workload in this run, so there is no "
+            "target: the runs compare by their own figures.")
+  else:
+    head = "Target = %s %.4f, the best any peer reached in its budget (%s)." % (
+        metric, target, label(setter))
   lines = [
-      "### %s" % workload, "",
-      "Target = %s %.4f, the best any peer reached in its budget (%s)." % (
-          metric, target, label(setter) if setter else "-"), "",
+      "### %s" % workload, "", head, "",
       "| optimizer | grid value | final %s | best %s | steps | ms/step (CPU)"
       " | CPU s to target | steps to target | time / fastest peer's | first "
       "step CPU s |" % (metric, metric),
@@ -369,12 +383,13 @@ def table(results, workload):
     ratio = "-"
     if hit and fastest:
       ratio = "%.2fx" % (hit[0] / fastest) if fastest > 0 else "-"
+    missed = "not reached" if setter is not None else "-"
     lines.append("| %s | %s | %.4f | %.4f | %d | %.1f | %s | %s | %s | %.1f "
                  "|%s" % (
                      r["optimizer"], value, r["final"], r["best"], r["steps"],
                      r["ms_per_step_cpu"],
-                     "%.1f" % hit[0] if hit else "not reached",
-                     "%d" % hit[1] if hit else "not reached", ratio,
+                     "%.1f" % hit[0] if hit else missed,
+                     "%d" % hit[1] if hit else missed, ratio,
                      r["first_step_cpu_s"],
                      " diverged at step %d" % r["diverged_at_step"]
                      if "diverged_at_step" in r else ""))
@@ -562,6 +577,19 @@ def added_results(paths, tuned):
   return out
 
 
+def added_sources(paths):
+  """A line per --add_results file: its command and date (empty without
+  any)."""
+  lines = []
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    lines.append("Runs from `%s`: `%s`, %s, %s.\n\n" % (
+        os.path.relpath(path), data.get("command", "?"),
+        data.get("date", "?")[:10], data.get("machine", "?")))
+  return "".join(lines)
+
+
 def _median(values):
   values = sorted(values)
   n = len(values)
@@ -700,8 +728,39 @@ def tuned_values(results):
   return out
 
 
+def rerender(path):
+  """Rewrites `path`'s "tables" (and its .md's tables) from its runs, as
+  main writes them; the runs, the command and the date stay."""
+  with open(path) as f:
+    data = json.load(f)
+  results, added = data["runs"], data.get("added_runs", [])
+  first_seed = data.get("seed", 0)
+  workloads = list(dict.fromkeys(r["workload"] for r in results + added))
+  FLAGS.workloads = workloads
+  first = [r for r in results + added if r.get("seed", first_seed) ==
+           first_seed]
+  tables = {"summary": summary_table(first, workloads)}
+  tables.update({w: table(first, w) for w in workloads})
+  if "tuning" in data.get("tables", {}):
+    tables["tuning"] = data["tables"]["tuning"]  # from the tuned file then
+  if "across_seeds" in data.get("tables", {}):
+    tables["across_seeds"] = data["tables"]["across_seeds"]
+  data["tables"] = tables
+  data["rerendered"] = " ".join(["keras_validation.py"] + sys.argv[1:])
+  with open(path, "w") as f:
+    json.dump(data, f, indent=1)
+  if len(data.get("seeds", [first_seed])) == 1:
+    with open(path[:-len(".json")] + ".md", "w") as f:
+      f.write(data["head"] + tables["summary"] + "\n\n" + "\n".join(
+          table(results + added, w) for w in workloads))
+  print("rerendered %s: %s" % (path, ", ".join(sorted(tables))))
+
+
 def main(argv):
   del argv
+  if FLAGS.rerender:
+    rerender(FLAGS.rerender)
+    return
   if FLAGS.worker:
     parts = FLAGS.worker.split(",")
     value = float(parts[2]) if len(parts) > 2 else None
@@ -757,6 +816,16 @@ def main(argv):
   if not FLAGS.tune:
     tables["tuning"] = tuning_table(tuned_file, FLAGS.workloads,
                                     FLAGS.optimizers)
+  both = results + added
+  parts, summaries = [], {}
+  if len(all_seeds) > 1:
+    # Across seeds: each workload's summary (its .md section, rendered in
+    # the docs as "across_seeds").
+    for w in FLAGS.workloads:
+      part, summaries[w] = seed_summary(both, w)
+      parts.append(part)
+    tables["across_seeds"] = (added_sources(FLAGS.add_results) +
+                              "\n".join(parts)).strip()
   with open(os.path.join(FLAGS.output_dir, stem + ".json"), "w") as f:
     json.dump({"machine": machine, "command": command, "head": head,
                "date": started.isoformat(), "seed": seeds()[0],
@@ -784,11 +853,6 @@ def main(argv):
     text = head + tables["summary"] + "\n\n" + "\n".join(
         table(results + added, w) for w in FLAGS.workloads)
   else:
-    both = results + added
-    parts, summaries = [], {}
-    for w in FLAGS.workloads:
-      part, summaries[w] = seed_summary(both, w)
-      parts.append(part)
     text = (head + "## Across seeds\n\nSeeds %s%s; each seed's target "
             "and fastest peer are that seed's own.\n\n" % (
                 ", ".join(str(s) for s in all_seeds),

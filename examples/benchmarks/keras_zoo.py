@@ -16,6 +16,9 @@ optimizer
   kfac_auto        (only when asked) Kfac(model=model, adaptive=True,
          recipe="auto"): its measured gradient noise scale and the step it
          switched to the minibatch recipe at (if it did) are recorded
+  kfac_unbounded   (only when asked) Kfac(model=model, adaptive=True,
+         qmodel_momentum_bound=None): the quadratic model's momentum
+         unbounded (kfac 0.2.x's solve; the recipe bounds it by 1)
   kfac_blocks512   (only when asked) Kfac(model=model, adaptive=True,
          factor_block_size=512): factors wider than 512 rows as their
          diagonal blocks
@@ -64,7 +67,7 @@ import results_files
 import zoo_models
 
 OPTIMIZERS = ("kfac", "adam", "muon", "kfac_fixed_rate", "kfac_minibatch",
-              "kfac_auto", "kfac_blocks512")
+              "kfac_auto", "kfac_blocks512", "kfac_unbounded")
 DEFAULT_OPTIMIZERS = ("kfac", "adam", "muon")
 
 flags.DEFINE_list("models", list(zoo_models.NAMES), "Zoo models to run.")
@@ -91,11 +94,13 @@ def make_optimizer(name, model):
     return kfac.keras.optimizers.Kfac(
         model=model, adaptive=True, momentum_type="regular",
         learning_rate=0.05, momentum=0.9)
-  if name in ("kfac_minibatch", "kfac_auto", "kfac_blocks512"):
+  if name in ("kfac_minibatch", "kfac_auto", "kfac_blocks512",
+              "kfac_unbounded"):
     import kfac.keras
     kwargs = {"kfac_minibatch": dict(recipe="minibatch", learning_rate=0.05),
               "kfac_auto": dict(recipe="auto"),
-              "kfac_blocks512": dict(factor_block_size=512)}[name]
+              "kfac_blocks512": dict(factor_block_size=512),
+              "kfac_unbounded": dict(qmodel_momentum_bound=None)}[name]
     return kfac.keras.optimizers.Kfac(model=model, adaptive=True, **kwargs)
   if name == "adam":
     return keras.optimizers.Adam(1e-3)

@@ -75,6 +75,9 @@ PEER_NOTES = {
 # Kfac(model=model, adaptive=True).
 KFAC_VARIANTS = {
     "kfac": {},
+    # The quadratic model's momentum unbounded (kfac 0.2.x's solve; the
+    # recipe bounds it by 1: docs/recipe.md, "The momentum bound").
+    "kfac_unbounded": {"qmodel_momentum_bound": None},
     "kfac_wd": {"weight_decay": 1e-4},
     "kfac_wd3": {"weight_decay": 1e-3},
     "kfac_l2": {"l2_reg": 1e-5},

@@ -129,6 +129,11 @@ def test_time_to_target_small(tmp_path):
   assert kfac_rows[0].split("|")[2] == kfac_rows[1].split("|")[2]
   summary = (tmp_path / "time_to_target.md").read_text()
   assert summary.count("\n| rnn |") == 1 and "(%s)" % setter in summary
+  written = json.loads((tmp_path / "time_to_target.json").read_text())
+  assert written["tables"]["summary"].startswith("`time_to_target.py ")
+  assert summary.strip() in written["tables"]["summary"]
+  assert [r["workload"] for r in written["rows"]] == ["rnn"]
+  assert written["tables"]["rnn"] == table.strip()
   for axis in ("steps", "seconds"):
     _png(tmp_path / ("rnn_loss_vs_%s.png" % axis))
   assert "total wall time" in stdout
@@ -536,6 +541,38 @@ def test_keras_validation_tiny(tmp_path):
   _png(tmp_path / "keras_validation.png")
 
 
+def test_keras_validation_without_peers_and_rerender(tmp_path):
+  """K-FAC variants alone: no peer, so no target (the table says so and
+  leaves the to-target columns empty); --rerender rewrites a results
+  file's tables from its runs (a table edited by hand comes back) and
+  keeps its runs and command."""
+  _keras_validation(tmp_path, ["--workloads=autoencoder",
+                               "--optimizers=kfac,kfac_unbounded",
+                               "--tuned=%s" % (tmp_path / "absent.json")])
+  path = tmp_path / "keras_validation.json"
+  with open(path) as f:
+    out = json.load(f)
+  table = out["tables"]["autoencoder"]
+  assert "No peer ran on this workload in this run" in table, table
+  assert "nan" not in table, table
+  rows = [l for l in table.split("\n") if l.startswith("| kfac")]
+  assert len(rows) == 2 and all(r.split("|")[7].strip() == "-"
+                                for r in rows), rows
+  edited = dict(out, tables=dict(out["tables"], autoencoder="edited"))
+  with open(path, "w") as f:
+    json.dump(edited, f)
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "keras_validation.py"),
+       "--rerender=%s" % path], cwd=str(BENCHMARKS), capture_output=True,
+      text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(path) as f:
+    again = json.load(f)
+  assert again["tables"] == out["tables"]
+  assert again["runs"] == out["runs"] and again["command"] == out["command"]
+  assert again["rerendered"].startswith("keras_validation.py --rerender=")
+
+
 def test_keras_validation_tune_then_run(tmp_path):
   """--tune runs Adam's grid and writes the best value, which the next run
   reads (and reproduces the tuning run of that value)."""
@@ -608,6 +645,26 @@ def test_keras_validation_seeds(tmp_path):
   for seed in (0, 1, 2):
     assert "## Seed %d" % seed in table, table
   _png(tmp_path / "keras_validation_seeds.png")
+  # The summary across seeds is also a table of the JSON (what the docs
+  # render), naming the file the added runs came from.
+  across = out["tables"]["across_seeds"]
+  assert across.startswith("Runs from `") and "seed0" in across, across
+  assert "### autoencoder: 3 seed(s) (0, 1, 2)" in across, across
+  # --optimizers= with --add_results trains nothing and renders the same
+  # summary from the files' runs.
+  rendered = tmp_path / "rendered"
+  stdout = _keras_validation(rendered, [
+      "--workloads=autoencoder", "--optimizers=", "--seeds=0,1,2",
+      "--tuned=%s" % (tmp_path / "absent.json"),
+      "--add_results=%s,%s" % (first / "keras_validation.json",
+                               tmp_path / "keras_validation.json")])
+  assert "done " not in stdout, stdout[-2000:]
+  with open(rendered / "keras_validation.json") as f:
+    again = json.load(f)
+  assert again["runs"] == [] and len(again["added_runs"]) == 6
+  body = across[across.index("### autoencoder"):]
+  assert body == again["tables"]["across_seeds"][
+      again["tables"]["across_seeds"].index("### autoencoder"):]
   # Another optimizer at seeds already run joins them: its runs are added
   # to theirs in one summary.
   other = tmp_path / "other"

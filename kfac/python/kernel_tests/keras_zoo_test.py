@@ -126,3 +126,49 @@ def test_weight_shares_reads_the_report():
 
 if __name__ == "__main__":
   sys.exit(pytest.main([os.path.abspath(__file__), "-q"]))
+
+
+@pytest.mark.slow  # two 64-step fits of the GRU
+@pytest.mark.parametrize("bound", [1.0, None])
+def test_the_gru_does_not_blow_up_under_the_momentum_bound(bound):
+  """The zoo's GRU text classifier, make bench's setting (seed 0, batch 64,
+  the same batches in order): unbounded (kfac 0.2.x's solve), once the
+  damping rule has lowered the damping some 300-fold the quadratic model
+  chooses momenta of -7.7 and then -79.7 (steps 55, 56) and the weights'
+  squared norm grows from about 1e2 to over 1e9 by step 60; with the
+  recipe's bound of 1 (docs/recipe.md, "The momentum bound") it stays
+  within a few times its start and the loss near ln 4. The unbounded run
+  is kept as the check that this test can fail."""
+  keras.utils.set_random_seed(0)
+  model = zoo_models.build("gru", "full")
+  steps, batch, zoo_steps = 64, 64, 200
+  # keras_zoo.py's data and first call (its held-out batch), then the first
+  # 64 of its 200 steps.
+  x, y = zoo_models.data("gru", (zoo_steps + 1) * batch, 0)
+  opt = kfac.keras.optimizers.Kfac(model=model, adaptive=True,
+                                   qmodel_momentum_bound=bound)
+  model.compile(optimizer=opt, loss=zoo_models.loss("gru"))
+  model.train_on_batch(x[zoo_steps * batch:], y[zoo_steps * batch:])
+  n = steps * batch
+
+  def squared_norm():
+    return sum(float(np.sum(np.square(v.numpy())))
+               for v in model.trainable_variables)
+  start = squared_norm()
+  momenta = []
+
+  class Record(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, step, logs=None):
+      momenta.append(float(opt.kfac_optimizer.momentum))
+  losses = model.fit(x[:n], y[:n], batch_size=batch, epochs=1,
+                     shuffle=False, verbose=0,
+                     callbacks=[Record()]).history["loss"]
+  end = squared_norm()
+  if bound is None:  # the blow-up this bound exists for
+    assert max(abs(m) for m in momenta) > 5
+    assert end > 1e4 * start
+  else:
+    assert max(abs(m) for m in momenta) <= bound * (1 + 1e-6)
+    assert end < 3 * start
+    assert losses[-1] < 1.5  # ln 4 = 1.386: no optimizer learns the task here
