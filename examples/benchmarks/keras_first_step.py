@@ -1,7 +1,9 @@
 """The first `train_on_batch` of a keras.applications model (trace + first
 step) with Kfac(adaptive=True) (kfac_noise: with the gradient noise
 scale's measurement, kfac_no_noise: without it, as the default now;
-kfac_blocksB: with factor_block_size=B) or Adam: wall and process CPU seconds, the
+kfac_blocksB: with factor_block_size=B; kfac_calibrate_all: every burn-in
+step calibrating, num_calibration_steps=5, so the first call inverts) or
+Adam: wall and process CPU seconds, the
 mean of the next 3 steps (wall and CPU ms), and the peak resident memory
 (after the first call and at the end). One model and optimizer per
 process; run them one at a time (a K-FAC run takes minutes and GBs):
@@ -41,10 +43,12 @@ def main(argv):
   argv = argv[:3]
   blocks = argv[2][len("kfac_blocks"):] if len(argv) == 3 else ""
   if len(argv) != 3 or argv[1] not in BUILDERS or not (
-      argv[2] in ("adam", "kfac", "kfac_noise", "kfac_no_noise") or
+      argv[2] in ("adam", "kfac", "kfac_noise", "kfac_no_noise",
+                  "kfac_calibrate_all") or
       (argv[2].startswith("kfac_blocks") and blocks.isdigit())):
     sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_noise,"
-             "kfac_no_noise,kfac_blocksB} [OUTPUT_DIR] | --table OUTPUT_DIR"
+             "kfac_no_noise,kfac_calibrate_all,kfac_blocksB} [OUTPUT_DIR] | "
+             "--table OUTPUT_DIR"
              % ",".join(sorted(BUILDERS)))
   import keras  # pylint: disable=g-import-not-at-top
   import kfac  # pylint: disable=g-import-not-at-top
@@ -61,6 +65,9 @@ def main(argv):
   elif opt_name == "kfac_noise":  # measuring the gradient noise scale
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                      noise_scale_steps=5)
+  elif opt_name == "kfac_calibrate_all":  # all 5 burn-in steps calibrate
+    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                                     num_calibration_steps=5)
   elif blocks:  # factors wider than B rows as their diagonal blocks
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                      factor_block_size=int(blocks))

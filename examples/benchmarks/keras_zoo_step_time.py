@@ -106,6 +106,15 @@ def split_blocks(config):
   return config, None
 
 
+def present_classes(model, options):
+  """`options` ({layer class: value}) without the classes of which `model`
+  has no layer (a model without depthwise convolutions runs
+  kfac_dw_all_patches as kfac)."""
+  layers = list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+  return {cls: value for cls, value in options.items()
+          if any(isinstance(layer, cls) for layer in layers)}
+
+
 def make(keras, kfac_keras, name, config):
   config, block_size = split_blocks(config)
   keras.utils.set_random_seed(0)
@@ -147,6 +156,9 @@ def make(keras, kfac_keras, name, config):
     if config == "kfac_dw_all_patches":
       kwargs["registration_options"] = {
           keras.layers.DepthwiseConv2D: {"sub_sample_patches": False}}
+    for key in ("registration_options", "fisher_approx"):
+      if key in kwargs:  # Kfac refuses a layer class the model lacks
+        kwargs[key] = present_classes(model, kwargs[key])
     opt = kfac_keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
                                      **kwargs)
   else:

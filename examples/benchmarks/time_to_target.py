@@ -56,6 +56,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
+import results_files
 import side_by_side
 import workloads as workloads_lib
 
@@ -447,6 +448,21 @@ def _selected(grid):
           if all(k in h and h[k] == v for k, v in wanted.items())]
 
 
+def _workload_tables(out_dir):
+  """{workload: its time_to_target_WORKLOAD.md} of this run's workloads
+  (each optimizer's steps and seconds to the target)."""
+  tables = {}
+  for name in FLAGS.workloads:
+    with open(os.path.join(out_dir, "time_to_target_%s.md" % name)) as f:
+      tables[name] = f.read().strip()
+  return tables
+
+
+def _plain(value):
+  """A numpy scalar as its Python value (json.dumps's default)."""
+  return value.item() if hasattr(value, "item") else str(value)
+
+
 def main(argv):
   del argv
   os.makedirs(FLAGS.output_dir, exist_ok=True)
@@ -472,8 +488,15 @@ def main(argv):
   else:
     table = summary_table(rows)
     print("\n" + table)
-    with open(os.path.join(FLAGS.output_dir, "time_to_target.md"), "w") as f:
-      f.write(table + "\n")
+    command = " ".join(["time_to_target.py"] + sys.argv[1:])
+    # time_to_target.md as before; time_to_target.json: the rows and, under
+    # "tables", the table headed by its command (what the docs render).
+    results_files.write(
+        FLAGS.output_dir, "time_to_target", table + "\n",
+        dict(command=command,
+             rows=json.loads(json.dumps(rows, default=_plain)),
+             tables=dict(summary="`%s`\n\n%s" % (command, table),
+                         **_workload_tables(FLAGS.output_dir))))
   print("\ntotal wall time %.0f s" % (time.time() - start))
 
 

@@ -461,6 +461,14 @@ def test_keras_zoo_step_time_split_configurations():
   assert got["factor_block_size"] == 128 and got["recipe"] == "minibatch"
   with pytest.raises(ValueError, match="unknown configuration"):
     zst.make(keras, kfac_keras, "gpt", "kfac_blocksx")
+  # Options keyed by a layer class the model lacks are left out (Kfac
+  # refuses them): the GPT has no convolutions, so the patch
+  # configurations build as kfac.
+  model = zst.make(keras, kfac_keras, "gpt", "kfac_dw_all_patches")
+  assert zst.present_classes(model, {keras.layers.DepthwiseConv2D: 1,
+                                     keras.layers.Dense: 2}) == {
+                                         keras.layers.Dense: 2}
+  zst.make(keras, kfac_keras, "gpt", "kfac_full_patches")
 
 
 def test_recurrent_step_time_quick(tmp_path):
@@ -997,6 +1005,7 @@ def test_keras_first_step_records_and_tables(tmp_path):
   assert "| m | kfac | 99.0" not in table, table
   proc = _run_first("mobilenetv2", "kfac_blocksx")
   assert proc.returncode != 0 and "kfac_blocksB" in proc.stderr, proc.stderr
+  assert "kfac_calibrate_all" in proc.stderr, proc.stderr  # a configuration
 
 
 def test_batched_blocks_cost_forms_agree_and_tables(tmp_path):

@@ -1284,8 +1284,9 @@ CONSTRUCTOR_DOC = """K-FAC as a Keras optimizer.
     layer_collection: not supported (the collection is built from the
       model); must be None.
     adaptive: True: the default recipe (docs/recipe.md): learning rate
-      and momentum from the quadratic model (momentum_type "qmodel"),
-      damping adapted by the Levenberg-Marquardt rule and never below
+      and momentum from the quadratic model (momentum_type "qmodel"; the
+      momentum kept in [-1, 1], qmodel_momentum_bound=1), damping
+      adapted by the Levenberg-Marquardt rule and never below
       relative_min_damping=0.1 times the curvature scale (pass
       learning_rate=None; see the module docstring). With
       momentum_type="regular" and a learning_rate (and momentum, default
