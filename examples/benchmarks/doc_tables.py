@@ -306,6 +306,8 @@ def reference_problems(root=ROOT, files=None):
         clean = _tree_path(ref)
         if clean in {program for program, _ in commands}:
           continue  # checked as a program above
+        if os.path.exists(os.path.join(root, ref.rstrip("."))):
+          continue  # as written (a folder named `0.1`, say)
         if clean and not os.path.exists(os.path.join(root, clean)):
           problems.append("%s: %s: no such file or folder" % (name, ref))
   return problems

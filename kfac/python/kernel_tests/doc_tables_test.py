@@ -185,6 +185,8 @@ def test_a_reference_to_nothing_fails(tmp_path, snippet, message):
     "`examples/benchmarks/keras_validation.py --notune`",
     "the scalar `kfac/damping` in TensorBoard",
     "`make docs-check`",
+    # A folder whose name has a dot (not a module's NAME).
+    "`--output_dir=examples/benchmarks/results/damping_floor/0.1`",
 ])
 def test_references_that_exist_pass(tmp_path, snippet):
   root = _tree(tmp_path)
