@@ -31,7 +31,9 @@ RTOL, ATOL = 1e-6, 1e-7
 # Keras config keys added since testdata/saved_state was written (26f32e0),
 # per optimizer kind: {key: the value a loaded file gets}.
 CONFIG_KEYS_SINCE = {"adaptive": {"noise_scale_steps": 0,
-                                  "noise_scale_every": 0}}
+                                  "noise_scale_every": 0,
+                                  # the recipe's momentum bound
+                                  "qmodel_momentum_bound": 1.0}}
 
 
 def _load(path):
