@@ -23,8 +23,8 @@
 #                  time in make bench's time table, docs/benchmarks.md); BENCH_STEP_FLAGS adds flags,
 #                  e.g. BENCH_STEP_FLAGS=--threads=1 for CPU times on a loaded machine
 #   make bench-tune  the hyperparameter grids of the time-to-target benchmark (about 2 hours)
-#                  and of keras_validation.py (the peers' learning rates, 60 runs: about
-#                  2 hours at that pace; writes examples/benchmarks/keras_validation_tuned.json)
+#                  and of keras_validation.py (the peers' learning rates, 64 runs: an
+#                  hour on the 2-core machine; writes examples/benchmarks/keras_validation_tuned.json)
 #   make docs      render every generated table of README.md and docs/ from the
 #                  results file its marker names (examples/benchmarks/doc_tables.py)
 #   make docs-check  fail when a generated table differs from its results file or
