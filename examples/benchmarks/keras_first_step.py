@@ -41,15 +41,11 @@ def main(argv):
     return
   out_dir = argv[3] if len(argv) == 4 else None
   argv = argv[:3]
-  blocks = argv[2][len("kfac_blocks"):] if len(argv) == 3 else ""
-  if len(argv) != 3 or argv[1] not in BUILDERS or not (
-      argv[2] in ("adam", "kfac", "kfac_noise", "kfac_no_noise",
-                  "kfac_calibrate_all") or
-      (argv[2].startswith("kfac_blocks") and blocks.isdigit())):
-    sys.exit("usage: keras_first_step.py {%s} {adam,kfac,kfac_noise,"
-             "kfac_no_noise,kfac_calibrate_all,kfac_blocksB} [OUTPUT_DIR] | "
-             "--table OUTPUT_DIR"
-             % ",".join(sorted(BUILDERS)))
+  if len(argv) != 3 or argv[1] not in BUILDERS or (
+      argv[2] != "adam" and kfac_kwargs(argv[2]) is None):
+    sys.exit("usage: keras_first_step.py {%s} {adam,%s,kfac_blocksB} "
+             "[OUTPUT_DIR] | --table OUTPUT_DIR"
+             % (",".join(sorted(BUILDERS)), ",".join(KFAC_CONFIGS)))
   import keras  # pylint: disable=g-import-not-at-top
   import kfac  # pylint: disable=g-import-not-at-top
   name, opt_name = argv[1], argv[2]
@@ -60,21 +56,9 @@ def main(argv):
   loss = keras.losses.SparseCategoricalCrossentropy()
   if opt_name == "adam":
     opt = keras.optimizers.Adam(1e-3)
-  elif opt_name == "kfac":
-    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True)
-  elif opt_name == "kfac_noise":  # measuring the gradient noise scale
+  else:
     opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
-                                     noise_scale_steps=5)
-  elif opt_name == "kfac_calibrate_all":  # all 5 burn-in steps calibrate
-    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
-                                     num_calibration_steps=5)
-  elif blocks:  # factors wider than B rows as their diagonal blocks
-    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
-                                     factor_block_size=int(blocks))
-  else:  # the default without the gradient noise scale's measurement
-    opt = kfac.keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
-                                     noise_scale_steps=0,
-                                     noise_scale_every=0)
+                                     **kfac_kwargs(opt_name))
   model.compile(optimizer=opt, loss=loss)
   wall0, cpu0 = time.time(), time.process_time()
   model.train_on_batch(x, y)
@@ -100,6 +84,29 @@ def main(argv):
             (wall2 - wall1) / 3 * 1000, (cpu2 - cpu1) / 3 * 1000,
             _peak_rss_gb(), rss_first),
         flush=True)
+
+
+# The K-FAC configurations: Kfac(adaptive=True) with these arguments.
+KFAC_CONFIGS = {
+    "kfac": {},  # the default recipe (no gradient noise scale)
+    "kfac_noise": dict(noise_scale_steps=5),  # measuring the noise scale
+    # the default, the noise scale's measurement explicitly off
+    "kfac_no_noise": dict(noise_scale_steps=0, noise_scale_every=0),
+    # all 5 burn-in steps calibrating, so the first call inverts
+    "kfac_calibrate_all": dict(num_calibration_steps=5),
+}
+
+
+def kfac_kwargs(config):
+  """Kfac's arguments beyond adaptive=True for a K-FAC configuration name
+  (kfac_blocksB: factors wider than B rows as their diagonal blocks), or
+  None for a name that is none."""
+  if config in KFAC_CONFIGS:
+    return dict(KFAC_CONFIGS[config])
+  blocks = config[len("kfac_blocks"):]
+  if config.startswith("kfac_blocks") and blocks.isdigit():
+    return dict(factor_block_size=int(blocks))
+  return None
 
 
 def _machine():

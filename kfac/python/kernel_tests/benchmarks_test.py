@@ -1008,6 +1008,34 @@ def test_keras_first_step_records_and_tables(tmp_path):
   assert "kfac_calibrate_all" in proc.stderr, proc.stderr  # a configuration
 
 
+def test_keras_first_step_configurations():
+  """Each configuration name of keras_first_step.py maps to what it says
+  (kfac_no_noise once fell through to the kfac_blocksB branch and crashed
+  on int("se")), every one of them builds a Kfac, and a name that is none
+  is refused."""
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import keras_first_step as kfs  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  import keras  # pylint: disable=g-import-not-at-top
+  import kfac.keras as kfac_keras  # pylint: disable=g-import-not-at-top
+  assert kfs.kfac_kwargs("kfac") == {}
+  assert kfs.kfac_kwargs("kfac_noise") == dict(noise_scale_steps=5)
+  assert kfs.kfac_kwargs("kfac_no_noise") == dict(noise_scale_steps=0,
+                                                  noise_scale_every=0)
+  assert kfs.kfac_kwargs("kfac_calibrate_all") == dict(
+      num_calibration_steps=5)
+  assert kfs.kfac_kwargs("kfac_blocks512") == dict(factor_block_size=512)
+  for bad in ("adam", "kfac_blocks", "kfac_blocksx", "kfac_se", "sgd"):
+    assert kfs.kfac_kwargs(bad) is None, bad
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  for name in list(kfs.KFAC_CONFIGS) + ["kfac_blocks512"]:
+    kfac_keras.optimizers.Kfac(model=model, loss=loss, adaptive=True,
+                               **kfs.kfac_kwargs(name))
+
+
 def test_batched_blocks_cost_forms_agree_and_tables(tmp_path):
   """batched_blocks_cost.py: the per-block and the batched preconditioning
   both equal A^-1 G B^-1 / 2 computed in numpy (float64) for blocks of
