@@ -13,8 +13,9 @@ kfac 0.2.4 ran that warn here"):
   a warning; building an estimator (every optimizer has one) on the
   collection raises the error naming them.
 * kfac 0.2.x's private names read by its own tests: `_loss_tensor` (kept
-  by the graph-mode Keras optimizer's core without adapt_damping) and
-  `_min_damping`.
+  by the graph-mode Keras optimizer's core without adapt_damping),
+  `_min_damping`, and a factor's `_cov` (0.2.x's moving-average object:
+  `_var`, `add_to_average`, `value`, `reset`).
 
 In a TF1 graph and in a tf.function."""
 
@@ -172,3 +173,74 @@ def test_core_optimizer_keeps_the_loss_tensor_and_min_damping():
     assert opt._loss_tensor is loss
     assert opt._min_damping == 9.0
     np.testing.assert_equal(opt._num_burnin_steps, 0)
+
+
+def _old_rule(calls, shape):
+  """kfac 0.2.x's MovingAverageVariable in float64 numpy: a weighted sum
+  and its total weight, read as their quotient."""
+  total, weight = np.zeros(shape), 0.0
+  for value, decay, w in calls:
+    total, weight = decay * total + w * value, decay * weight + w
+  return total / weight, weight
+
+
+@pytest.mark.parametrize("world", ["graph", "function"])
+def test_a_factor_keeps_the_old_moving_average_interface(world):
+  """factor._cov._var is the statistic's variable; add_to_average gives the
+  average (and weight) 0.2.x's weighted sum would read; reset zeroes both;
+  a value of the wrong shape is refused naming the statistic."""
+  rng = np.random.RandomState(0)
+  a, b, c = (rng.randn(3, 3) for _ in range(3))
+  calls = [(a, 1.0, 1.0), (b, 0.5, 2.0), (c, 0.9, 0.1)]
+  want, want_weight = _old_rule(calls, (3, 3))
+
+  def build(w):
+    x = tf.ones([4, 2], tf.float64)
+    lc = kfac.LayerCollection()
+    y = tf.matmul(x, w)
+    lc.register_fully_connected(w, x, y)
+    lc.register_squared_error_loss(y)
+    kfac.estimator.FisherEstimatorRoundRobin(
+        variables=[w], layer_collection=lc, damping=0.2,
+        cov_ema_decay=0.0).make_vars_and_create_op_thunks()
+    factor = [f for f in lc.get_factors() if f.cov_shape == [3, 3]][0]
+    view = factor._cov  # pylint: disable=protected-access
+    assert view._var is factor.get_cov_var()  # pylint: disable=protected-access
+    with pytest.raises(ValueError, match=r"add_to_average.*\(2, 2\)"):
+      view.add_to_average(np.eye(2))
+    return factor, view
+
+  if world == "graph":
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+      factor, view = build(tf.Variable(tf.ones([2, 3], tf.float64)))
+      ops = [view.add_to_average(v, decay=d, weight=w) for v, d, w in calls]
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for op in ops:
+        sess.run(op)
+      got, got_weight = sess.run([view.value, view._total_weight])  # pylint: disable=protected-access
+      sess.run(view.reset())
+      after_reset = sess.run(factor.get_cov_var())
+  else:
+    # Registered in a trace (as the optimizers do); the state store makes
+    # the factor's variables outside it.
+    w = tf.Variable(tf.ones([2, 3], tf.float64))
+    factor, view = _in_world("function", lambda: build(w))
+
+    @tf.function
+    def fold(value, decay, weight):
+      view.add_to_average(value, decay=decay, weight=weight)
+
+    for v, d, w in calls:
+      fold(tf.constant(v), tf.constant(d, tf.float64), tf.constant(w, tf.float64))
+    got = view.value.numpy()
+    got_weight = view._total_weight.numpy()  # pylint: disable=protected-access
+
+    @tf.function
+    def reset():
+      view.reset()
+
+    reset()
+    after_reset = factor.get_cov_var().numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-14)
+  np.testing.assert_allclose(got_weight, want_weight, rtol=1e-15)
+  np.testing.assert_array_equal(after_reset, np.zeros((3, 3)))

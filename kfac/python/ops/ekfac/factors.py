@@ -90,7 +90,7 @@ class EigenCorrection(FisherFactor):
     """The scalings, or K-FAC's eigenvalues while no scalings have been
     computed in a basis yet (weight 0)."""
     self.instantiate_cov_variables()
-    cov = tf.convert_to_tensor(self._cov)
+    cov = tf.convert_to_tensor(self._cov_var)
     return tf.where(tf.convert_to_tensor(self._cov_weight) > 0, cov,
                     self.kfac_eigenvalues())
 

@@ -81,6 +81,54 @@ def weighted_sum(terms, weights):
   return total
 
 
+class MovingAverageView:
+  """kfac 0.2.x's MovingAverageVariable interface over a factor's two
+  variables: the zero-debiased average (`_var`) and its total weight
+  (`_total_weight`).
+
+  0.2.x kept the weighted sum in `_var` and divided by the weight when
+  read; here `_var` holds the average itself, so `value` reads it as it is.
+  `add_to_average(value, decay, weight)` gives the average 0.2.x's would
+  read after the same call: the old sum decays by `decay`, `value` joins
+  with `weight`, and the weight becomes decay * weight + `weight`.
+  """
+
+  def __init__(self, var, total_weight):
+    self._var = var
+    self._total_weight = total_weight
+
+  @property
+  def dtype(self):
+    return self._var.dtype.base_dtype
+
+  @property
+  def value(self):
+    return tf.convert_to_tensor(self._var)
+
+  def add_to_average(self, value, decay=1.0, weight=1.0):
+    """Folds `value` (the statistic's shape and dtype) into the average;
+    returns the op (in a graph) that assigns both variables."""
+    value = tf.convert_to_tensor(value, dtype=self.dtype)
+    if not value.shape.is_compatible_with(self._var.shape):
+      raise ValueError(
+          "add_to_average: value of shape %s for the statistic %s of shape "
+          "%s" % (value.shape, utils.variable_name(self._var),
+                  self._var.shape))
+    decay = utils.cast(decay, self.dtype)
+    weight = utils.cast(weight, self.dtype)
+    carried = decay * tf.convert_to_tensor(self._total_weight)
+    new_weight = carried + weight
+    averaged = (carried * tf.convert_to_tensor(self._var) +
+                weight * value) / new_weight
+    return tf.group(self._var.assign(averaged),
+                    self._total_weight.assign(new_weight))
+
+  def reset(self):
+    return tf.group(self._var.assign(tf.zeros_like(self._var)),
+                    self._total_weight.assign(
+                        tf.zeros_like(self._total_weight)))
+
+
 class FisherFactor(abc.ABC):
   """Base class: a moving-averaged statistic kept in a variable."""
 
@@ -90,7 +138,7 @@ class FisherFactor(abc.ABC):
   def __init__(self, name=None):
     self._name = name or type(self).__name__
     self._store = None
-    self._cov = None
+    self._cov_var = None
     self._cov_weight = None
 
   @property
@@ -138,8 +186,8 @@ class FisherFactor(abc.ABC):
     return self._dtype
 
   def instantiate_cov_variables(self):
-    if self._cov is None:
-      self._cov = self.state_store.get_or_create(
+    if self._cov_var is None:
+      self._cov_var = self.state_store.get_or_create(
           self.name + "/cov", self._cov_shape, self._dtype)
       self._cov_weight = self.state_store.get_or_create(
           self.name + "/cov_weight", [], self._dtype)
@@ -149,7 +197,17 @@ class FisherFactor(abc.ABC):
 
   def get_cov_var(self):
     self.instantiate_cov_variables()
-    return self._cov
+    return self._cov_var
+
+  @property
+  def _cov(self):
+    """kfac 0.2.x's private moving-average object, for code written for it
+    (its own tests read `_cov._var` and call `_cov.add_to_average`): a
+    MovingAverageView of this factor's statistic and weight variables, or
+    None before they are made."""
+    if self._cov_var is None:
+      return None
+    return MovingAverageView(self._cov_var, self._cov_weight)
 
   def covariance_statistics(self):
     """The current mini-batch's statistics, in the factor's dtype, and
@@ -173,14 +231,14 @@ class FisherFactor(abc.ABC):
     decay = utils.cast(ema_decay, self._dtype)
     weight = (1.0 - decay if ema_weight is None else
               utils.cast(ema_weight, self._dtype))
-    old_cov = tf.convert_to_tensor(self._cov)
+    old_cov = tf.convert_to_tensor(self._cov_var)
     old_weight = tf.convert_to_tensor(self._cov_weight)
     carried = decay * old_weight
     new_weight = carried + weight
     averaged = (carried * old_cov + weight * new_cov) / new_weight
-    return tf.group(self._cov.assign(averaged),
+    return tf.group(self._cov_var.assign(averaged),
                     self._cov_weight.assign(new_weight),
-                    name=utils.variable_name(self._cov) + "_update")
+                    name=utils.variable_name(self._cov_var) + "_update")
 
   def make_covariance_update_op(self, ema_decay, ema_weight=None):
     """Folds the current statistic into the zero-debiased moving average

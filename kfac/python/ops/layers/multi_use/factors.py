@@ -163,11 +163,11 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
       return (carried * tf.convert_to_tensor(var) +
               weight * new) / new_weight
 
-    cov = averaged(self._cov, new_cov)
+    cov = averaged(self._cov_var, new_cov)
     cov_dt1 = averaged(self._cov_dt1, new_cov_dt1)
-    return tf.group(self._cov.assign(cov), self._cov_dt1.assign(cov_dt1),
+    return tf.group(self._cov_var.assign(cov), self._cov_dt1.assign(cov_dt1),
                     self._cov_weight.assign(new_weight),
-                    name=utils.variable_name(self._cov) + "_update")
+                    name=utils.variable_name(self._cov_var) + "_update")
 
   # ------------------------------------------------- series inverse parts
   def _check_series_psd(self):
