@@ -132,13 +132,18 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("bound", [1.0, None])
 def test_the_gru_does_not_blow_up_under_the_momentum_bound(bound):
   """The zoo's GRU text classifier, make bench's setting (seed 0, batch 64,
-  the same batches in order): unbounded (kfac 0.2.x's solve), once the
-  damping rule has lowered the damping some 300-fold the quadratic model
-  chooses momenta of -7.7 and then -79.7 (steps 55, 56) and the weights'
-  squared norm grows from about 1e2 to over 1e9 by step 60; with the
-  recipe's bound of 1 (docs/recipe.md, "The momentum bound") it stays
-  within a few times its start and the loss near ln 4. The unbounded run
-  is kept as the check that this test can fail."""
+  the same batches in order). With the recipe's bound of 1 (docs/recipe.md,
+  "The momentum bound") the momentum stays within the bound, the weights'
+  squared norm within a few times its start and the loss near ln 4.
+
+  Unbounded (kfac 0.2.x's solve) the quadratic model picks momenta beyond 1
+  from step 7 on, which is what makes the bounded run's first assertion able
+  to fail. In a process of its own on an Intel Xeon it then chose -7.7 and
+  -79.7 at steps 55 and 56 and the squared norm grew from about 1e2 to over
+  1e9 by step 60; that blow-up is not asserted: the trajectory after some 40
+  steps depends on the CPU's rounding and the threads (CI's run of the same
+  64 steps stayed below 3.3 in momentum), and a test must not depend on the
+  machine."""
   keras.utils.set_random_seed(0)
   model = zoo_models.build("gru", "full")
   steps, batch, zoo_steps = 64, 64, 200
@@ -165,9 +170,8 @@ def test_the_gru_does_not_blow_up_under_the_momentum_bound(bound):
                      shuffle=False, verbose=0,
                      callbacks=[Record()]).history["loss"]
   end = squared_norm()
-  if bound is None:  # the blow-up this bound exists for
-    assert max(abs(m) for m in momenta) > 5
-    assert end > 1e4 * start
+  if bound is None:  # the momenta the bound exists to cut
+    assert max(abs(m) for m in momenta) > 1.5
   else:
     assert max(abs(m) for m in momenta) <= bound * (1 + 1e-6)
     assert end < 3 * start
