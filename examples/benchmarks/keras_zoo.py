@@ -63,6 +63,7 @@ from absl import flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import machine
 import results_files
 import zoo_models
 
@@ -331,8 +332,12 @@ def main(argv):
                                   r["losses"][0], _mean_tail(r["losses"]),
                                   r["val_accuracy"])), flush=True)
   text = table(results)
-  md = "Keras zoo, batch %d, %d steps, size %s\n\n%s\n" % (
-      FLAGS.batch_size, FLAGS.steps, FLAGS.size, text)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  md = ("Keras zoo, batch %d, %d steps, size %s; %s, %s, %d cores, TF %s, "
+        "default threads, one run at a time\n\n%s\n" % (
+            FLAGS.batch_size, FLAGS.steps, FLAGS.size,
+            time.strftime("%Y-%m-%d"), machine.cpu_name(),
+            os.cpu_count() or 0, tf.__version__, text))
   results_files.write(FLAGS.output_dir, "keras_zoo", md,
                       dict(runs=results, tables=dict(zoo=md.strip())))
   plot(results, os.path.join(FLAGS.output_dir, "keras_zoo.png"))

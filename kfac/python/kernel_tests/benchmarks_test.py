@@ -352,7 +352,7 @@ def test_keras_zoo_tiny(tmp_path):
   """keras_zoo.py on the tiny GPT, 8 steps, K-FAC and Adam: one result per
   run, every step timed, the losses finite, the coverage read from the
   registration report (every layer under a Kronecker block), and the
-  table, JSON and plot written. (One model: each model's coverage and
+  table (its header naming the machine), JSON and plot written. (One model: each model's coverage and
   training are keras_zoo_test's; with the BN ResNet too this took 208 s of
   CI's slow tier.)"""
   _run("keras_zoo.py", ["--size=tiny", "--steps=8", "--val_examples=64",
@@ -379,6 +379,10 @@ def test_keras_zoo_tiny(tmp_path):
       assert r["noise_scale"] > 0 and r["switched_at"] in (-1, 4), r
   table = (tmp_path / "keras_zoo.md").read_text()
   assert "| gpt |" in table
+  # The header names the machine and the threads (tables from different
+  # machines are compared only within themselves).
+  assert ", %d cores, TF " % os.cpu_count() in table.splitlines()[0]
+  assert "default threads" in table.splitlines()[0]
   assert "recipe='auto' (the gradient noise scale it measured, at batch " \
       "64, and the recipe it chose): gpt B_simple " in table, table
   _png(tmp_path / "keras_zoo.png")
